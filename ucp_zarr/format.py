@@ -1,0 +1,198 @@
+"""The metadata documents of the format, as small dataclasses with JSON (de)serialisation.
+
+Three kinds of ``zarr.json`` are written (specified in ``schema/``):
+
+* each tensor's **array** document: standard Zarr v3 array metadata plus
+  ``attributes.ucp_zarr`` (:class:`ArrayMeta`): key, torch dtype, global shape, and the
+  regions the saving layout wrote with their writers and replicas;
+* a plain Zarr **group** document per parameter group;
+* the **root** group document, written last as the commit record, whose
+  ``attributes.ucp_zarr`` (:class:`CheckpointMeta`) indexes the tensors and holds all
+  non-tensor state as JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .dtypes import StoredDtype, stored_dtype_by_name
+from .errors import FormatError
+from .layout import ChunkGrid
+
+FORMAT_VERSION = 1
+ATTRIBUTE = "ucp_zarr"
+METADATA_FILE = "zarr.json"
+PENDING_FILE = ".ucp_zarr_pending"
+"""Marks a directory whose save is under way (or crashed); removed after the commit."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """A box of the global tensor that one writer stored; ``replicas`` held the same data."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    writer: int = 0
+    replicas: tuple[int, ...] = (0,)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "offset": list(self.offset),
+            "shape": list(self.shape),
+            "writer": self.writer,
+            "replicas": list(self.replicas),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Region":
+        return cls(tuple(d["offset"]), tuple(d["shape"]), d["writer"], tuple(d["replicas"]))
+
+
+@dataclass(frozen=True)
+class ArrayMeta:
+    """One tensor's array: what ``attributes.ucp_zarr`` says plus the grid of its zarr.json."""
+
+    key: str
+    dtype: StoredDtype
+    grid: ChunkGrid
+    regions: tuple[Region, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.grid.shape
+
+    def to_zarr_json(self) -> dict[str, Any]:
+        leaf_codecs: list[dict[str, Any]] = [
+            {"name": "bytes", "configuration": {"endian": "little"}},
+            {"name": "crc32c"},
+        ]
+        if self.grid.sharded:
+            codecs: list[dict[str, Any]] = [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": list(self.grid.chunk_shape),
+                        "codecs": leaf_codecs,
+                        "index_codecs": leaf_codecs,
+                        "index_location": "end",
+                    },
+                }
+            ]
+        else:
+            codecs = leaf_codecs
+        return {
+            "zarr_format": 3,
+            "node_type": "array",
+            "shape": list(self.grid.shape),
+            "data_type": self.dtype.zarr_dtype,
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": list(self.grid.shard_shape)},
+            },
+            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+            "fill_value": self.dtype.fill_value,
+            "codecs": codecs,
+            "attributes": {
+                ATTRIBUTE: {
+                    "format_version": FORMAT_VERSION,
+                    "key": self.key,
+                    "torch_dtype": self.dtype.name,
+                    "global_shape": list(self.grid.shape),
+                    "regions": [r.to_json() for r in self.regions],
+                }
+            },
+        }
+
+    @classmethod
+    def from_zarr_json(cls, doc: dict[str, Any], where: str) -> "ArrayMeta":
+        try:
+            attrs = doc["attributes"][ATTRIBUTE]
+            _check_version(attrs, where)
+            dtype = stored_dtype_by_name(attrs["torch_dtype"])
+            shard_shape = tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
+            codecs = doc["codecs"]
+            if codecs[0]["name"] == "sharding_indexed":
+                chunk_shape = tuple(codecs[0]["configuration"]["chunk_shape"])
+            else:
+                chunk_shape = shard_shape
+            grid = ChunkGrid(tuple(doc["shape"]), shard_shape, chunk_shape)
+            regions = tuple(Region.from_json(r) for r in attrs["regions"])
+            return cls(attrs["key"], dtype, grid, regions)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise FormatError(f"malformed array metadata {where}: {e!r}") from e
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """The root document's index entry of one tensor."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "TensorEntry":
+        return cls(d["path"], tuple(d["shape"]), d["dtype"])
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    """The root document: the commit record of a checkpoint."""
+
+    tensors: dict[str, TensorEntry]
+    values: dict[str, Any]
+    """Non-tensor leaves by flattened key, JSON-encoded (see ``statedict.to_json``)."""
+    created: str
+    library: str
+    world_size: int = 1
+    layout: dict[str, Any] = field(default_factory=dict)
+
+    def to_zarr_json(self) -> dict[str, Any]:
+        return {
+            "zarr_format": 3,
+            "node_type": "group",
+            "attributes": {
+                ATTRIBUTE: {
+                    "format_version": FORMAT_VERSION,
+                    "created": self.created,
+                    "library": self.library,
+                    "world_size": self.world_size,
+                    "layout": self.layout,
+                    "tensors": {k: t.to_json() for k, t in self.tensors.items()},
+                    "values": self.values,
+                }
+            },
+        }
+
+    @classmethod
+    def from_zarr_json(cls, doc: dict[str, Any], where: str) -> "CheckpointMeta":
+        try:
+            attrs = doc["attributes"][ATTRIBUTE]
+        except (KeyError, TypeError):
+            raise FormatError(f"{where} is a Zarr group but not a ucp_zarr checkpoint") from None
+        _check_version(attrs, where)
+        try:
+            return cls(
+                tensors={k: TensorEntry.from_json(t) for k, t in attrs["tensors"].items()},
+                values=attrs["values"],
+                created=attrs["created"],
+                library=attrs["library"],
+                world_size=attrs["world_size"],
+                layout=attrs["layout"],
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise FormatError(f"malformed checkpoint metadata {where}: {e!r}") from e
+
+
+def group_zarr_json() -> dict[str, Any]:
+    return {"zarr_format": 3, "node_type": "group", "attributes": {}}
+
+
+def _check_version(attrs: dict[str, Any], where: str) -> None:
+    v = attrs.get("format_version")
+    if v != FORMAT_VERSION:
+        raise FormatError(f"{where} has ucp_zarr format_version {v!r}; this library reads {FORMAT_VERSION}")
