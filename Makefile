@@ -1,0 +1,20 @@
+# The two commands of the README: `make demo` (the main job) and `make test`.
+# Both create .venv on first use; torch stays pinned by constraints.txt.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $@
+
+.PHONY: demo test bench
+demo: $(VENV)/.installed
+	$(VENV)/bin/ucp-zarr demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/bench_single.py

@@ -1,0 +1,41 @@
+"""The ``ucp-zarr`` command: ``demo``, ``info PATH``, ``verify PATH``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .checkpoint import open as open_checkpoint
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ucp-zarr", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="train, checkpoint, resume, and compare losses")
+    d.add_argument("--steps", type=int, default=20)
+    d.add_argument("--save-at", type=int, default=10)
+    for name, text in (("info", "print a checkpoint's tensors and metadata"), ("verify", "check every chunk's crc32c")):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("path")
+        s.add_argument("--storage-options", type=json.loads, default=None, help="JSON dict for fsspec")
+    args = p.parse_args(argv)
+
+    if args.cmd == "demo":
+        from .demo import run
+
+        return 0 if run(args.steps, args.save_at) else 1
+    ck = open_checkpoint(args.path, storage_options=args.storage_options)
+    if args.cmd == "info":
+        print(ck)
+        print(json.dumps({k: v for k, v in ck.metadata.items() if k != "values"}, indent=1))
+        return 0
+    t0 = time.perf_counter()
+    n = ck.verify()
+    print(f"ok: {len(ck)} tensors, {n} bytes checked in {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
