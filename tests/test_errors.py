@@ -1,0 +1,98 @@
+"""Bad input gets a clear error naming the key or file, and nothing committed is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import ucp_zarr
+
+
+def test_not_jsonable_value_is_named(tmp_path):
+    with pytest.raises(ucp_zarr.NotJSONableError, match=r"optim\.param_groups\.0\.weird"):
+        ucp_zarr.save({"optim": {"param_groups": [{"weird": object(), "lr": 1.0}]}}, tmp_path / "ck")
+    with pytest.raises(ucp_zarr.NotJSONableError, match="'dt'"):
+        ucp_zarr.save({"dt": torch.float32}, tmp_path / "ck2")
+    assert not (tmp_path / "ck").exists(), "nothing may be written before validation"
+
+
+def test_incomplete_checkpoint_is_refused(tmp_path):
+    ucp_zarr.save({"w": torch.ones(3)}, tmp_path / "ck")
+    os.remove(tmp_path / "ck" / "zarr.json")
+    with pytest.raises(ucp_zarr.IncompleteCheckpointError, match="commit record"):
+        ucp_zarr.open(tmp_path / "ck")
+    with pytest.raises(ucp_zarr.IncompleteCheckpointError):
+        ucp_zarr.load({"w": torch.zeros(3)}, tmp_path / "ck")
+
+
+def test_crashed_save_leaves_invisible_checkpoint_and_can_be_redone(tmp_path, monkeypatch):
+    from ucp_zarr import arrayio
+
+    def boom(*a, **k):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr("ucp_zarr.api.write_shard", boom)
+    with pytest.raises(OSError, match="disk on fire"):
+        ucp_zarr.save({"w": torch.ones(3)}, tmp_path / "ck")
+    with pytest.raises(ucp_zarr.IncompleteCheckpointError):
+        ucp_zarr.open(tmp_path / "ck")
+    monkeypatch.setattr("ucp_zarr.api.write_shard", arrayio.write_shard)
+    ucp_zarr.save({"w": torch.ones(3)}, tmp_path / "ck")  # replaces the failed attempt
+    assert torch.equal(ucp_zarr.open(tmp_path / "ck")["w"][:], torch.ones(3))
+
+
+def test_committed_checkpoint_is_never_overwritten(tmp_path):
+    ucp_zarr.save({"w": torch.ones(3)}, tmp_path / "ck")
+    with pytest.raises(ucp_zarr.CheckpointExistsError):
+        ucp_zarr.save({"w": torch.zeros(3)}, tmp_path / "ck")
+    assert torch.equal(ucp_zarr.open(tmp_path / "ck")["w"][:], torch.ones(3))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(ucp_zarr.CheckpointExistsError, match="not empty"):
+        ucp_zarr.save({"w": torch.ones(3)}, tmp_path / "other")
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+def test_strict_load_lists_every_missing_and_unexpected_key(tmp_path):
+    ucp_zarr.save({"a": torch.ones(2), "b": torch.ones(2), "n": 1}, tmp_path / "ck")
+    with pytest.raises(ucp_zarr.KeyMismatchError) as e:
+        ucp_zarr.load({"a": torch.zeros(2), "c": torch.zeros(2), "d": 5}, tmp_path / "ck")
+    assert e.value.missing == ["c", "d"] and e.value.unexpected == ["b", "n"]
+    assert "c, d" in str(e.value) and "b, n" in str(e.value)
+    target = {"a": torch.zeros(2), "c": torch.zeros(2)}
+    ucp_zarr.load(target, tmp_path / "ck", strict=False)
+    assert torch.equal(target["a"], torch.ones(2)) and torch.equal(target["c"], torch.zeros(2))
+
+
+def test_shape_mismatch_names_the_tensor(tmp_path):
+    ucp_zarr.save({"layer.w": torch.ones(2, 3)}, tmp_path / "ck")
+    with pytest.raises(ValueError, match=r"'layer\.w'.*\[2, 3\]"):
+        ucp_zarr.load({"layer.w": torch.zeros(3, 2)}, tmp_path / "ck")
+
+
+def test_corrupt_chunk_is_detected_and_named(tmp_path):
+    ucp_zarr.save({"w": torch.arange(1000, dtype=torch.float32)}, tmp_path / "ck")
+    ck = ucp_zarr.open(tmp_path / "ck")
+    chunk = tmp_path / "ck" / ck.array_path("w") / "c" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[10] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(ucp_zarr.CorruptChunkError, match="'w'"):
+        ucp_zarr.open(tmp_path / "ck")["w"][:]
+
+
+def test_unknown_format_version_is_refused(tmp_path):
+    ucp_zarr.save({"w": torch.ones(3)}, tmp_path / "ck")
+    doc = json.loads((tmp_path / "ck" / "zarr.json").read_text())
+    doc["attributes"]["ucp_zarr"]["format_version"] = 99
+    (tmp_path / "ck" / "zarr.json").write_text(json.dumps(doc))
+    with pytest.raises(ucp_zarr.FormatError, match="format_version 99"):
+        ucp_zarr.open(tmp_path / "ck")
+
+
+def test_missing_path_is_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        ucp_zarr.open(tmp_path / "nothing")
