@@ -2,7 +2,8 @@
 
 __version__ = "0.1.0"
 
-from .api import load, save
+from .api import load, save, wait_for_pending_save
+from .fragments import FlatShard, Shard
 from .checkpoint import Checkpoint, TensorView, open
 from .errors import (
     CheckpointError,
@@ -16,6 +17,8 @@ from .errors import (
 
 __all__ = [
     "Checkpoint",
+    "FlatShard",
+    "Shard",
     "CheckpointError",
     "CheckpointExistsError",
     "CorruptChunkError",
@@ -27,4 +30,5 @@ __all__ = [
     "load",
     "open",
     "save",
+    "wait_for_pending_save",
 ]

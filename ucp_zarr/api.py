@@ -2,106 +2,88 @@
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping, MutableMapping
 
 import torch
 
-from . import __version__
-from .arrayio import as_storage, write_shard
-from .checkpoint import open_store_checkpoint
-from .errors import CheckpointExistsError, KeyMismatchError
-from .format import METADATA_FILE, PENDING_FILE, CheckpointMeta, TensorEntry, group_zarr_json
-from .layout import Box
+from .checkpoint import Checkpoint, open_store_checkpoint
+from .distributed import Comm
+from .errors import KeyMismatchError
+from .fragments import Fragment, is_fragment_value, to_fragment
 from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
-from .planner import SavePlan, TensorSpec, plan_save
-from .statedict import from_json, is_tensor, iter_leaves, set_leaf, to_json
-from .storage import Store, open_store
+from .saver import prepare
+from .statedict import from_json, iter_leaves, set_leaf
+from .storage import open_store
 
 DEFAULT_WORKERS = 4
+
+_background = ThreadPoolExecutor(1, thread_name_prefix="ucp_zarr-save")
+_pending: Future | None = None
+_pending_lock = threading.Lock()
+_async_groups: dict[Any, Any] = {}
 
 
 def save(
     state_dict: Mapping[str, Any],
     path: str | os.PathLike[str],
     *,
+    process_group: Any = None,
     storage_options: dict[str, Any] | None = None,
+    async_save: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     max_workers: int = DEFAULT_WORKERS,
-) -> None:
-    """Save ``state_dict`` (nested dicts/lists of tensors and JSON-able values) at ``path``.
+) -> Future | None:
+    """Save ``state_dict`` at ``path``; every rank of ``process_group`` calls it.
 
-    The checkpoint becomes visible only when all its data is durable: the root ``zarr.json``
-    (the commit record) is written last. Saving onto a committed checkpoint raises
-    :class:`~ucp_zarr.errors.CheckpointExistsError`; the leftovers of a failed save at the
-    same path are replaced.
+    Tensor values may be DTensors, :class:`~ucp_zarr.Shard`, :class:`~ucp_zarr.FlatShard`
+    or plain tensors (whole, identical on every rank; a small plain tensor that differs
+    between ranks is stored per rank). Other values must be JSON-able; values that differ
+    between ranks are stored per rank. Each rank writes only its own shards, no two ranks
+    write the same object, and the commit record is written last, after every rank's data
+    is durable. Saving onto a committed checkpoint raises
+    :class:`~ucp_zarr.CheckpointExistsError`; the leftovers of a failed save are replaced.
+
+    With ``async_save`` the call returns a :class:`~concurrent.futures.Future` after copying
+    the state into host memory; writing and commit happen in the background, errors surface
+    on the future. Any save first waits for the previous one.
     """
-    tensors: dict[str, torch.Tensor] = {}
-    values: dict[str, Any] = {}
-    for leaf in iter_leaves(state_dict):
-        if is_tensor(leaf.value):
-            tensors[leaf.key] = leaf.value
-        else:
-            values[leaf.key] = to_json(leaf.value, leaf.key)
-    plan = plan_save(
-        [TensorSpec(k, tuple(t.shape), t.dtype) for k, t in tensors.items()],
-        chunk_bytes=chunk_bytes,
-        shard_bytes=shard_bytes,
-    )
+    wait_for_pending_save()
+    comm = Comm(process_group)
     store = open_store(path, storage_options)
-    _begin(store)
-    host = {k: as_storage(t.detach().cpu(), plan.arrays[k][1]) for k, t in tensors.items()}
-    with ThreadPoolExecutor(max_workers) as pool:
-        _wait(pool.map(lambda doc: store.write(doc[0], [doc[1]]), _documents(plan)))
-        _wait(
-            pool.map(
-                lambda task: write_shard(
-                    store, task.path, plan.arrays[task.key][1], task.shard, host[task.key], Box.whole(host[task.key].shape)
-                ),
-                plan.shards,
-            )
-        )
-    store.sync()
-    meta = CheckpointMeta(
-        tensors={k: TensorEntry(p, m.shape, m.dtype.name) for k, (p, m) in plan.arrays.items()},
-        values=values,
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        library=f"ucp_zarr {__version__}",
-    )
-    store.write_atomic(METADATA_FILE, _dumps(meta.to_zarr_json()))
-    store.delete(PENDING_FILE)
+    options = dict(chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, max_workers=max_workers)
+    if not async_save:
+        prepare(state_dict, store, comm, copy=False, **options).finish()
+        return None
+    background = Comm(_background_group(process_group)) if comm.active else comm
+    prepared = prepare(state_dict, store, comm, copy=True, **options)
+    prepared.comm = background
+    global _pending
+    with _pending_lock:
+        _pending = _background.submit(prepared.finish)
+        return _pending
 
 
-def _begin(store: Store) -> None:
-    """Claim ``store`` for a new checkpoint: refuse a committed one, clear a failed one."""
-    if store.exists(METADATA_FILE):
-        raise CheckpointExistsError(f"a checkpoint is already committed at {store.url}; choose a new path")
-    if store.exists(PENDING_FILE):
-        store.clear()
-    elif not store.is_empty():
-        raise CheckpointExistsError(
-            f"{store.url} is not empty and holds no ucp_zarr checkpoint; refusing to write into it"
-        )
-    store.write(PENDING_FILE, [b"{}"])
+def wait_for_pending_save() -> None:
+    """Block until the last asynchronous save has finished (its errors are on its future)."""
+    with _pending_lock:
+        pending = _pending
+    if pending is not None:
+        pending.exception()
 
 
-def _documents(plan: SavePlan) -> list[tuple[str, bytes]]:
-    docs = [(f"{g}/{METADATA_FILE}", _dumps(group_zarr_json())) for g in plan.groups]
-    docs += [(f"{p}/{METADATA_FILE}", _dumps(m.to_zarr_json())) for p, m in plan.arrays.values()]
-    return docs
+def _background_group(group: Any) -> Any:
+    """A separate gloo group for background saves, so they never interleave with the
+    training's collectives (created collectively on first use)."""
+    import torch.distributed as dist
 
-
-def _dumps(doc: dict[str, Any]) -> bytes:
-    return json.dumps(doc, indent=1, allow_nan=False).encode()
-
-
-def _wait(results: Any) -> None:
-    for _ in results:
-        pass
+    if group not in _async_groups:
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        _async_groups[group] = dist.new_group(ranks=ranks, backend="gloo")
+    return _async_groups[group]
 
 
 def load(
@@ -109,38 +91,56 @@ def load(
     path: str | os.PathLike[str],
     *,
     strict: bool = True,
+    process_group: Any = None,
     storage_options: dict[str, Any] | None = None,
     max_workers: int = DEFAULT_WORKERS,
 ) -> MutableMapping[str, Any]:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
 
-    Tensors are copied into the existing tensors (keeping their dtype and device); other
-    values are replaced. With ``strict``, keys missing from the checkpoint or unexpected in
-    it raise one :class:`~ucp_zarr.errors.KeyMismatchError` listing them all.
+    Every rank reads only the chunks that overlap what its own tensors hold (DTensor,
+    :class:`~ucp_zarr.Shard`, :class:`~ucp_zarr.FlatShard` or whole tensors), whatever the
+    saving layout was. Tensors keep their dtype and device; other values are replaced.
+    Per-rank state is restored on the ranks that existed at save time; other ranks keep
+    their own values. With ``strict``, keys missing from the checkpoint or unexpected in it
+    raise one :class:`~ucp_zarr.KeyMismatchError` listing them all.
     """
+    rank = Comm(process_group).rank
     ck = open_store_checkpoint(open_store(path, storage_options))
     leaves = {leaf.key: leaf for leaf in iter_leaves(state_dict)}
-    saved = set(ck.meta.tensors) | set(ck.meta.values)
-    missing = [k for k in leaves if k not in saved]
-    unexpected = [k for k in list(ck.meta.tensors) + list(ck.meta.values) if k not in leaves]
+    saved_values = set(ck.meta.values) | set(ck.meta.rank_values)
+    saved = list(ck.meta.tensors) + [k for k in ck.meta.values] + [k for k in ck.meta.rank_values]
+    missing = [k for k in leaves if k not in ck.meta.tensors and k not in saved_values]
+    unexpected = [k for k in saved if k not in leaves]
     if strict and (missing or unexpected):
         raise KeyMismatchError(missing, unexpected)
 
-    reads = []
+    reads: list[tuple[str, Fragment]] = []
     for key, leaf in leaves.items():
         if key in ck.meta.tensors:
-            if not is_tensor(leaf.value):
+            if not is_fragment_value(leaf.value):
                 raise TypeError(f"key {key!r}: the checkpoint holds a tensor, the state dict a {type(leaf.value).__name__}")
+            frag = to_fragment(key, leaf.value)
             saved_shape = ck.meta.tensors[key].shape
-            if tuple(leaf.value.shape) != saved_shape:
-                raise ValueError(f"tensor {key!r}: checkpoint shape {list(saved_shape)}, state dict shape {list(leaf.value.shape)}")
-            reads.append(leaf)
-        elif key in ck.meta.values and is_tensor(leaf.value):
+            if frag.shape != saved_shape:
+                raise ValueError(f"tensor {key!r}: checkpoint shape {list(saved_shape)}, state dict shape {list(frag.shape)}")
+            reads.append((key, frag))
+        elif key in saved_values and is_fragment_value(leaf.value):
             raise TypeError(f"key {key!r}: the state dict holds a tensor, the checkpoint a JSON value")
 
     with ThreadPoolExecutor(max_workers) as pool:
-        _wait(pool.map(lambda leaf: ck.read(leaf.key, out=leaf.value.detach()), reads))
+        list(pool.map(lambda item: _read_fragment(ck, item[0], item[1], rank), reads))
     for key, leaf in leaves.items():
         if key in ck.meta.values:
             set_leaf(state_dict, leaf.path, from_json(ck.meta.values[key]))
+        elif key in ck.meta.rank_values and rank in ck.meta.rank_values[key]:
+            set_leaf(state_dict, leaf.path, from_json(ck.meta.rank_values[key][rank]))
     return state_dict
+
+
+def _read_fragment(ck: Checkpoint, key: str, frag: Fragment, rank: int) -> None:
+    entry = ck.meta.tensors[key]
+    if entry.ranks is not None and rank not in entry.ranks:
+        return  # per-rank state of a rank that did not exist at save time: keep ours
+    for box, view in frag.pieces:
+        with torch.no_grad():
+            ck.read(key, box, out=view, rank=rank if entry.ranks is not None else None)

@@ -75,12 +75,13 @@ class Checkpoint:
         except KeyError:
             raise KeyError(f"no tensor {key!r} in checkpoint {self.store.url}") from None
 
-    def array_meta(self, key: str) -> ArrayMeta:
-        """The array metadata of ``key`` (its zarr.json, read once)."""
+    def array_meta(self, key: str, rank: int | None = None) -> ArrayMeta:
+        """The array metadata of ``key`` (its zarr.json, read once); ``rank`` picks the copy
+        of per-rank state."""
+        path = self._path(key, rank)
         with self._lock:
-            if key in self._arrays:
-                return self._arrays[key]
-        path = self.array_path(key)
+            if path in self._arrays:
+                return self._arrays[path]
         where = f"{self.store.url}/{path}/{METADATA_FILE}"
         try:
             doc = json.loads(self.store.read(f"{path}/{METADATA_FILE}"))
@@ -90,8 +91,17 @@ class Checkpoint:
         if meta.key != key:
             raise FormatError(f"{where} holds tensor {meta.key!r}, the index says {key!r}")
         with self._lock:
-            self._arrays[key] = meta
+            self._arrays[path] = meta
         return meta
+
+    def _path(self, key: str, rank: int | None) -> str:
+        entry = self._entry(key)
+        if rank is None or entry.ranks is None:
+            return entry.path
+        try:
+            return entry.ranks[rank]
+        except KeyError:
+            raise KeyError(f"tensor {key!r} has no copy of rank {rank}; saved ranks: {sorted(entry.ranks)}") from None
 
     def _index(self, path: str, meta: ArrayMeta, shard: tuple[int, ...]) -> np.ndarray:
         with self._lock:
@@ -102,13 +112,16 @@ class Checkpoint:
                 self._indexes[(path, shard)] = idx
         return idx
 
-    def read(self, key: str, box: Box | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read(
+        self, key: str, box: Box | None = None, out: torch.Tensor | None = None, rank: int | None = None
+    ) -> torch.Tensor:
         """Read ``box`` (default: all) of tensor ``key`` into ``out`` (allocated if None).
 
-        ``out`` may have any dtype and device; it is filled directly when it is a CPU tensor
-        of the saved dtype, else through a temporary and ``copy_``.
+        ``out`` may have any dtype, device and strides; it is filled directly when it is a
+        CPU tensor of the saved dtype, else through a temporary and ``copy_``. ``rank``
+        picks the copy of per-rank state (default: the lowest saved rank's).
         """
-        meta = self.array_meta(key)
+        meta = self.array_meta(key, rank)
         box = box or Box.whole(meta.shape)
         if out is not None and tuple(out.shape) != box.shape:
             raise ValueError(f"tensor {key!r}: destination shape {tuple(out.shape)} != {box.shape}")
@@ -116,7 +129,7 @@ class Checkpoint:
         dest = out if direct else torch.empty(box.shape, dtype=meta.dtype.torch_dtype)
         assert dest is not None
         raw = as_storage(dest, meta)
-        path = self.array_path(key)
+        path = self._path(key, rank)
         for shard in meta.grid.shards_overlapping(box):
             index = self._index(path, meta, shard) if meta.grid.sharded else None
             read_box(self.store, path, meta, box, raw, shard, index)

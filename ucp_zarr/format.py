@@ -29,24 +29,34 @@ PENDING_FILE = ".ucp_zarr_pending"
 
 @dataclass(frozen=True)
 class Region:
-    """A box of the global tensor that one writer stored; ``replicas`` held the same data."""
+    """A part of the global tensor as the saving layout held it: a box (``offset``, ``shape``)
+    or a flat range of the row-major flattened tensor (``flat``: start, stop). ``replicas``
+    are the ranks that held it; ``writers`` the ranks that wrote its shards."""
 
-    offset: tuple[int, ...]
-    shape: tuple[int, ...]
-    writer: int = 0
+    offset: tuple[int, ...] = ()
+    shape: tuple[int, ...] = ()
     replicas: tuple[int, ...] = (0,)
+    writers: tuple[int, ...] = (0,)
+    flat: tuple[int, int] | None = None
+
+    @classmethod
+    def flat_range(cls, start: int, stop: int, replicas: tuple[int, ...], writers: tuple[int, ...]) -> "Region":
+        return cls(replicas=replicas, writers=writers, flat=(start, stop))
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "offset": list(self.offset),
-            "shape": list(self.shape),
-            "writer": self.writer,
-            "replicas": list(self.replicas),
-        }
+        where: dict[str, Any]
+        if self.flat is not None:
+            where = {"flat_offset": self.flat[0], "numel": self.flat[1] - self.flat[0]}
+        else:
+            where = {"offset": list(self.offset), "shape": list(self.shape)}
+        return where | {"replicas": list(self.replicas), "writers": list(self.writers)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Region":
-        return cls(tuple(d["offset"]), tuple(d["shape"]), d["writer"], tuple(d["replicas"]))
+        replicas, writers = tuple(d["replicas"]), tuple(d["writers"])
+        if "flat_offset" in d:
+            return cls.flat_range(d["flat_offset"], d["flat_offset"] + d["numel"], replicas, writers)
+        return cls(tuple(d["offset"]), tuple(d["shape"]), replicas, writers)
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,8 @@ class ArrayMeta:
     dtype: StoredDtype
     grid: ChunkGrid
     regions: tuple[Region, ...]
+    rank: int | None = None
+    """Set for per-rank state: the rank whose copy this array holds."""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -101,6 +113,7 @@ class ArrayMeta:
                     "global_shape": list(self.grid.shape),
                     "regions": [r.to_json() for r in self.regions],
                 }
+                | ({} if self.rank is None else {"rank": self.rank})
             },
         }
 
@@ -118,25 +131,34 @@ class ArrayMeta:
                 chunk_shape = shard_shape
             grid = ChunkGrid(tuple(doc["shape"]), shard_shape, chunk_shape)
             regions = tuple(Region.from_json(r) for r in attrs["regions"])
-            return cls(attrs["key"], dtype, grid, regions)
+            return cls(attrs["key"], dtype, grid, regions, attrs.get("rank"))
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise FormatError(f"malformed array metadata {where}: {e!r}") from e
 
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """The root document's index entry of one tensor."""
+    """The root document's index entry of one tensor.
+
+    Per-rank state (a plain tensor that differed between the saving ranks) has one array
+    per rank: ``ranks`` maps each saving rank to its array path, and ``path`` is the lowest
+    rank's."""
 
     path: str
     shape: tuple[int, ...]
     dtype: str
+    ranks: dict[int, str] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "shape": list(self.shape), "dtype": self.dtype}
+        d: dict[str, Any] = {"path": self.path, "shape": list(self.shape), "dtype": self.dtype}
+        if self.ranks is not None:
+            d["ranks"] = {str(r): p for r, p in sorted(self.ranks.items())}
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "TensorEntry":
-        return cls(d["path"], tuple(d["shape"]), d["dtype"])
+        ranks = {int(r): p for r, p in d["ranks"].items()} if "ranks" in d else None
+        return cls(d["path"], tuple(d["shape"]), d["dtype"], ranks)
 
 
 @dataclass(frozen=True)
@@ -150,6 +172,8 @@ class CheckpointMeta:
     library: str
     world_size: int = 1
     layout: dict[str, Any] = field(default_factory=dict)
+    rank_values: dict[str, dict[int, Any]] = field(default_factory=dict)
+    """Per-rank non-tensor leaves (they differed between the saving ranks): key -> rank -> value."""
 
     def to_zarr_json(self) -> dict[str, Any]:
         return {
@@ -164,6 +188,9 @@ class CheckpointMeta:
                     "layout": self.layout,
                     "tensors": {k: t.to_json() for k, t in self.tensors.items()},
                     "values": self.values,
+                    "rank_values": {
+                        k: {str(r): v for r, v in sorted(per.items())} for k, per in self.rank_values.items()
+                    },
                 }
             },
         }
@@ -183,6 +210,7 @@ class CheckpointMeta:
                 library=attrs["library"],
                 world_size=attrs["world_size"],
                 layout=attrs["layout"],
+                rank_values={k: {int(r): v for r, v in per.items()} for k, per in attrs["rank_values"].items()},
             )
         except (KeyError, TypeError, ValueError) as e:
             raise FormatError(f"malformed checkpoint metadata {where}: {e!r}") from e

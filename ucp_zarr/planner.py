@@ -1,11 +1,23 @@
-"""The save planner: which arrays exist, with which grid, and who writes which shard.
+"""The save planner: which arrays exist, with which grid, and which rank writes each shard.
 
-Pure and I/O-free, like ``torch.distributed.checkpoint``'s planners: it turns tensor specs
-into a :class:`SavePlan` that :mod:`.api` executes against a store.
+Pure and I/O-free, like ``torch.distributed.checkpoint``'s planners. Every rank runs it on
+the same gathered :class:`FragmentInfo` lists (small metadata, no tensor bytes) and gets the
+same :class:`SavePlan`:
+
+1. **validate** the global layout of every tensor: shapes and dtypes agree across ranks,
+   the distinct regions do not overlap and cover the tensor;
+2. choose each array's **grid** from its regions' boundaries (see :func:`grid_for_regions`),
+   so that shards fall inside one region wherever the boundaries allow;
+3. give every shard exactly **one writer**: a rank holding it whole (spreading replicas by
+   bytes), or else the rank holding most of it, to which the other holders send their
+   boundary pieces (:attr:`ShardTask.sources`; at most one shard each, shards being
+   chunk-sized where fragments cut chunks).
 """
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -13,64 +25,259 @@ import torch
 from .dtypes import stored_dtype
 from .format import ArrayMeta, Region
 from .layout import Box, ChunkGrid, choose_grid
-from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
+from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES, MIN_ALIGNED_CHUNK_BYTES
 from .statedict import assign_array_paths
 
 
+class LayoutError(ValueError):
+    """The ranks' fragments of a tensor do not form a valid global layout."""
+
+
 @dataclass(frozen=True)
-class TensorSpec:
-    """A tensor to save: its key, global shape and dtype."""
+class FragmentInfo:
+    """What one rank holds of one tensor: metadata only, exchanged between ranks."""
 
     key: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: str
+    boxes: tuple[Box, ...]
+    flat: tuple[int, int] | None = None
+    plain: bool = False
+    digest: int | None = None
+    """crc32c of a plain tensor's bytes, to tell per-rank state from replicas."""
 
 
 @dataclass(frozen=True)
 class ShardTask:
-    """Write shard ``shard`` of the array at ``path``; done by rank ``writer``."""
+    """Write shard ``shard`` of the array of ``key``; done by rank ``writer``.
+
+    ``sources`` lists ``(rank, box)`` pieces to assemble when the writer does not hold the
+    shard whole in one piece; pieces from other ranks are sent to the writer."""
 
     key: str
     path: str
     shard: tuple[int, ...]
     writer: int
     nbytes: int
+    sources: tuple[tuple[int, Box], ...] = ()
 
 
 @dataclass(frozen=True)
 class SavePlan:
     arrays: dict[str, tuple[str, ArrayMeta]]
-    """key -> (array path, array metadata), in state-dict order."""
+    """array key (``key``, or ``key@rankN`` for per-rank state) -> (path, metadata)."""
     shards: list[ShardTask]
+    per_rank: dict[str, dict[int, str]]
+    """Per-rank tensors: key -> {rank: array key in ``arrays``}."""
+    doc_writers: dict[str, int]
+    """zarr.json path -> the rank that writes it."""
 
     @property
     def groups(self) -> list[str]:
-        """The parameter groups (first path component of every array), sorted."""
         return sorted({path.split("/")[0] for path, _ in self.arrays.values()})
+
+    def shards_of(self, rank: int) -> list[ShardTask]:
+        return [t for t in self.shards if t.writer == rank]
+
+
+def per_rank_key(key: str, rank: int) -> str:
+    return f"{key}@rank{rank}"
 
 
 def plan_save(
-    specs: list[TensorSpec],
+    infos: list[list[FragmentInfo]],
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> SavePlan:
-    """Plan a single-writer save: each tensor is one region written by rank 0."""
-    paths = assign_array_paths([s.key for s in specs])
+    """Plan a save from every rank's fragments (``infos[rank]``)."""
+    by_key: dict[str, list[tuple[int, FragmentInfo]]] = {}
+    for rank, frags in enumerate(infos):
+        for f in frags:
+            by_key.setdefault(f.key, []).append((rank, f))
+
+    # per-rank plain tensors (differing digests) become one array per rank
+    layouts: dict[str, list[tuple[int, FragmentInfo]]] = {}
+    per_rank: dict[str, dict[int, str]] = {}
+    for key, held in by_key.items():
+        _check_consistent(key, held)
+        if all(f.plain for _, f in held) and len({f.digest for _, f in held}) > 1:
+            per_rank[key] = {r: per_rank_key(key, r) for r, _ in held}
+            for r, f in held:
+                layouts[per_rank_key(key, r)] = [(r, f)]
+        else:
+            layouts[key] = held
+
+    base_paths = assign_array_paths(list(by_key))
+    loads = [0] * len(infos)
     arrays: dict[str, tuple[str, ArrayMeta]] = {}
     shards: list[ShardTask] = []
-    for spec in specs:
-        sd = stored_dtype(spec.dtype, key=spec.key)
-        grid = choose_grid(spec.shape, sd.itemsize, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
-        meta = ArrayMeta(spec.key, sd, grid, (Region(Box.whole(spec.shape).offset, spec.shape, 0, (0,)),))
-        arrays[spec.key] = (paths[spec.key], meta)
-        shards.extend(
-            ShardTask(spec.key, paths[spec.key], idx, 0, _shard_nbytes(grid, idx, sd.itemsize))
-            for idx in grid.all_shards()
+    for akey, held in layouts.items():
+        f0 = held[0][1]
+        rank = held[0][0] if f0.key in per_rank else None
+        path = base_paths[f0.key] + (f"~rank{rank}" if rank is not None else "")
+        regions = _regions(f0.key, held)
+        sd = stored_dtype(getattr(torch, f0.dtype), key=f0.key)
+        grid = grid_for_regions(f0.shape, sd.itemsize, regions, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
+        writers: dict[Box, set[int]] = defaultdict(set)
+        for idx in grid.all_shards():
+            task = _assign(akey, path, grid, idx, regions, sd.itemsize, loads, writers)
+            shards.append(task)
+        records = _region_records(held, regions, writers)
+        arrays[akey] = (path, ArrayMeta(f0.key, sd, grid, tuple(records), rank=rank))
+    doc_writers = _spread_documents(arrays, shards, len(infos))
+    return SavePlan(arrays, shards, per_rank, doc_writers)
+
+
+def _check_consistent(key: str, held: list[tuple[int, FragmentInfo]]) -> None:
+    r0, f0 = held[0]
+    for r, f in held[1:]:
+        if (f.shape, f.dtype) != (f0.shape, f0.dtype):
+            raise LayoutError(
+                f"tensor {key!r}: rank {r0} has global shape {list(f0.shape)} {f0.dtype}, "
+                f"rank {r} has {list(f.shape)} {f.dtype}"
+            )
+
+
+def _regions(key: str, held: list[tuple[int, FragmentInfo]]) -> dict[Box, list[int]]:
+    """Distinct boxes -> the ranks holding them; checks overlap and coverage."""
+    regions: dict[Box, list[int]] = defaultdict(list)
+    for r, f in held:
+        for b in f.boxes:
+            if r not in regions[b]:
+                regions[b].append(r)
+    shape = held[0][1].shape
+    boxes = sorted(regions, key=lambda b: b.offset)
+    active: list[Box] = []
+    for b in boxes:
+        active = [a for a in active if not b.ndim or a.stop[0] > b.offset[0]]
+        for a in active:
+            inter = a.intersect(b)
+            if inter is not None and not inter.is_empty():
+                raise LayoutError(
+                    f"tensor {key!r}: fragments overlap without being replicas: ranks {regions[a]} hold "
+                    f"{_fmt(a)}, ranks {regions[b]} hold {_fmt(b)}"
+                )
+        active.append(b)
+    covered = sum(b.numel for b in boxes)
+    total = math.prod(shape)
+    if covered != total:
+        raise LayoutError(
+            f"tensor {key!r}: the ranks' fragments cover {covered} of its {total} elements "
+            f"(global shape {list(shape)}; held by ranks {sorted({r for r, _ in held})})"
         )
-    shards.sort(key=lambda t: -t.nbytes)
-    return SavePlan(arrays, shards)
+    return dict(regions)
 
 
-def _shard_nbytes(grid: ChunkGrid, index: tuple[int, ...], itemsize: int) -> int:
-    return grid.shard_box(index).numel * itemsize
+def _fmt(b: Box) -> str:
+    return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(b.offset, b.shape)) + "]"
+
+
+def grid_for_regions(
+    shape: tuple[int, ...],
+    itemsize: int,
+    regions: dict[Box, list[int]],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> ChunkGrid:
+    """The grid of an array saved from ``regions`` (distinct boxes -> holders).
+
+    Along each dim the region size is the gcd of the interior region boundaries, when that
+    gives at most four shards per region boundary; then every shard lies in one region.
+    Otherwise (fragments cutting rows anywhere, as ZeRO's flat ranges do) the dim is treated
+    as whole and shards shrink to one chunk, bounded by a quarter of the smallest region,
+    so the pieces sent to a boundary shard's writer stay chunk-sized. A region held by
+    several replicas is split into at least as many shards, to spread the writing.
+    """
+    nbytes = math.prod(shape) * itemsize
+    region_shape = list(shape)
+    misaligned = False
+    for d, n in enumerate(shape):
+        cuts = {b.offset[d] for b in regions} | {b.stop[d] for b in regions}
+        cuts -= {0, n}
+        if not cuts:
+            continue
+        g = math.gcd(*cuts)
+        if -(-n // g) <= 4 * (len(cuts) + 1):
+            region_shape[d] = g
+        else:
+            misaligned = True
+    if misaligned:
+        smallest = min(b.numel for b in regions) * itemsize
+        cb = min(chunk_bytes, max(MIN_ALIGNED_CHUNK_BYTES, smallest // 4))
+        return choose_grid(shape, itemsize, region_shape=region_shape, chunk_bytes=cb, shard_bytes=cb)
+    replicas = max((len(r) for r in regions.values()), default=1)
+    if replicas > 1 and nbytes > 4 * chunk_bytes:
+        shard_bytes = min(shard_bytes, -(-nbytes // replicas))
+    return choose_grid(shape, itemsize, region_shape=region_shape, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
+
+
+def _region_records(
+    held: list[tuple[int, FragmentInfo]], regions: dict[Box, list[int]], writers: dict[Box, set[int]]
+) -> list[Region]:
+    """What the array's metadata says of the saving layout: its boxes (or flat ranges when
+    every rank held a flat range), the ranks holding each, and the ranks that wrote it."""
+    if held and all(f.flat is not None for _, f in held):
+        flats: dict[tuple[int, int], tuple[list[int], set[int]]] = {}
+        for r, f in held:
+            assert f.flat is not None
+            ranks, wrote = flats.setdefault(f.flat, ([], set()))
+            ranks.append(r)
+            for b in f.boxes:
+                wrote |= writers.get(b, set())
+        return [
+            Region.flat_range(a, b, tuple(rs), tuple(sorted(w))) for (a, b), (rs, w) in sorted(flats.items()) if b > a
+        ]
+    return [
+        Region(b.offset, b.shape, tuple(rs), tuple(sorted(writers.get(b, ()))))
+        for b, rs in sorted(regions.items(), key=lambda x: x[0].offset)
+    ]
+
+
+def _assign(
+    akey: str,
+    path: str,
+    grid: ChunkGrid,
+    index: tuple[int, ...],
+    regions: dict[Box, list[int]],
+    itemsize: int,
+    loads: list[int],
+    writers: dict[Box, set[int]],
+) -> ShardTask:
+    sbox = grid.shard_box(index)
+    nbytes = sbox.numel * itemsize
+    parts = []
+    for b, ranks in regions.items():
+        inter = b.intersect(sbox)
+        if inter is not None and not inter.is_empty():
+            parts.append((b, inter, ranks))
+    if len(parts) == 1 and parts[0][1] == sbox:
+        writer = min(parts[0][2], key=lambda r: (loads[r], r))
+        loads[writer] += nbytes
+        writers[parts[0][0]].add(writer)
+        return ShardTask(akey, path, index, writer, nbytes)
+    held: dict[int, int] = defaultdict(int)
+    for _, inter, ranks in parts:
+        for r in ranks:
+            held[r] += inter.numel
+    writer = min(held, key=lambda r: (-held[r], loads[r], r))
+    sources = []
+    for b, inter, ranks in parts:
+        writers[b].add(writer)
+        src = writer if writer in ranks else min(ranks, key=lambda r: (loads[r], r))
+        sources.append((src, inter))
+    loads[writer] += nbytes
+    return ShardTask(akey, path, index, writer, nbytes, tuple(sources))
+
+
+def _spread_documents(arrays: dict[str, tuple[str, ArrayMeta]], shards: list[ShardTask], world: int) -> dict[str, int]:
+    """Each array's zarr.json is written by the writer of its first shard; groups round-robin."""
+    first: dict[str, int] = {}
+    for t in shards:
+        first.setdefault(t.key, t.writer)
+    docs = {f"{p}/zarr.json": first.get(k, 0) for k, (p, _) in arrays.items()}
+    groups = sorted({p.split("/")[0] for p, _ in arrays.values()})
+    docs.update({f"{g}/zarr.json": i % world for i, g in enumerate(groups)})
+    return docs
+

@@ -1,0 +1,1 @@
+"""Adapters at the edges: DTensor/FSDP2 placements, torch DCP."""

@@ -1,0 +1,117 @@
+"""Fragments: the part of each tensor that this rank holds, in any of the accepted forms.
+
+A state-dict tensor value may be
+
+* a ``DTensor`` with any placements (FSDP2, TP, FSDP2 + TP, uneven shards);
+* :class:`Shard`: a Megatron-style slab at ``global_offset`` of ``global_shape``;
+* :class:`FlatShard`: a 1-D fragment of the row-major flattened global tensor starting at
+  element ``flat_offset`` (ZeRO-1/2/3, distributed optimizers), cutting rows anywhere;
+* a plain tensor: the whole tensor, identical on every rank (unless it differs between
+  ranks, in which case it is per-rank state, see ``api.save``).
+
+Each is normalised to a :class:`Fragment`: ``(global box, local tensor view)`` pieces.
+The same forms describe the target layout at load.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .adapters.dtensor import dtensor_pieces, is_dtensor
+from .layout import Box
+from .layout.flat import box_flat_start, flat_range_boxes
+
+
+@dataclass
+class Shard:
+    """``local`` is the box ``[global_offset, global_offset + local.shape)`` of a tensor of
+    ``global_shape``. Ranks holding the same box are replicas (``replica_id`` tells them
+    apart for the caller; any replica may be chosen to write)."""
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    replica_id: int = 0
+
+    def __post_init__(self) -> None:
+        self.global_shape = tuple(int(n) for n in self.global_shape)
+        self.global_offset = tuple(int(o) for o in self.global_offset)
+
+
+@dataclass
+class FlatShard:
+    """``local`` (1-D) holds elements ``[flat_offset, flat_offset + local.numel())`` of the
+    row-major flattened tensor of ``global_shape``."""
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    flat_offset: int
+    replica_id: int = 0
+
+    def __post_init__(self) -> None:
+        self.global_shape = tuple(int(n) for n in self.global_shape)
+        self.flat_offset = int(self.flat_offset)
+
+
+@dataclass
+class Fragment:
+    """What one rank holds of one tensor."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: list[tuple[Box, torch.Tensor]]
+    flat: tuple[int, int] | None = None
+    """``(start, stop)`` when the fragment is a flat range (recorded as such in metadata)."""
+    plain: bool = False
+    """A plain tensor: the whole tensor, expected identical on every rank."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel for b, _ in self.pieces) * self.dtype.itemsize
+
+
+def is_fragment_value(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, Shard, FlatShard))
+
+
+def to_fragment(key: str, value: Any) -> Fragment:
+    """Normalise a state-dict value (DTensor, Shard, FlatShard or tensor) to a Fragment."""
+    if is_dtensor(value):
+        shape, pieces = dtensor_pieces(value, key)
+        return Fragment(key, shape, value.dtype, pieces, device=value.device)
+    if isinstance(value, Shard):
+        local = value.local
+        if len(value.global_offset) != len(value.global_shape) or local.dim() != len(value.global_shape):
+            raise ValueError(
+                f"tensor {key!r}: Shard with local shape {list(local.shape)}, global shape "
+                f"{list(value.global_shape)} and offset {list(value.global_offset)} differ in rank"
+            )
+        box = Box(value.global_offset, tuple(local.shape))
+        if not Box.whole(value.global_shape).contains(box):
+            raise ValueError(f"tensor {key!r}: Shard {box} lies outside the global shape {list(value.global_shape)}")
+        return Fragment(key, value.global_shape, local.dtype, [(box, local)] if box.numel else [], device=local.device)
+    if isinstance(value, FlatShard):
+        local = value.local
+        if local.dim() != 1:
+            raise ValueError(f"tensor {key!r}: FlatShard.local must be 1-D, got shape {list(local.shape)}")
+        start, stop = value.flat_offset, value.flat_offset + local.numel()
+        if not 0 <= start <= stop <= math.prod(value.global_shape):
+            raise ValueError(
+                f"tensor {key!r}: FlatShard [{start}, {stop}) is outside {math.prod(value.global_shape)} elements"
+            )
+        pieces = []
+        for box in flat_range_boxes(value.global_shape, start, stop):
+            lo = box_flat_start(value.global_shape, box) - start
+            pieces.append((box, local[lo : lo + box.numel].view(box.shape)))
+        return Fragment(key, value.global_shape, local.dtype, pieces, flat=(start, stop), device=local.device)
+    if isinstance(value, torch.Tensor):
+        shape = tuple(value.shape)
+        pieces = [(Box.whole(shape), value)] if math.prod(shape) else []
+        return Fragment(key, shape, value.dtype, pieces, plain=True, device=value.device)
+    raise TypeError(f"tensor {key!r}: unsupported value of type {type(value).__name__}")
