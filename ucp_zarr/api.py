@@ -14,7 +14,7 @@ from .distributed import Comm
 from .errors import KeyMismatchError
 from .fragments import Fragment, is_fragment_value, to_fragment
 from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
-from .saver import prepare
+from .saver import collect, prepare
 from .statedict import from_json, iter_leaves, set_leaf
 from .storage import open_store
 
@@ -56,10 +56,10 @@ def save(
     store = open_store(path, storage_options)
     options = dict(chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, max_workers=max_workers)
     if not async_save:
-        prepare(state_dict, store, comm, copy=False, **options).finish()
+        prepare(lambda: collect(state_dict), store, comm, copy=False, **options).finish()
         return None
     background = Comm(_background_group(process_group)) if comm.active else comm
-    prepared = prepare(state_dict, store, comm, copy=True, **options)
+    prepared = prepare(lambda: collect(state_dict), store, comm, copy=True, **options)
     prepared.comm = background
     global _pending
     with _pending_lock:

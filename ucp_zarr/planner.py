@@ -183,19 +183,23 @@ def grid_for_regions(
 ) -> ChunkGrid:
     """The grid of an array saved from ``regions`` (distinct boxes -> holders).
 
-    Along each dim the region size is the gcd of the interior region boundaries, when that
-    gives at most four shards per region boundary; then every shard lies in one region.
-    Otherwise (fragments cutting rows anywhere, as ZeRO's flat ranges do) the dim is treated
-    as whole and shards shrink to one chunk, bounded by a quarter of the smallest region,
-    so the pieces sent to a boundary shard's writer stay chunk-sized. A region held by
-    several replicas is split into at least as many shards, to spread the writing.
+    * A tensor of at most ``MIN_ALIGNED_CHUNK_BYTES`` is one object; the pieces other ranks
+      hold are sent to its writer.
+    * Along each dim the region size is the gcd of the interior region boundaries when that
+      gives at most four shards per boundary: then every shard lies in one region.
+    * Along a dim where it does not (fragments cutting rows anywhere, as ZeRO's flat ranges
+      do), the dim is treated as whole and every shard is one chunk, so the pieces sent to a
+      boundary shard's writer are smaller than one chunk.
+    * A region held by several replicas is split into at least as many shards, to spread
+      the writing over them.
     """
     nbytes = math.prod(shape) * itemsize
+    if nbytes <= MIN_ALIGNED_CHUNK_BYTES:
+        return choose_grid(shape, itemsize, chunk_bytes=max(chunk_bytes, nbytes), shard_bytes=max(chunk_bytes, nbytes))
     region_shape = list(shape)
     misaligned = False
     for d, n in enumerate(shape):
-        cuts = {b.offset[d] for b in regions} | {b.stop[d] for b in regions}
-        cuts -= {0, n}
+        cuts = ({b.offset[d] for b in regions} | {b.stop[d] for b in regions}) - {0, n}
         if not cuts:
             continue
         g = math.gcd(*cuts)
@@ -204,9 +208,7 @@ def grid_for_regions(
         else:
             misaligned = True
     if misaligned:
-        smallest = min(b.numel for b in regions) * itemsize
-        cb = min(chunk_bytes, max(MIN_ALIGNED_CHUNK_BYTES, smallest // 4))
-        return choose_grid(shape, itemsize, region_shape=region_shape, chunk_bytes=cb, shard_bytes=cb)
+        return choose_grid(shape, itemsize, region_shape=region_shape, chunk_bytes=chunk_bytes, shard_bytes=chunk_bytes)
     replicas = max((len(r) for r in regions.values()), default=1)
     if replicas > 1 and nbytes > 4 * chunk_bytes:
         shard_bytes = min(shard_bytes, -(-nbytes // replicas))

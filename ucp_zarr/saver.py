@@ -11,7 +11,7 @@ import datetime
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -139,7 +139,8 @@ def _dumps(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, indent=1, allow_nan=False).encode()
 
 
-def _collect(state_dict: Mapping[str, Any]) -> tuple[dict[str, Fragment], dict[str, Any], list[FragmentInfo]]:
+def collect(state_dict: Mapping[str, Any]) -> tuple[dict[str, Fragment], dict[str, Any]]:
+    """A state dict's tensors as fragments and its other leaves as JSON, by flattened key."""
     fragments: dict[str, Fragment] = {}
     values: dict[str, Any] = {}
     for leaf in iter_leaves(state_dict):
@@ -147,7 +148,11 @@ def _collect(state_dict: Mapping[str, Any]) -> tuple[dict[str, Fragment], dict[s
             fragments[leaf.key] = to_fragment(leaf.key, leaf.value)
         else:
             values[leaf.key] = to_json(leaf.value, leaf.key)
-    infos = [
+    return fragments, values
+
+
+def _infos(fragments: dict[str, Fragment]) -> list[FragmentInfo]:
+    return [
         FragmentInfo(
             f.key,
             f.shape,
@@ -159,7 +164,6 @@ def _collect(state_dict: Mapping[str, Any]) -> tuple[dict[str, Fragment], dict[s
         )
         for f in fragments.values()
     ]
-    return fragments, values, infos
 
 
 def _digest(f: Fragment) -> int | None:
@@ -184,7 +188,7 @@ def _begin(store: Store) -> None:
 
 
 def prepare(
-    state_dict: Mapping[str, Any],
+    collected: Callable[[], tuple[dict[str, Fragment], dict[str, Any]]],
     store: Store,
     comm: Comm,
     *,
@@ -193,14 +197,17 @@ def prepare(
     max_workers: int,
     copy: bool,
 ) -> PreparedSave:
-    """The blocking stage of a save. With ``copy`` (async saves) every box this rank will
-    write or send is copied into host memory; otherwise only non-CPU tensors are."""
+    """The blocking stage of a save of what ``collected()`` returns (see :func:`collect`).
+
+    With ``copy`` (async saves) every box this rank will write or send is copied into host
+    memory; otherwise only non-CPU tensors are."""
     fragments: dict[str, Fragment] = {}
     values: dict[str, Any] = {}
     infos: list[FragmentInfo] = []
     error: BaseException | None = None
     try:
-        fragments, values, infos = _collect(state_dict)
+        fragments, values = collected()
+        infos = _infos(fragments)
     except BaseException as e:
         error = e
     comm.agree(error, "preparing the save")

@@ -1,0 +1,33 @@
+"""Run a function on N real processes with a gloo process group (torch.multiprocessing spawn)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run(world: int, fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; re-raise the first failure."""
+    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, start_method="spawn", join=True)
