@@ -14,7 +14,7 @@ from .distributed import Comm
 from .errors import KeyMismatchError
 from .fragments import Fragment, is_fragment_value, to_fragment
 from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
-from .saver import collect, prepare
+from .saver import SaveResult, collect, prepare
 from .statedict import from_json, iter_leaves, set_leaf
 from .storage import open_store
 
@@ -36,7 +36,7 @@ def save(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     max_workers: int = DEFAULT_WORKERS,
-) -> Future | None:
+) -> SaveResult | Future:
     """Save ``state_dict`` at ``path``; every rank of ``process_group`` calls it.
 
     Tensor values may be DTensors, :class:`~ucp_zarr.Shard`, :class:`~ucp_zarr.FlatShard`
@@ -50,14 +50,15 @@ def save(
     With ``async_save`` the call returns a :class:`~concurrent.futures.Future` after copying
     the state into host memory; writing and commit happen in the background, errors surface
     on the future. Any save first waits for the previous one.
+
+    Returns (or resolves to) this rank's :class:`~ucp_zarr.saver.SaveResult`.
     """
     wait_for_pending_save()
     comm = Comm(process_group)
     store = open_store(path, storage_options)
     options = dict(chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, max_workers=max_workers)
     if not async_save:
-        prepare(lambda: collect(state_dict), store, comm, copy=False, **options).finish()
-        return None
+        return prepare(lambda: collect(state_dict), store, comm, copy=False, **options).finish()
     background = Comm(_background_group(process_group)) if comm.active else comm
     prepared = prepare(lambda: collect(state_dict), store, comm, copy=True, **options)
     prepared.comm = background

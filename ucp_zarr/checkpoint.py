@@ -56,7 +56,9 @@ class Checkpoint:
 
     @property
     def metadata(self) -> dict[str, Any]:
-        """Non-tensor state (by flattened key) and checkpoint facts, as plain JSON-able data."""
+        """Non-tensor state (by flattened key) and checkpoint facts, as plain data.
+
+        ``rank_values`` holds the values that differed between the saving ranks, by rank."""
         values = {k: from_json(v) for k, v in self.meta.values.items()}
         return {
             "step": values.get("step"),
@@ -65,6 +67,8 @@ class Checkpoint:
             "world_size": self.meta.world_size,
             "layout": self.meta.layout,
             "values": values,
+            "rank_values": {k: {r: from_json(v) for r, v in per.items()} for k, per in self.meta.rank_values.items()},
+            "per_rank_tensors": sorted(k for k, e in self.meta.tensors.items() if e.ranks is not None),
         }
 
     # --- reading -------------------------------------------------------------------------

@@ -38,6 +38,17 @@ class Staged:
     boxes: dict[tuple[str, Box], torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class SaveResult:
+    """What one rank's part of a save did."""
+
+    url: str
+    rank: int
+    bytes_written: int
+    objects: tuple[str, ...]
+    """The keys of the objects this rank wrote (no other rank wrote any of them)."""
+
+
 @dataclass
 class PreparedSave:
     store: Store
@@ -48,7 +59,7 @@ class PreparedSave:
     staged: Staged
     max_workers: int
 
-    def finish(self) -> None:
+    def finish(self) -> SaveResult:
         """Exchange boundary pieces, write this rank's documents and shards, commit."""
         comm, store, plan = self.comm, self.store, self.plan
         error: BaseException | None = None
@@ -71,6 +82,7 @@ class PreparedSave:
             except BaseException as e:
                 error = e
         comm.agree(error, f"committing {store.url}")
+        return SaveResult(store.url, comm.rank, store.stats.bytes_written, tuple(store.stats.written))
 
     def _data(self, akey: str, box: Box) -> torch.Tensor:
         """This rank's data of ``box`` of array ``akey``, in the storage dtype (a view)."""

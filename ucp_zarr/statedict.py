@@ -8,6 +8,7 @@ any other leaf must be JSON-able and is stored in the root document.
 
 from __future__ import annotations
 
+import base64
 import math
 import re
 from dataclasses import dataclass
@@ -80,12 +81,15 @@ _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 def to_json(value: Any, key: str) -> Any:
-    """``value`` as JSON-able data; non-finite floats become ``{"$float": "nan"|"inf"|"-inf"}``.
+    """``value`` as JSON-able data. Non-finite floats become ``{"$float": "nan"|"inf"|"-inf"}``,
+    bytes ``{"$bytes": "<base64>"}`` (kept as opaque bytes; never unpickled).
 
-    Raises :class:`NotJSONableError` naming ``key`` for anything else (objects, bytes, dtypes).
+    Raises :class:`NotJSONableError` naming ``key`` for anything else (objects, dtypes).
     """
     if value is None or isinstance(value, (bool, str)):
         return value
+    if isinstance(value, (bytes, bytearray)):
+        return {"$bytes": base64.b64encode(value).decode()}
     if isinstance(value, int):
         return int(value)
     if isinstance(value, float):
@@ -105,7 +109,7 @@ def to_json(value: Any, key: str) -> Any:
         return out
     raise NotJSONableError(
         f"value at key {key!r} of type {type(value).__name__} is neither a tensor nor JSON-able "
-        "(None, bool, int, float, str, lists and str-keyed dicts of them)"
+        "(None, bool, int, float, str, bytes, lists and str-keyed dicts of them)"
     )
 
 
@@ -116,6 +120,8 @@ def from_json(value: Any) -> Any:
     if isinstance(value, dict):
         if set(value) == {"$float"}:
             return _NONFINITE[value["$float"]]
+        if set(value) == {"$bytes"}:
+            return base64.b64decode(value["$bytes"])
         return {k: from_json(v) for k, v in value.items()}
     return value
 

@@ -30,7 +30,8 @@ class IOStats:
     bytes_read: int = 0
     read_calls: int = 0
     bytes_written: int = 0
-    objects_written: int = 0
+    written: list[str] = field(default_factory=list)
+    """Keys of the objects written, in order."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add_read(self, nbytes: int, calls: int = 1) -> None:
@@ -38,10 +39,10 @@ class IOStats:
             self.bytes_read += nbytes
             self.read_calls += calls
 
-    def add_write(self, nbytes: int) -> None:
+    def add_write(self, key: str, nbytes: int) -> None:
         with self._lock:
             self.bytes_written += nbytes
-            self.objects_written += 1
+            self.written.append(key)
 
 
 class Store:
@@ -125,7 +126,7 @@ class LocalStore(Store):
             os.fsync(fd)
         finally:
             os.close(fd)
-        self.stats.add_write(total)
+        self.stats.add_write(key, total)
         return total
 
     def write_atomic(self, key: str, data: bytes) -> None:
@@ -260,12 +261,12 @@ class FsspecStore(Store):
         with self.fs.open(self._path(key), "wb") as f:
             for b in buffers:
                 total += f.write(memoryview(b).cast("B"))
-        self.stats.add_write(total)
+        self.stats.add_write(key, total)
         return total
 
     def write_atomic(self, key: str, data: bytes) -> None:
         self.fs.pipe_file(self._path(key), data)
-        self.stats.add_write(len(data))
+        self.stats.add_write(key, len(data))
 
     def read(self, key: str) -> bytes:
         data = self.fs.cat_file(self._path(key))
