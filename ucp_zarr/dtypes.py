@@ -44,8 +44,13 @@ class StoredDtype:
         return np.dtype(self.zarr_dtype).newbyteorder("<")
 
     @property
-    def fill_value(self) -> bool | int | float:
-        return False if self.zarr_dtype == "bool" else 0
+    def fill_value(self) -> bool | int | list[float]:
+        """Zarr v3's spelling of zero for this data type."""
+        if self.zarr_dtype == "bool":
+            return False
+        if self.zarr_dtype.startswith("complex"):
+            return [0.0, 0.0]
+        return 0
 
 
 _NATIVE = {

@@ -183,8 +183,8 @@ def grid_for_regions(
 ) -> ChunkGrid:
     """The grid of an array saved from ``regions`` (distinct boxes -> holders).
 
-    * A tensor of at most ``MIN_ALIGNED_CHUNK_BYTES`` is one object; the pieces other ranks
-      hold are sent to its writer.
+    * A tensor of at most ``MIN_ALIGNED_CHUNK_BYTES`` split between ranks is one object; the
+      pieces other ranks hold are sent to its writer.
     * Along each dim the region size is the gcd of the interior region boundaries when that
       gives at most four shards per boundary: then every shard lies in one region.
     * Along a dim where it does not (fragments cutting rows anywhere, as ZeRO's flat ranges
@@ -194,7 +194,7 @@ def grid_for_regions(
       the writing over them.
     """
     nbytes = math.prod(shape) * itemsize
-    if nbytes <= MIN_ALIGNED_CHUNK_BYTES:
+    if len(regions) > 1 and nbytes <= MIN_ALIGNED_CHUNK_BYTES:
         return choose_grid(shape, itemsize, chunk_bytes=max(chunk_bytes, nbytes), shard_bytes=max(chunk_bytes, nbytes))
     region_shape = list(shape)
     misaligned = False
