@@ -96,3 +96,31 @@ def test_unknown_format_version_is_refused(tmp_path):
 def test_missing_path_is_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
         ucp_zarr.open(tmp_path / "nothing")
+
+
+def test_reserved_names_and_tag_like_keys_round_trip(tmp_path):
+    sd = {
+        "model": {"zarr.json": torch.ones(2), ".ucp_zarr_pending": torch.zeros(2), "__x": torch.ones(1)},
+        "meta": {"$float": "nan", "$bytes": "x", "plain": b"\x00\x01raw"},
+    }
+    ucp_zarr.save(sd, tmp_path / "ck")
+    out = {
+        "model": {"zarr.json": torch.zeros(2), ".ucp_zarr_pending": torch.ones(2), "__x": torch.zeros(1)},
+        "meta": {"$float": None, "$bytes": None, "plain": None},
+    }
+    ucp_zarr.load(out, tmp_path / "ck")
+    assert torch.equal(out["model"]["zarr.json"], torch.ones(2))
+    assert torch.equal(out["model"][".ucp_zarr_pending"], torch.zeros(2))
+    assert out["meta"] == {"$float": "nan", "$bytes": "x", "plain": b"\x00\x01raw"}
+    names = {p.name for p in (tmp_path / "ck").iterdir()}
+    assert names.isdisjoint({"zarr.json.d"}) and ".ucp_zarr_pending" not in names
+
+
+def test_missing_shard_is_an_error_not_zeros(tmp_path):
+    import shutil
+
+    ucp_zarr.save({"w": torch.randn(64, 64)}, tmp_path / "ck", chunk_bytes=1024)
+    ck = ucp_zarr.open(tmp_path / "ck")
+    shutil.rmtree(tmp_path / "ck" / ck.array_path("w") / "c")
+    with pytest.raises(ucp_zarr.CorruptChunkError, match="missing"):
+        ucp_zarr.open(tmp_path / "ck").verify()

@@ -16,6 +16,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from .errors import CorruptChunkError
 from .format import ArrayMeta
 from .layout import Box, grid_indices
 from .shard import (
@@ -127,7 +128,7 @@ def read_shard_index(store: Store, path: str, meta: ArrayMeta, shard: Sequence[i
     try:
         raw = store.read_tail(key, index_nbytes(meta.grid.chunks_per_shard))
     except FileNotFoundError:
-        return empty_index(meta.grid.chunks_per_shard)
+        raise CorruptChunkError(f"tensor {meta.key!r}: shard {store.url}/{key} is missing") from None
     return decode_index(raw, meta.grid.chunks_per_shard, f"{store.url}/{key}")
 
 
@@ -174,7 +175,10 @@ def read_box(
             if p.direct is None:
                 p.scratch = torch.empty(grid.chunk_shape, dtype=out.dtype)
         requests: list[ReadRequest] = [(run[0].offset, [b for p in run for b in p.buffers()])]
-        store.readv(key, requests)
+        try:
+            store.readv(key, requests)
+        except FileNotFoundError:
+            raise CorruptChunkError(f"tensor {meta.key!r}: {store.url}/{key} is missing") from None
         for p in run:
             data = p.direct if p.direct is not None else p.scratch
             assert data is not None and p.crc is not None

@@ -19,11 +19,12 @@ from typing import Any
 from .dtypes import StoredDtype, stored_dtype_by_name
 from .errors import FormatError
 from .layout import ChunkGrid
+from .storage import PENDING_MARKER
 
 FORMAT_VERSION = 1
 ATTRIBUTE = "ucp_zarr"
 METADATA_FILE = "zarr.json"
-PENDING_FILE = ".ucp_zarr_pending"
+PENDING_FILE = PENDING_MARKER
 """Marks a directory whose save is under way (or crashed); removed after the commit."""
 
 
@@ -53,7 +54,7 @@ class Region:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Region":
-        replicas, writers = tuple(d["replicas"]), tuple(d["writers"])
+        replicas, writers = tuple(d["replicas"]), tuple(d.get("writers", ()))
         if "flat_offset" in d:
             return cls.flat_range(d["flat_offset"], d["flat_offset"] + d["numel"], replicas, writers)
         return cls(tuple(d["offset"]), tuple(d["shape"]), replicas, writers)
@@ -210,7 +211,7 @@ class CheckpointMeta:
                 library=attrs["library"],
                 world_size=attrs["world_size"],
                 layout=attrs["layout"],
-                rank_values={k: {int(r): v for r, v in per.items()} for k, per in attrs["rank_values"].items()},
+                rank_values={k: {int(r): v for r, v in per.items()} for k, per in attrs.get("rank_values", {}).items()},
             )
         except (KeyError, TypeError, ValueError) as e:
             raise FormatError(f"malformed checkpoint metadata {where}: {e!r}") from e

@@ -82,7 +82,8 @@ _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 def to_json(value: Any, key: str) -> Any:
     """``value`` as JSON-able data. Non-finite floats become ``{"$float": "nan"|"inf"|"-inf"}``,
-    bytes ``{"$bytes": "<base64>"}`` (kept as opaque bytes; never unpickled).
+    bytes ``{"$bytes": "<base64>"}`` (kept as opaque bytes; never unpickled); a user's mapping
+    key starting with ``$`` gets one more ``$`` so it never reads as such a tag.
 
     Raises :class:`NotJSONableError` naming ``key`` for anything else (objects, dtypes).
     """
@@ -105,7 +106,7 @@ def to_json(value: Any, key: str) -> Any:
         for k, v in value.items():
             if not isinstance(k, str):
                 raise NotJSONableError(f"key {key!r}: mapping key {k!r} is not a string")
-            out[k] = to_json(v, f"{key}.{k}")
+            out["$" + k if k.startswith("$") else k] = to_json(v, f"{key}.{k}")
         return out
     raise NotJSONableError(
         f"value at key {key!r} of type {type(value).__name__} is neither a tensor nor JSON-able "
@@ -122,7 +123,7 @@ def from_json(value: Any) -> Any:
             return _NONFINITE[value["$float"]]
         if set(value) == {"$bytes"}:
             return base64.b64decode(value["$bytes"])
-        return {k: from_json(v) for k, v in value.items()}
+        return {k[1:] if k.startswith("$$") else k: from_json(v) for k, v in value.items()}
     return value
 
 
@@ -132,9 +133,12 @@ _SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 
 
 def _escape(name: str) -> str:
-    name = _SAFE.sub(lambda m: "%" + "".join(f"{b:02X}" for b in m.group().encode()), name)
-    if name.startswith("__") or name in ("", ".", ".."):
-        name = "%" + name.encode()[:1].hex().upper() + name[1:]
+    """A safe node name: characters outside ``[A-Za-z0-9_.-]`` percent-encoded (each UTF-8
+    byte as ``%XX``), and a leading ``.`` or ``_`` too when the name would otherwise be
+    hidden, reserved by Zarr (``__``), or ``zarr.json``."""
+    name = _SAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode()), name)
+    if name.startswith(("__", ".")) or name in ("", "zarr.json"):
+        name = f"%{ord(name[0]):02X}{name[1:]}" if name else "%00"
     return name
 
 

@@ -21,6 +21,8 @@ ReadRequest = tuple[int, Sequence[memoryview]]
 """Fill these writable buffers, one after another, from this byte offset of an object."""
 
 _IOV_MAX = 512
+PENDING_MARKER = ".ucp_zarr_pending"
+"""Marks a checkpoint directory whose save is under way or crashed (see :mod:`.format`)."""
 
 
 @dataclass
@@ -190,7 +192,8 @@ class LocalStore(Store):
         import shutil
 
         if os.path.isdir(self.root):
-            for name in os.listdir(self.root):
+            # the pending marker goes last, so a crash mid-way leaves a claimable directory
+            for name in sorted(os.listdir(self.root), key=lambda n: n == PENDING_MARKER):
                 p = os.path.join(self.root, name)
                 shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
             _fsync_dir(self.root)
@@ -315,7 +318,7 @@ class FsspecStore(Store):
 
     def clear(self) -> None:
         if self.fs.exists(self.root):
-            for p in self.fs.ls(self.root, detail=False):
+            for p in sorted(self.fs.ls(self.root, detail=False), key=lambda p: p.endswith(PENDING_MARKER)):
                 self.fs.rm(p, recursive=True)
 
 
