@@ -575,3 +575,12 @@ def test_schemas_do_not_cross_validate(validators, saved) -> None:
         for other in SCHEMAS:
             if other != kind:
                 assert _errors(validators[other], doc), f"the {other} schema accepted a {kind} document"
+
+
+def test_tags_and_dollar_keys_validate(validators, tmp_path: Path) -> None:
+    ucp_zarr.save({"meta": {"d": {"$float": 1, "$": 2}, "b": b"\x00raw", "f": float("nan")}, "t": torch.ones(1)}, tmp_path / "ck")
+    doc = json.loads((tmp_path / "ck" / "zarr.json").read_text())
+    assert _errors(validators["checkpoint"], doc) == []
+    bad = json.loads(json.dumps(doc))
+    bad["attributes"]["ucp_zarr"]["values"]["meta.d"] = {"$float": "nan", "x": 1}
+    assert _errors(validators["checkpoint"], bad)
