@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import itertools
 import json
 import math
 import os
@@ -223,8 +224,18 @@ class TensorView:
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         box, post = _index_to_box(index, tuple(self.shape))
-        t = self.checkpoint.read(self.key, box)
-        return t[post]
+        steps = [p.step if isinstance(p, slice) else 1 for p in post]
+        if all(s == 1 for s in steps):
+            return self.checkpoint.read(self.key, box)[post]
+        # a stepped selection: read, per chunk row/column, only the span of selected indices
+        chunk = self.checkpoint.array_meta(self.key).grid.chunk_shape
+        spans = [_spans(o, n, st, c) for o, n, st, c in zip(box.offset, box.shape, steps, chunk)]
+        out = torch.empty([sum(k for *_, k in sp) for sp in spans], dtype=self.dtype)
+        for combo in itertools.product(*spans):
+            part = Box(tuple(c[0] for c in combo), tuple(c[1] for c in combo))
+            data = self.checkpoint.read(self.key, part)[tuple(slice(None, None, st) for st in steps)]
+            out[tuple(slice(c[2], c[2] + c[3]) for c in combo)] = data
+        return out[tuple(0 if isinstance(p, int) else slice(None) for p in post)]
 
     def __repr__(self) -> str:
         return f"<TensorView {self.key!r} shape={list(self.shape)} dtype={self.dtype} at {self.path}>"
@@ -263,6 +274,22 @@ def _index_to_box(index: Any, shape: tuple[int, ...]) -> tuple[Box, tuple[Any, .
         else:
             raise TypeError(f"unsupported index {i!r}: use ints, slices and ...")
     return Box(tuple(offset), tuple(size)), tuple(post)
+
+
+def _spans(offset: int, size: int, step: int, chunk: int) -> list[tuple[int, int, int, int]]:
+    """The indices ``offset, offset + step, ... < offset + size`` grouped by chunk, as
+    ``(first, extent, position in the result, count)``."""
+    out: list[tuple[int, int, int, int]] = []
+    pos = 0
+    i, stop = offset, offset + size
+    while i < stop:
+        end = min(stop, (i // chunk + 1) * chunk)
+        count = -(-(end - i) // step)
+        last = i + (count - 1) * step
+        out.append((i, last - i + 1, pos, count))
+        pos += count
+        i += count * step
+    return out
 
 
 def _itemsize(dtype: str) -> int:
