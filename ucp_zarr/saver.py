@@ -33,9 +33,9 @@ DIGEST_COPY_BYTES = 16 << 20
 
 @dataclass
 class Staged:
-    """Host copies of the boxes this rank writes or sends, keyed by (array key, box)."""
+    """Host copies of the boxes this rank writes or sends: array key -> [(box, copy)]."""
 
-    boxes: dict[tuple[str, Box], torch.Tensor] = field(default_factory=dict)
+    boxes: dict[str, list[tuple[Box, torch.Tensor]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,8 @@ class PreparedSave:
 
     def _holding(self, akey: str, box: Box) -> tuple[torch.Tensor, Box]:
         """A tensor of this rank holding ``box`` whole, and the box it holds."""
-        for (k, sbox), t in self.staged.boxes.items():
-            if k == akey and sbox.contains(box):
+        for sbox, t in self.staged.boxes.get(akey, ()):
+            if sbox.contains(box):
                 return t, sbox
         meta = self.plan.arrays[akey][1]
         for pbox, t in self.fragments[meta.key].pieces:
@@ -314,7 +314,7 @@ def _stage(plan: SavePlan, fragments: dict[str, Fragment], rank: int, copy: bool
             if pbox.contains(box):
                 dst.copy_(as_storage(t, meta)[box.relative_to(pbox).slices()], non_blocking=pin)
                 break
-        staged.boxes[(akey, box)] = dst
+        staged.boxes.setdefault(akey, []).append((box, dst))
         pos += size
     if pin:
         torch.cuda.synchronize()
