@@ -13,9 +13,10 @@ from .checkpoint import open as open_checkpoint
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ucp-zarr", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="train, checkpoint, resume, and compare losses")
-    d.add_argument("--steps", type=int, default=20)
-    d.add_argument("--save-at", type=int, default=10)
+    d = sub.add_parser("demo", help="train on 4 processes (TP2xDP2), save, resume on 3 (FSDP2), compare losses")
+    d.add_argument("--steps", type=int, default=20, help="last step (exclusive) of both runs")
+    d.add_argument("--save-at", type=int, default=10, help="step at which the 4-process run saves")
+    d.add_argument("--dir", default=None, help="keep the checkpoint in a new folder here (default: a temp dir)")
     for name, text in (("info", "print a checkpoint's tensors and metadata"), ("verify", "check every chunk's crc32c")):
         s = sub.add_parser(name, help=text)
         s.add_argument("path")
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "demo":
         from .demo import run
 
-        return 0 if run(args.steps, args.save_at) else 1
+        return 0 if run(args.steps, args.save_at, args.dir) else 1
     ck = open_checkpoint(args.path, storage_options=args.storage_options)
     if args.cmd == "info":
         print(ck)

@@ -117,7 +117,8 @@ class PreparedSave:
 def _exchange(comm: Comm, plan: SavePlan, data) -> dict[tuple[int, int], torch.Tensor]:
     """Send the boundary pieces this rank holds to their shards' writers; receive ours.
 
-    Returns ``{(task number, source number): piece}`` for the pieces received."""
+    The pieces for one peer travel as one byte buffer, each at a 64-byte aligned offset so
+    that it can be viewed in its dtype. Returns ``{(task number, source number): piece}``."""
     sends: dict[int, list[torch.Tensor]] = {}
     expect: dict[int, list[tuple[tuple[int, int], Box, ArrayMeta]]] = {}
     for n, task in enumerate(plan.shards):
@@ -126,10 +127,12 @@ def _exchange(comm: Comm, plan: SavePlan, data) -> dict[tuple[int, int], torch.T
             if src == task.writer:
                 continue
             if src == comm.rank:
-                sends.setdefault(task.writer, []).append(data(task.key, box).contiguous().reshape(-1).view(torch.uint8))
+                raw = data(task.key, box).contiguous().reshape(-1).view(torch.uint8)
+                pad = _aligned(raw.numel()) - raw.numel()
+                sends.setdefault(task.writer, []).extend([raw, torch.zeros(pad, dtype=torch.uint8)])
             elif task.writer == comm.rank:
                 expect.setdefault(src, []).append(((n, i), box, meta))
-    sizes = {src: sum(b.numel * m.dtype.itemsize for _, b, m in items) for src, items in expect.items()}
+    sizes = {src: sum(_aligned(b.numel * m.dtype.itemsize) for _, b, m in items) for src, items in expect.items()}
     got = comm.exchange({dst: torch.cat(parts) for dst, parts in sends.items()}, sizes)
     out: dict[tuple[int, int], torch.Tensor] = {}
     for src, items in expect.items():
@@ -137,7 +140,7 @@ def _exchange(comm: Comm, plan: SavePlan, data) -> dict[tuple[int, int], torch.T
         for ident, box, meta in items:
             nbytes = box.numel * meta.dtype.itemsize
             out[ident] = got[src][pos : pos + nbytes].view(meta.dtype.storage_torch_dtype).reshape(box.shape)
-            pos += nbytes
+            pos += _aligned(nbytes)
     return out
 
 
