@@ -2,9 +2,11 @@
 
 __version__ = "0.1.0"
 
+from typing import TYPE_CHECKING
+
 from .api import load, save, wait_for_pending_save
-from .fragments import FlatShard, Shard
 from .checkpoint import Checkpoint, TensorView, open
+from .fragments import FlatShard, Shard
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -14,6 +16,9 @@ from .errors import (
     KeyMismatchError,
     NotJSONableError,
 )
+
+if TYPE_CHECKING:
+    from .adapters.dcp import ZarrStorageReader, ZarrStorageWriter
 
 __all__ = [
     "Checkpoint",
@@ -27,8 +32,20 @@ __all__ = [
     "KeyMismatchError",
     "NotJSONableError",
     "TensorView",
+    "ZarrStorageReader",
+    "ZarrStorageWriter",
     "load",
     "open",
     "save",
     "wait_for_pending_save",
 ]
+
+
+def __getattr__(name: str):
+    # The DCP storage plug-ins import torch.distributed.checkpoint (about 1.5 s), so they
+    # are loaded on first use rather than with the package.
+    if name in ("ZarrStorageReader", "ZarrStorageWriter"):
+        from .adapters import dcp
+
+        return getattr(dcp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
