@@ -100,10 +100,12 @@ def test_chunks_never_straddle_region_boundaries(parts, base, chunk_bytes):
     """With a region grid (one writer per region), every chunk and shard lies in one region."""
     region = tuple(b * 3 for b in base[: len(parts)])
     shape = tuple(r * p for r, p in zip(region, parts))
-    g = choose_grid(shape, 4, region_shape=region, chunk_bytes=chunk_bytes)
+    g = choose_grid(shape, 4, region_shape=region, chunk_bytes=chunk_bytes, shard_bytes=8 * chunk_bytes)
     for d, (r, n) in enumerate(zip(region, shape)):
         if r < n:
             assert r % g.shard_shape[d] == 0 and r % g.chunk_shape[d] == 0
+    # shards stay bounded, unless already down to one chunk
+    assert math.prod(g.shard_shape) * 4 <= 8 * chunk_bytes or g.shard_shape == g.chunk_shape
 
 
 @given(st.data())

@@ -124,8 +124,8 @@ def choose_grid(
        along :func:`split_dims` when that keeps it above ``MIN_ALIGNED_CHUNK_BYTES``.
     2. It is divided (by 2 or another small factor, leading dims first) until it fits
        ``chunk_bytes``.
-    3. The shard is the region, halved along leading dims in whole chunks while above
-       ``shard_bytes``.
+    3. The shard is the region, divided along leading dims in whole chunks (exactly, along
+       dims cut between writers) while above ``shard_bytes``.
     """
     shape = tuple(int(n) for n in shape)
     region = tuple(
@@ -154,8 +154,10 @@ def choose_grid(
     shard = [-(-r // c) * c if w else r for r, c, w in zip(region, chunk, whole)]
     while math.prod(shard) * itemsize > shard_bytes:
         for d in range(len(shard)):
-            if whole[d] and shard[d] > chunk[d]:
-                shard[d] = -(-(shard[d] // chunk[d]) // 2) * chunk[d]
+            if shard[d] > chunk[d]:
+                chunks = shard[d] // chunk[d]
+                # a dim cut between writers keeps shards that divide the region exactly
+                shard[d] = -(-chunks // 2) * chunk[d] if whole[d] else shard[d] // _smallest_factor(chunks)
                 break
         else:
             break
