@@ -82,7 +82,8 @@ class PreparedSave:
             except BaseException as e:
                 error = e
         comm.agree(error, f"committing {store.url}")
-        return SaveResult(store.url, comm.rank, store.stats.bytes_written, tuple(store.stats.written))
+        objects = tuple(k for k in store.stats.written if k != PENDING_FILE)
+        return SaveResult(store.url, comm.rank, store.stats.bytes_written, objects)
 
     def _data(self, akey: str, box: Box) -> torch.Tensor:
         """This rank's data of ``box`` of array ``akey``, in the storage dtype (a view)."""

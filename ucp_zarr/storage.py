@@ -112,7 +112,20 @@ class LocalStore(Store):
             self._dirs.add(os.path.dirname(self.root))
 
     def write(self, key: str, buffers: Iterable[Buffer | bytes]) -> int:
+        total = self._write_file(self._path(key), buffers)
+        self.stats.add_write(key, total)
+        return total
+
+    def write_atomic(self, key: str, data: bytes) -> None:
         path = self._path(key)
+        tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+        self._write_file(tmp, [data])
+        os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(path))
+        self.stats.add_write(key, len(data))
+
+    def _write_file(self, path: str, buffers: Iterable[Buffer | bytes]) -> int:
+        """Create ``path`` from ``buffers`` with ``writev``, then ``fsync`` it."""
         self._makedirs(os.path.dirname(path))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         total = 0
@@ -128,15 +141,7 @@ class LocalStore(Store):
             os.fsync(fd)
         finally:
             os.close(fd)
-        self.stats.add_write(key, total)
         return total
-
-    def write_atomic(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
-        self.write(key + tmp[len(path) :], [data])
-        os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(path))
 
     def read(self, key: str) -> bytes:
         with open(self._path(key), "rb") as f:
