@@ -37,13 +37,6 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not self.active:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=self._global(src), group=self.group)
-        return box[0]
-
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 
@@ -38,10 +37,6 @@ class StoredDtype:
     def storage_torch_dtype(self) -> torch.dtype:
         """The torch dtype whose numpy view matches the Zarr data type."""
         return _TORCH_OF_ZARR[self.zarr_dtype]
-
-    @property
-    def numpy_dtype(self) -> np.dtype:
-        return np.dtype(self.zarr_dtype).newbyteorder("<")
 
     @property
     def fill_value(self) -> bool | int | list[float]:

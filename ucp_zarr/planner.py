@@ -76,9 +76,6 @@ class SavePlan:
     def groups(self) -> list[str]:
         return sorted({path.split("/")[0] for path, _ in self.arrays.values()})
 
-    def shards_of(self, rank: int) -> list[ShardTask]:
-        return [t for t in self.shards if t.writer == rank]
-
 
 def per_rank_key(key: str, rank: int) -> str:
     return f"{key}@rank{rank}"

@@ -342,8 +342,5 @@ class _StagingBuffer:
             self._buf = buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         return buf
 
-    def release(self) -> None:
-        self._buf = None
-
 
 _STAGING = _StagingBuffer()
