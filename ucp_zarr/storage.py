@@ -211,35 +211,36 @@ class LocalStore(Store):
                 _fsync_dir(d)
 
 
+def _flat(bufs: Sequence[Buffer | bytes]) -> list[memoryview]:
+    views = [memoryview(b) for b in bufs]
+    return [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views if v.nbytes]
+
+
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``views`` (after a partial vectored read or write)."""
+    while views and n >= views[0].nbytes:
+        n -= views.pop(0).nbytes
+    if n:
+        views[0] = views[0][n:]
+
+
 def _writev_all(fd: int, bufs: list[Buffer | bytes]) -> int:
-    views = [memoryview(b).cast("B") for b in bufs]
-    views = [v for v in views if v.nbytes]
-    total = 0
+    views, total = _flat(bufs), 0
     while views:
         n = os.writev(fd, views)
         total += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
+        _advance(views, n)
     return total
 
 
 def _preadv_all(fd: int, bufs: Sequence[memoryview], offset: int) -> int:
-    views = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in bufs]
-    views = [v for v in views if v.nbytes]
-    total = 0
+    views, total = _flat(bufs), 0
     while views:
         n = os.preadv(fd, views, offset + total)
         if n == 0:
             break
         total += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
+        _advance(views, n)
     return total
 
 
