@@ -96,13 +96,36 @@ def _valid_id(checkpoint_id: Any) -> bool:
     return isinstance(checkpoint_id, (str, os.PathLike)) and bool(os.fspath(checkpoint_id))
 
 
+class _CheckpointPath:
+    """What DCP's storage writer and reader share: the checkpoint id is the path."""
+
+    path: str | os.PathLike[str]
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike[str]:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _valid_id(checkpoint_id)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = checkpoint_id
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """Forget the previous save or load."""
+        raise NotImplementedError
+
+
 def _done(value: Any) -> Future:
     fut: Future = Future()
     fut.set_result(value)
     return fut
 
 
-class ZarrStorageWriter(StorageWriter):
+class ZarrStorageWriter(_CheckpointPath, StorageWriter):
     """A DCP ``StorageWriter`` that writes the ucp_zarr universal format at ``path``
     (a local path or fsspec URL).
 
@@ -128,23 +151,12 @@ class ZarrStorageWriter(StorageWriter):
         self.chunk_bytes = chunk_bytes
         self.shard_bytes = shard_bytes
         self.max_workers = max_workers
+        self._fresh()
+
+    def _fresh(self) -> None:
         self.save_id = uuid.uuid4().hex
         self.result: Any = None
         """This rank's :class:`~ucp_zarr.saver.SaveResult` of the last save."""
-
-    @property
-    def checkpoint_id(self) -> str | os.PathLike[str]:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return _valid_id(checkpoint_id)
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            self.path = checkpoint_id
-        self.save_id = uuid.uuid4().hex
-        self.result = None
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -266,7 +278,7 @@ def _original_value(planner: SavePlanner, item: WriteItem) -> Any:
     return torch.load(buf, weights_only=True)
 
 
-class ZarrStorageReader(StorageReader):
+class ZarrStorageReader(_CheckpointPath, StorageReader):
     """A DCP ``StorageReader`` for a checkpoint in the ucp_zarr universal format at
     ``path``, written by ``ucp_zarr.save`` or by :class:`ZarrStorageWriter`.
 
@@ -287,24 +299,12 @@ class ZarrStorageReader(StorageReader):
         self.path = path
         self.storage_options = storage_options
         self.max_workers = max_workers
+        self._fresh()
+
+    def _fresh(self) -> None:
         self.load_id = uuid.uuid4().hex
         self.rank: int | None = None
         self._ck: Checkpoint | None = None
-
-    @property
-    def checkpoint_id(self) -> str | os.PathLike[str]:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return _valid_id(checkpoint_id)
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            self.path = checkpoint_id
-        self.load_id = uuid.uuid4().hex
-        self.rank = None
-        self._ck = None
 
     def _checkpoint(self) -> Checkpoint:
         if self._ck is None:
