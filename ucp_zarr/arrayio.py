@@ -10,6 +10,7 @@ directly in the destination tensor when its memory allows.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -35,6 +36,22 @@ from .storage import ReadRequest, Store
 
 MAX_REQUEST_BYTES = 64 << 20
 """Neighbouring chunks are fetched in one request up to this size."""
+MAX_STAGED_BYTES = 16 << 20
+"""...or up to this size when some of them land in the staging buffer (see :func:`_stage`)."""
+
+_local = threading.local()
+
+
+def _stage(nbytes: int) -> torch.Tensor:
+    """This thread's reusable uint8 staging buffer, of at least ``nbytes``.
+
+    Chunks that cannot land directly in the destination are read here and copied out, so a
+    load touches no fresh memory per chunk; the buffer dies with its (worker) thread.
+    """
+    buf = getattr(_local, "stage", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _local.stage = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+    return buf
 
 
 def as_storage(t: torch.Tensor, meta: ArrayMeta) -> torch.Tensor:
@@ -58,18 +75,33 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 # --- write ---------------------------------------------------------------------------------
 
 
-def _chunk_buffers(meta: ArrayMeta, box: Box, src: torch.Tensor, src_box: Box) -> list[memoryview]:
+def _chunk_buffers(
+    meta: ArrayMeta, box: Box, src: torch.Tensor, src_box: Box, stage: torch.Tensor | None = None
+) -> list[memoryview]:
     """The stored form of the chunk covering ``box``: its bytes (padded to the full chunk
-    shape at the array's edge) and their crc32c."""
+    shape at the array's edge) and their crc32c.
+
+    A chunk that is a contiguous block of ``src`` is returned as a view of it (no copy). Any
+    other chunk is copied into ``stage`` (a uint8 buffer of the stored chunk's size) when
+    given, else into new memory; a staged result is valid until the next call with ``stage``.
+    """
+    grid = meta.grid
     part = src[box.relative_to(src_box).slices()]
-    if box.shape != meta.grid.chunk_shape:
-        full = torch.zeros(meta.grid.chunk_shape, dtype=part.dtype)
+    if box.shape == grid.chunk_shape and part.is_contiguous():
+        data = _bytes_of(part)
+        return [data, memoryview(crc_bytes(data))]
+    nbytes = math.prod(grid.chunk_shape) * part.element_size()
+    if stage is None:
+        stage = torch.empty(nbytes + CRC_BYTES, dtype=torch.uint8)
+    full = stage[:nbytes].view(part.dtype).view(grid.chunk_shape)
+    if box.shape != grid.chunk_shape:
+        full.zero_()
         full[Box.whole(box.shape).slices()] = part
-        part = full
-    elif not part.is_contiguous():
-        part = part.contiguous()
-    data = _bytes_of(part)
-    return [data, memoryview(crc_bytes(data))]
+    else:
+        full.copy_(part)
+    stored = memoryview(stage.numpy())[: nbytes + CRC_BYTES]
+    stored[nbytes:] = crc_bytes(stored[:nbytes])
+    return [stored]
 
 
 def write_shard(store: Store, path: str, meta: ArrayMeta, shard: Sequence[int], src: torch.Tensor, src_box: Box) -> int:
@@ -87,13 +119,16 @@ def write_shard(store: Store, path: str, meta: ArrayMeta, shard: Sequence[int], 
     cps = grid.chunks_per_shard
     index = empty_index(cps)
 
+    # One staging buffer per shard: Store.write consumes each buffer before pulling the next.
+    stage = torch.empty(math.prod(grid.chunk_shape) * meta.dtype.itemsize + CRC_BYTES, dtype=torch.uint8)
+
     def buffers() -> Iterator[memoryview | bytes]:
         offset = 0
         for n, local in enumerate(grid_indices(cps)):
             cbox = grid.chunk_box(shard, local)
             if cbox is None:
                 continue
-            bufs = _chunk_buffers(meta, cbox, src, src_box)
+            bufs = _chunk_buffers(meta, cbox, src, src_box, stage)
             size = sum(b.nbytes for b in bufs)
             index[n] = (offset, size)
             offset += size
@@ -170,32 +205,52 @@ def read_box(
     if not pieces:
         return
     pieces.sort(key=lambda p: p.offset)
-    for run in _runs(pieces):
+    for run in _runs(pieces, direct=all(p.direct is not None for p in pieces)):
+        staged = sum(_aligned(p.nbytes) for p in run if p.direct is None)
+        stage = _stage(staged) if staged else None
+        bufs: list[memoryview] = []
+        at = 0
         for p in run:
-            if p.direct is None:
-                p.scratch = torch.empty(grid.chunk_shape, dtype=out.dtype)
-        requests: list[ReadRequest] = [(run[0].offset, [b for p in run for b in p.buffers()])]
+            if p.direct is not None:
+                bufs.extend(p.buffers())
+            else:
+                assert stage is not None
+                p.scratch = stage[at : at + p.nbytes]  # the stored chunk: its bytes, then its crc
+                bufs.append(memoryview(p.scratch.numpy()))
+                at += _aligned(p.nbytes)  # every staged chunk starts 64-byte aligned
         try:
-            store.readv(key, requests)
+            store.readv(key, [(run[0].offset, bufs)])
         except FileNotFoundError:
             raise CorruptChunkError(f"tensor {meta.key!r}: {store.url}/{key} is missing") from None
         for p in run:
-            data = p.direct if p.direct is not None else p.scratch
-            assert data is not None and p.crc is not None
-            verify_chunk(_bytes_of(data), p.crc, f"{store.url}/{key} (tensor {meta.key!r}, chunk at {p.cbox.offset})")
-            if p.scratch is not None:
-                inter = p.cbox.intersect(box)
-                assert inter is not None
-                out[inter.relative_to(box).slices()] = p.scratch[inter.relative_to(p.cbox).slices()]
-                p.scratch = None
+            where = f"{store.url}/{key} (tensor {meta.key!r}, chunk at {p.cbox.offset})"
+            if p.direct is not None:
+                assert p.crc is not None
+                verify_chunk(_bytes_of(p.direct), p.crc, where)
+                continue
+            assert p.scratch is not None
+            n = p.nbytes - CRC_BYTES
+            stored = memoryview(p.scratch.numpy())
+            verify_chunk(stored[:n], stored[n:], where)
+            inter = p.cbox.intersect(box)
+            assert inter is not None
+            chunk = p.scratch[:n].view(out.dtype).view(grid.chunk_shape)
+            out[inter.relative_to(box).slices()] = chunk[inter.relative_to(p.cbox).slices()]
+            p.scratch = None
 
 
-def _runs(pieces: list[_Piece]) -> Iterator[list[_Piece]]:
-    """Group offset-sorted pieces into runs of adjacent bytes, each at most MAX_REQUEST_BYTES."""
+def _aligned(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def _runs(pieces: list[_Piece], direct: bool = True) -> Iterator[list[_Piece]]:
+    """Group offset-sorted pieces into runs of adjacent bytes, each at most MAX_REQUEST_BYTES
+    (MAX_STAGED_BYTES unless every piece lands directly in the destination)."""
+    limit = MAX_REQUEST_BYTES if direct else MAX_STAGED_BYTES
     run: list[_Piece] = []
     size = 0
     for p in pieces:
-        if run and (run[-1].offset + run[-1].nbytes != p.offset or size + p.nbytes > MAX_REQUEST_BYTES):
+        if run and (run[-1].offset + run[-1].nbytes != p.offset or size + p.nbytes > limit):
             yield run
             run, size = [], 0
         run.append(p)

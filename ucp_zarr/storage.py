@@ -54,7 +54,10 @@ class Store:
     stats: IOStats
 
     def write(self, key: str, buffers: Iterable[Buffer | bytes]) -> int:
-        """Write an object from ``buffers`` in order, durably; return its size."""
+        """Write an object from ``buffers`` in order, durably; return its size.
+
+        Each buffer is consumed (written, or copied) before the next is pulled from
+        ``buffers``, so a producer may reuse one buffer's memory for the next."""
         raise NotImplementedError
 
     def write_atomic(self, key: str, data: bytes) -> None:
@@ -130,14 +133,9 @@ class LocalStore(Store):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         total = 0
         try:
-            batch: list[Buffer | bytes] = []
+            # each buffer is written before the next is pulled: producers may reuse memory
             for b in buffers:
-                batch.append(b)
-                if len(batch) == _IOV_MAX:
-                    total += _writev_all(fd, batch)
-                    batch = []
-            if batch:
-                total += _writev_all(fd, batch)
+                total += _writev_all(fd, [b])
             os.fsync(fd)
         finally:
             os.close(fd)
