@@ -1,6 +1,6 @@
 """The few collectives a distributed save needs, over a torch.distributed process group.
 
-Only metadata travels through ``all_gather_object``/``broadcast_object_list`` (pickled
+Only metadata travels through ``all_gather_object`` (pickled
 between the job's own ranks, never read from storage); tensor bytes move point-to-point,
 only boundary pieces, as flat ``uint8`` tensors.
 """
@@ -54,14 +54,23 @@ class Comm:
     def agree(self, error: BaseException | None, what: str) -> None:
         """Raise the same error on every rank if any rank failed ``what`` (a single process
         raises its own error unchanged)."""
+        self.raise_failures(self.all_gather(describe(error)) if self.active else [None], error, what)
+
+    def raise_failures(self, described: Sequence[str | None], error: BaseException | None, what: str) -> None:
+        """Raise one error naming every rank whose entry of ``described`` (see
+        :func:`describe`, gathered from all ranks) reports a failure of ``what``."""
         if not self.active:
             if error is not None:
                 raise error
             return
-        errors: Sequence[str | None] = self.all_gather(None if error is None else f"{type(error).__name__}: {error}")
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        failed = [(r, e) for r, e in enumerate(described) if e is not None]
         if failed:
             from .errors import CheckpointError
 
             detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
             raise CheckpointError(f"{what} failed on {len(failed)} of {self.world} ranks: {detail}") from error
+
+
+def describe(error: BaseException | None) -> str | None:
+    """An error as the short text sent to the other ranks."""
+    return None if error is None else f"{type(error).__name__}: {error}"

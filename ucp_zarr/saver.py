@@ -17,7 +17,7 @@ import torch
 
 from . import __version__
 from .arrayio import as_storage, write_shard
-from .distributed import Comm
+from .distributed import Comm, describe
 from .errors import CheckpointExistsError
 from .format import METADATA_FILE, PENDING_FILE, ArrayMeta, CheckpointMeta, TensorEntry, group_zarr_json
 from .fragments import Fragment, is_fragment_value, to_fragment
@@ -69,8 +69,10 @@ class PreparedSave:
             mine = [(k, d) for k, d in docs if plan.doc_writers[k] == comm.rank]
             tasks = [(n, t) for n, t in enumerate(plan.shards) if t.writer == comm.rank]
             with ThreadPoolExecutor(self.max_workers) as pool:
-                list(pool.map(lambda kd: store.write(kd[0], [kd[1]]), mine))
-                list(pool.map(lambda nt: self._write(nt[0], nt[1], received), tasks))
+                jobs = [pool.submit(store.write, k, [d]) for k, d in mine]
+                jobs += [pool.submit(self._write, n, t, received) for n, t in tasks]
+                for job in jobs:
+                    job.result()
             store.sync()
         except BaseException as e:  # every rank must learn of it before anyone commits
             error = e
@@ -233,10 +235,10 @@ def prepare(
         infos = _infos(fragments)
     except BaseException as e:
         error = e
-    comm.agree(error, "preparing the save")
-    gathered = comm.all_gather((infos, values))
-    plan = plan_save([g[0] for g in gathered], chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
-    global_values, rank_values = _merge_values([g[1] for g in gathered])
+    gathered = comm.all_gather((describe(error), infos, values))  # no tensor bytes: boxes, dtypes, JSON
+    comm.raise_failures([g[0] for g in gathered], error, "preparing the save")
+    plan = plan_save([g[1] for g in gathered], chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
+    global_values, rank_values = _merge_values([g[2] for g in gathered])
 
     error = None
     if comm.rank == 0:
@@ -255,7 +257,7 @@ def prepare(
         paths = {r: plan.arrays[a][0] for r, a in ranks.items()}
         meta = plan.arrays[ranks[min(ranks)]][1]
         entries[key] = TensorEntry(paths[min(paths)], meta.shape, meta.dtype.name, paths)
-    order = {k: i for i, k in enumerate(k for g in gathered for k in [f.key for f in g[0]])}
+    order = {k: i for i, k in enumerate(k for g in gathered for k in [f.key for f in g[1]])}
     entries = dict(sorted(entries.items(), key=lambda kv: order.get(kv[0], 0)))
     meta = CheckpointMeta(
         tensors=entries,
