@@ -58,7 +58,6 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -69,6 +68,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from pagecache import cached_bytes, evict, files_under
 
 if importlib.util.find_spec("ucp_zarr") is None:  # run from a checkout without PYTHONPATH
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -287,39 +288,6 @@ class Meter:
         return {"wall": self.wall, "cpu": self.cpu, "extra": self.peak - self.base, "base": self.base}
 
 
-def files_under(path: str) -> list[str]:
-    out = []
-    for root, _, names in os.walk(path):
-        out.extend(os.path.join(root, n) for n in names)
-    return out
-
-
-def evict(paths: list[str]) -> None:
-    """fsync and drop from the page cache every file under ``paths``."""
-    for p in paths:
-        for f in files_under(p):
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def cached_bytes(path: str) -> int | None:
-    """Bytes of ``path``'s files in the page cache (util-linux ``fincore``), or None."""
-    files = files_under(path)
-    if not files or shutil.which("fincore") is None:
-        return None
-    try:
-        out = subprocess.run(
-            ["fincore", "--bytes", "--noheadings", "--output", "RES", *files], capture_output=True, text=True, check=True
-        ).stdout
-    except (subprocess.CalledProcessError, OSError):
-        return None
-    return sum(int(x) for x in out.split())
-
-
 def disk_bytes(path: str) -> int:
     return sum(os.path.getsize(f) for f in files_under(path))
 
@@ -373,7 +341,7 @@ def scratch_io(path: str, nbytes: int, read: bool) -> None:
         f.flush()
         os.fsync(f.fileno())
     if read:
-        evict([path])
+        evict(path)
         with open(path, "rb") as f:
             while f.readinto(buf):
                 pass
@@ -390,7 +358,7 @@ def settle(rank: int, paths: list[str], delete: bool) -> None:
     dist.barrier()
     if rank == 0:
         for p in paths:
-            shutil.rmtree(p) if delete else evict([p])
+            shutil.rmtree(p) if delete else evict(p)
     dist.barrier()
 
 
@@ -487,7 +455,7 @@ def load_job(
         zero_state(sd)
         dist.barrier()
         if rank == 0:
-            evict(checkpoints)
+            evict(*checkpoints)
             res["warm"][m] = cached_bytes(os.path.join(work, m))
         res[m] = _timed(lambda: LOAD[m](sd, os.path.join(work, m)))
         if verify:
@@ -497,7 +465,7 @@ def load_job(
         zero_state(sd)
         dist.barrier()
         if rank == 0:
-            evict(checkpoints)
+            evict(*checkpoints)
         profiled(lambda: ucp_load(sd, os.path.join(work, "ucp_zarr")), os.path.join(work, "load.prof.txt"), rank)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, res)
@@ -563,7 +531,7 @@ def main(argv: list[str] | None = None) -> None:
                 runs.setdefault(f"save:{m}", []).append([g[m] for g in got])
                 runs.setdefault(f"save2:{m}", []).append([g[m + ".2"] for g in got])
                 disk[m] = disk_bytes(os.path.join(work, m))
-            evict([os.path.join(work, m) for m in METHODS])
+            evict(*(os.path.join(work, m) for m in METHODS))
             out = os.path.join(work, "load.json")
             run(LOAD_WORLD, load_job, spec, work, order, out, rep == 0, profile)
             with open(out) as f:

@@ -34,7 +34,6 @@ import gc
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -43,6 +42,8 @@ from typing import Callable
 
 import numpy as np
 import torch
+
+from pagecache import cached_bytes, evict
 
 import importlib.util
 
@@ -101,47 +102,12 @@ def empty_like_state(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # --- file system helpers --------------------------------------------------------------------
 
 
-def _files(path: str) -> list[str]:
-    if os.path.isfile(path):
-        return [path]
-    out = []
-    for root, _, names in os.walk(path):
-        out.extend(os.path.join(root, n) for n in names)
-    return out
-
-
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def evict(path: str) -> None:
-    """fsync and drop from the page cache every file under ``path`` (same for every method)."""
-    for f in _files(path):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def cached_bytes(path: str) -> int | None:
-    """Bytes of ``path``'s files still in the page cache (via util-linux ``fincore``), or None."""
-    files = _files(path)
-    if not files or shutil.which("fincore") is None:
-        return None
-    try:
-        out = subprocess.run(
-            ["fincore", "--bytes", "--noheadings", "--output", "RES", *files],
-            capture_output=True, text=True, check=True,
-        ).stdout
-    except (subprocess.CalledProcessError, OSError):
-        return None
-    return sum(int(x) for x in out.split())
 
 
 def remove(path: str) -> None:

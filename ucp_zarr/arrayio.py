@@ -32,7 +32,7 @@ from .shard import (
     local_chunk_number,
     verify_chunk,
 )
-from .storage import ReadRequest, Store
+from .storage import Store
 
 MAX_REQUEST_BYTES = 64 << 20
 """Neighbouring chunks are fetched in one request up to this size."""

@@ -22,7 +22,7 @@ from .errors import CheckpointExistsError
 from .format import METADATA_FILE, PENDING_FILE, ArrayMeta, CheckpointMeta, TensorEntry, group_zarr_json
 from .fragments import Fragment, is_fragment_value, to_fragment
 from .layout import Box
-from .planner import FragmentInfo, SavePlan, ShardTask, per_rank_key, plan_save
+from .planner import FragmentInfo, SavePlan, ShardTask, plan_save
 from .shard import checksum
 from .statedict import iter_leaves, to_json
 from .storage import Store
