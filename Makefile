@@ -18,3 +18,4 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_single.py
+	$(PY) benchmarks/bench_distributed.py
