@@ -117,7 +117,9 @@ class PreparedSave:
         raise AssertionError(f"rank does not hold {box} of {akey!r}")
 
 
-def _exchange(comm: Comm, plan: SavePlan, data) -> dict[tuple[int, int], torch.Tensor]:
+def _exchange(
+    comm: Comm, plan: SavePlan, data: Callable[[str, Box], torch.Tensor]
+) -> dict[tuple[int, int], torch.Tensor]:
     """Send the boundary pieces this rank holds to their shards' writers; receive ours.
 
     The pieces for one peer travel as one byte buffer, each at a 64-byte aligned offset so
