@@ -180,18 +180,22 @@ def test_complex_array_is_plain_zarr(validators, tmp_path: Path) -> None:
 # --- every document of a real save -------------------------------------------------------
 
 
-def test_every_written_document_validates(validators, saved) -> None:
-    root, _ = saved
-    docs = _documents(root)
-    assert [p for p, _ in docs["checkpoint"]] == ["."]
-    assert docs["group"] and docs["array"]
-    failures = {
+def _failures(validators, docs) -> dict[str, list]:
+    """Schema errors of every document, by ``kind:path``; empty when all validate."""
+    return {
         f"{kind}:{path}": errs
         for kind, items in docs.items()
         for path, doc in items
         if (errs := _errors(validators[kind], doc))
     }
-    assert failures == {}
+
+
+def test_every_written_document_validates(validators, saved) -> None:
+    root, _ = saved
+    docs = _documents(root)
+    assert [p for p, _ in docs["checkpoint"]] == ["."]
+    assert docs["group"] and docs["array"]
+    assert _failures(validators, docs) == {}
 
 
 def test_documents_agree_with_each_other(saved) -> None:
@@ -363,13 +367,7 @@ def dist_saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_distributed_documents_validate(validators, dist_saved) -> None:
     docs = _documents(dist_saved)
-    failures = {
-        f"{kind}:{path}": errs
-        for kind, items in docs.items()
-        for path, doc in items
-        if (errs := _errors(validators[kind], doc))
-    }
-    assert failures == {}
+    assert _failures(validators, docs) == {}
     index = docs["checkpoint"][0][1]["attributes"]["ucp_zarr"]
     arrays = dict(docs["array"])
     assert index["world_size"] == DIST_WORLD

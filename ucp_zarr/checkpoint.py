@@ -166,9 +166,7 @@ class Checkpoint:
         return groups
 
     def nbytes(self) -> int:
-        return sum(
-            math.prod(e.shape) * stored_dtype_by_name(e.dtype).itemsize for e in self.meta.tensors.values()
-        )
+        return sum(e.nbytes for e in self.meta.tensors.values())
 
     def __repr__(self) -> str:
         lines = [
@@ -186,7 +184,7 @@ class Checkpoint:
         for group, items in self._groups().items():
             inner = "".join(
                 f"<tr><td><code>{html.escape(name)}</code></td><td>{list(e.shape)}</td>"
-                f"<td>{e.dtype}</td><td title='{html.escape(key)}'>{_human(math.prod(e.shape) * _itemsize(e.dtype))}</td></tr>"
+                f"<td>{e.dtype}</td><td title='{html.escape(key)}'>{_human(e.nbytes)}</td></tr>"
                 for name, key, e in items
             )
             rows.append(
@@ -290,10 +288,6 @@ def _spans(offset: int, size: int, step: int, chunk: int) -> list[tuple[int, int
         pos += count
         i += count * step
     return out
-
-
-def _itemsize(dtype: str) -> int:
-    return stored_dtype_by_name(dtype).itemsize
 
 
 def _human(n: float) -> str:

@@ -13,6 +13,7 @@ Three kinds of ``zarr.json`` are written (specified in ``schema/``):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,6 +156,10 @@ class TensorEntry:
         if self.ranks is not None:
             d["ranks"] = {str(r): p for r, p in sorted(self.ranks.items())}
         return d
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * stored_dtype_by_name(self.dtype).itemsize
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "TensorEntry":

@@ -75,6 +75,13 @@ class Fragment:
     def nbytes(self) -> int:
         return sum(b.numel for b, _ in self.pieces) * self.dtype.itemsize
 
+    def holding(self, box: Box) -> tuple[Box, torch.Tensor]:
+        """The piece that holds ``box`` whole: its global box and local tensor."""
+        for pbox, t in self.pieces:
+            if pbox.contains(box):
+                return pbox, t
+        raise AssertionError(f"this rank holds no piece of {self.key!r} containing {box}")
+
 
 def is_fragment_value(value: Any) -> bool:
     return isinstance(value, (torch.Tensor, Shard, FlatShard))

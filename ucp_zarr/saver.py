@@ -111,10 +111,8 @@ class PreparedSave:
             if sbox.contains(box):
                 return t, sbox
         meta = self.plan.arrays[akey][1]
-        for pbox, t in self.fragments[meta.key].pieces:
-            if pbox.contains(box):
-                return as_storage(t, meta), pbox
-        raise AssertionError(f"rank does not hold {box} of {akey!r}")
+        pbox, t = self.fragments[meta.key].holding(box)
+        return as_storage(t, meta), pbox
 
 
 def _exchange(
@@ -318,10 +316,8 @@ def _stage(plan: SavePlan, fragments: dict[str, Fragment], rank: int, copy: bool
     for (akey, box, frag), size in zip(todo, sizes):
         meta = plan.arrays[akey][1]
         dst = buf[pos : pos + box.numel * frag.dtype.itemsize].view(meta.dtype.storage_torch_dtype).view(box.shape)
-        for pbox, t in frag.pieces:
-            if pbox.contains(box):
-                dst.copy_(as_storage(t, meta)[box.relative_to(pbox).slices()], non_blocking=pin)
-                break
+        pbox, t = frag.holding(box)
+        dst.copy_(as_storage(t, meta)[box.relative_to(pbox).slices()], non_blocking=pin)
         staged.boxes.setdefault(akey, []).append((box, dst))
         pos += size
     if pin:
