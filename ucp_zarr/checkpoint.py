@@ -16,10 +16,10 @@ import torch
 from .arrayio import as_storage, read_box, read_shard_index
 from .dtypes import stored_dtype_by_name
 from .errors import FormatError, IncompleteCheckpointError
-from .format import METADATA_FILE, PENDING_FILE, ArrayMeta, CheckpointMeta
+from .format import METADATA_FILE, ArrayMeta, CheckpointMeta
 from .layout import Box
 from .statedict import from_json
-from .storage import Store, open_store
+from .storage import PENDING_MARKER, Store, open_store
 
 
 class Checkpoint:
@@ -309,7 +309,7 @@ def open_store_checkpoint(store: Store) -> Checkpoint:
     try:
         raw = store.read(METADATA_FILE)
     except FileNotFoundError:
-        if store.exists(PENDING_FILE) or not store.is_empty():
+        if store.exists(PENDING_MARKER) or not store.is_empty():
             raise IncompleteCheckpointError(
                 f"{store.url} holds an incomplete checkpoint: its commit record {METADATA_FILE} "
                 "was never written (the save failed or is still running)"

@@ -20,13 +20,10 @@ from typing import Any
 from .dtypes import StoredDtype, stored_dtype_by_name
 from .errors import FormatError
 from .layout import ChunkGrid
-from .storage import PENDING_MARKER
 
 FORMAT_VERSION = 1
 ATTRIBUTE = "ucp_zarr"
 METADATA_FILE = "zarr.json"
-PENDING_FILE = PENDING_MARKER
-"""Marks a directory whose save is under way (or crashed); removed after the commit."""
 
 
 @dataclass(frozen=True)

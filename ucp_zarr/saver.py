@@ -19,13 +19,13 @@ from . import __version__
 from .arrayio import as_storage, write_shard
 from .distributed import Comm, describe
 from .errors import CheckpointExistsError
-from .format import METADATA_FILE, PENDING_FILE, ArrayMeta, CheckpointMeta, TensorEntry, group_zarr_json
+from .format import METADATA_FILE, ArrayMeta, CheckpointMeta, TensorEntry, group_zarr_json
 from .fragments import Fragment, is_fragment_value, to_fragment
 from .layout import Box
 from .planner import FragmentInfo, SavePlan, ShardTask, plan_save
 from .shard import checksum
 from .statedict import iter_leaves, to_json
-from .storage import Store
+from .storage import PENDING_MARKER, Store
 
 DIGEST_COPY_BYTES = 16 << 20
 """Off-CPU plain tensors up to this size are copied to the host for their digest."""
@@ -80,11 +80,11 @@ class PreparedSave:
         if comm.rank == 0:
             try:
                 store.write_atomic(METADATA_FILE, _dumps(self.meta.to_zarr_json()))
-                store.delete(PENDING_FILE)
+                store.delete(PENDING_MARKER)
             except BaseException as e:
                 error = e
         comm.agree(error, f"committing {store.url}")
-        objects = tuple(k for k in store.stats.written if k != PENDING_FILE)
+        objects = tuple(k for k in store.stats.written if k != PENDING_MARKER)
         return SaveResult(store.url, comm.rank, store.stats.bytes_written, objects)
 
     def _data(self, akey: str, box: Box) -> torch.Tensor:
@@ -205,11 +205,11 @@ def _begin(store: Store) -> None:
     """Claim ``store`` for a new checkpoint: refuse a committed one, clear a failed one."""
     if store.exists(METADATA_FILE):
         raise CheckpointExistsError(f"a checkpoint is already committed at {store.url}; choose a new path")
-    if store.exists(PENDING_FILE):
+    if store.exists(PENDING_MARKER):
         store.clear()
     elif not store.is_empty():
         raise CheckpointExistsError(f"{store.url} is not empty and holds no ucp_zarr checkpoint; refusing to write into it")
-    store.write(PENDING_FILE, [b"{}"])
+    store.write(PENDING_MARKER, [b"{}"])
 
 
 def prepare(
