@@ -1,6 +1,6 @@
 """ucp_zarr: universal checkpointing for PyTorch training, stored as plain Zarr v3."""
 
-__version__ = "0.1.0"
+from .version import __version__
 
 from typing import TYPE_CHECKING
 

@@ -20,7 +20,7 @@ import torch
 from .errors import CorruptChunkError
 from .format import ArrayMeta
 from .layout import Box, grid_indices
-from .shard import (
+from .codec import (
     CRC_BYTES,
     MISSING,
     chunk_key,

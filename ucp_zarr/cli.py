@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     if args.cmd == "demo":
-        from .demo import run
+        from .examples.elastic_resume import run
 
         return 0 if run(args.steps, args.save_at, args.dir) else 1
     ck = open_checkpoint(args.path, storage_options=args.storage_options)

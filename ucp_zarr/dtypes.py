@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import DtypeMismatchError, FormatError
+
 
 @dataclass(frozen=True)
 class StoredDtype:
@@ -83,7 +85,7 @@ def stored_dtype(dtype: torch.dtype, *, key: str = "") -> StoredDtype:
         return _BY_NAME[name]
     except KeyError:
         where = f" (tensor {key!r})" if key else ""
-        raise TypeError(f"ucp_zarr cannot store dtype {dtype}{where}") from None
+        raise DtypeMismatchError(f"ucp_zarr cannot store dtype {dtype}{where}") from None
 
 
 def stored_dtype_by_name(name: str) -> StoredDtype:
@@ -91,7 +93,7 @@ def stored_dtype_by_name(name: str) -> StoredDtype:
     try:
         return _BY_NAME[name]
     except KeyError:
-        raise TypeError(f"unknown torch_dtype {name!r} in checkpoint metadata") from None
+        raise FormatError(f"unknown torch_dtype {name!r} in checkpoint metadata") from None
 
 
 def supported_dtypes() -> list[torch.dtype]:

@@ -1,4 +1,10 @@
-"""Exceptions raised by ucp_zarr; each names the tensor, key, file or rank at fault."""
+"""The exceptions ucp_zarr raises: one hierarchy under :class:`CheckpointError`.
+
+Every error raised on bad input or bad data derives from :class:`CheckpointError`, and its
+message names the tensor, key, rank or file involved. Where a builtin exception used to be
+raised (``ValueError``, ``TypeError``, ``KeyError``, ``FileNotFoundError``,
+``FileExistsError``), the class derives from it too, so existing handlers keep working.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +13,50 @@ class CheckpointError(Exception):
     """Base class of every error ucp_zarr raises on purpose."""
 
 
+# --- the checkpoint as a whole -------------------------------------------------------------
+
+
+class NotACheckpointError(CheckpointError, FileNotFoundError):
+    """The path holds no ucp_zarr checkpoint at all (nothing there, or something else)."""
+
+
 class IncompleteCheckpointError(CheckpointError):
     """The path holds a checkpoint whose commit record was never written."""
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
-    """Saving would overwrite a committed checkpoint."""
+    """Saving would replace a committed checkpoint (pass ``overwrite=True`` to allow it)."""
 
 
-class NotJSONableError(CheckpointError, TypeError):
-    """A non-tensor value in the state dict cannot be stored as JSON."""
+class OwnershipError(CheckpointError):
+    """Another save owns the path (it is running, or not provably dead), or this save lost
+    its ownership before committing."""
+
+
+class SaveError(CheckpointError):
+    """A distributed save failed; raised on every rank. ``failures`` maps each failing rank
+    to its error."""
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+class LayoutError(CheckpointError, ValueError):
+    """The ranks' fragments of a tensor do not form a valid global layout (coverage,
+    overlap, shapes, dtypes, or replicas that differ)."""
+
+
+class ShapeMismatchError(CheckpointError, ValueError):
+    """A tensor's shape in the state dict differs from the checkpoint's."""
+
+
+class DtypeMismatchError(CheckpointError, TypeError):
+    """A tensor's dtype cannot take the checkpoint's values (a lossy cast that was not
+    allowed, or a tensor where the checkpoint holds a value, or the reverse)."""
 
 
 class KeyMismatchError(CheckpointError, KeyError):
@@ -36,9 +76,31 @@ class KeyMismatchError(CheckpointError, KeyError):
         return str(self.args[0])
 
 
-class CorruptChunkError(CheckpointError):
-    """A chunk or shard index failed its crc32c check, or a file is malformed."""
+class PerRankStateError(CheckpointError, KeyError):
+    """Per-rank state of this rank cannot be restored: the rank did not exist at save time
+    (pass ``allow_new_ranks=True`` to keep the current values)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class NotJSONableError(CheckpointError, TypeError):
+    """A non-tensor value in the state dict cannot be stored as JSON."""
+
+
+# --- bad data ------------------------------------------------------------------------------
 
 
 class FormatError(CheckpointError, ValueError):
-    """A metadata document is missing, malformed or of an unknown format version."""
+    """A metadata document is missing, malformed, inconsistent, or uses something this
+    library does not read (another codec chain, format version, byte order...)."""
+
+
+class CorruptChunkError(CheckpointError):
+    """Stored data is corrupt, missing, or does not belong to this checkpoint (failed
+    crc32c, absent chunk, a shard from another array or another save)."""
+
+
+class AuthenticationError(CorruptChunkError):
+    """An authenticated checkpoint (``hmac_key``) failed its check, or a key was given and
+    the checkpoint is unsigned: data, metadata or values were changed."""

@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
-from .adapters.dtensor import dtensor_pieces, is_dtensor
+from .errors import LayoutError, NotJSONableError
 from .layout import Box
 from .layout.flat import box_flat_start, flat_range_boxes
+from .layout.placements import DimSplit, local_runs, runs_to_boxes
 
 
 @dataclass
@@ -83,6 +84,44 @@ class Fragment:
         raise AssertionError(f"this rank holds no piece of {self.key!r} containing {box}")
 
 
+def is_dtensor(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(value, DTensor)
+
+
+def dtensor_pieces(dt: Any, key: str) -> tuple[tuple[int, ...], list[tuple[Box, torch.Tensor]]]:
+    """The global shape of ``dt`` and ``(global box, local view)`` for each box it holds here.
+
+    Raises for ``Partial`` placements (pending reductions are not state).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = dt.device_mesh
+    shape = tuple(dt.shape)
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return shape, []
+    splits: list[DimSplit | None] = []
+    for p in dt.placements:
+        if isinstance(p, _StridedShard):
+            splits.append(DimSplit(p.dim, int(p.split_factor)))
+        elif isinstance(p, Shard):
+            splits.append(DimSplit(p.dim))
+        elif isinstance(p, Replicate):
+            splits.append(None)
+        else:
+            raise LayoutError(f"tensor {key!r}: cannot checkpoint a DTensor with placement {p}; reduce it first")
+    local = dt.to_local()
+    pieces = []
+    for gbox, lbox in runs_to_boxes(local_runs(shape, tuple(mesh.shape), coord, splits)):
+        pieces.append((gbox, local[lbox.slices()]))
+    return shape, pieces
+
+
 def is_fragment_value(value: Any) -> bool:
     return isinstance(value, (torch.Tensor, Shard, FlatShard))
 
@@ -95,21 +134,21 @@ def to_fragment(key: str, value: Any) -> Fragment:
     if isinstance(value, Shard):
         local = value.local
         if len(value.global_offset) != len(value.global_shape) or local.dim() != len(value.global_shape):
-            raise ValueError(
+            raise LayoutError(
                 f"tensor {key!r}: Shard with local shape {list(local.shape)}, global shape "
                 f"{list(value.global_shape)} and offset {list(value.global_offset)} differ in rank"
             )
         box = Box(value.global_offset, tuple(local.shape))
         if not Box.whole(value.global_shape).contains(box):
-            raise ValueError(f"tensor {key!r}: Shard {box} lies outside the global shape {list(value.global_shape)}")
+            raise LayoutError(f"tensor {key!r}: Shard {box} lies outside the global shape {list(value.global_shape)}")
         return Fragment(key, value.global_shape, local.dtype, [(box, local)] if box.numel else [], device=local.device)
     if isinstance(value, FlatShard):
         local = value.local
         if local.dim() != 1:
-            raise ValueError(f"tensor {key!r}: FlatShard.local must be 1-D, got shape {list(local.shape)}")
+            raise LayoutError(f"tensor {key!r}: FlatShard.local must be 1-D, got shape {list(local.shape)}")
         start, stop = value.flat_offset, value.flat_offset + local.numel()
         if not 0 <= start <= stop <= math.prod(value.global_shape):
-            raise ValueError(
+            raise LayoutError(
                 f"tensor {key!r}: FlatShard [{start}, {stop}) is outside {math.prod(value.global_shape)} elements"
             )
         pieces = []
@@ -121,4 +160,4 @@ def to_fragment(key: str, value: Any) -> Fragment:
         shape = tuple(value.shape)
         pieces = [(Box.whole(shape), value)] if math.prod(shape) else []
         return Fragment(key, shape, value.dtype, pieces, plain=True, device=value.device)
-    raise TypeError(f"tensor {key!r}: unsupported value of type {type(value).__name__}")
+    raise NotJSONableError(f"tensor {key!r}: unsupported value of type {type(value).__name__}")

@@ -23,14 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from .dtypes import stored_dtype
+from .errors import LayoutError
 from .format import ArrayMeta, Region
 from .layout import Box, ChunkGrid, choose_grid
 from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES, MIN_ALIGNED_CHUNK_BYTES
 from .statedict import assign_array_paths
-
-
-class LayoutError(ValueError):
-    """The ranks' fragments of a tensor do not form a valid global layout."""
 
 
 @dataclass(frozen=True)

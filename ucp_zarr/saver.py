@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import __version__
+from .version import __version__
 from .arrayio import as_storage, write_shard
 from .distributed import Comm, describe
 from .errors import CheckpointExistsError
@@ -23,7 +23,7 @@ from .format import METADATA_FILE, ArrayMeta, CheckpointMeta, TensorEntry, group
 from .fragments import Fragment, is_fragment_value, to_fragment
 from .layout import Box
 from .planner import FragmentInfo, SavePlan, ShardTask, plan_save
-from .shard import checksum
+from .codec import checksum
 from .statedict import iter_leaves, to_json
 from .storage import PENDING_MARKER, Store
 

@@ -206,7 +206,7 @@ def _train_tp2_dp2(rank: int, world: int, steps: int, save_at: int, ckpt: str, w
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from .api import save
+    from ucp_zarr import save
 
     c = GPTConfig()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -244,7 +244,7 @@ def _resume_fsdp3(rank: int, world: int, steps: int, ckpt: str, work: str) -> No
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from .api import load
+    from ucp_zarr import load
 
     c = GPTConfig()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
@@ -296,7 +296,7 @@ def run(steps: int = 20, save_at: int = 10, directory: str | None = None) -> boo
         t0 = time.perf_counter()
         _spawn(4, _train_tp2_dp2, steps, save_at, ckpt, work)
         t_ref = time.perf_counter() - t0
-        from .checkpoint import open as open_checkpoint
+        from ucp_zarr import open as open_checkpoint
 
         ck = open_checkpoint(ckpt)
         print(f"      checkpoint {ckpt}: {len(ck)} tensors")
