@@ -172,8 +172,8 @@ def _job_save_2(rank: int, world: int, d: str) -> None:
     _train(model, opt, steps=2, seed=0)
     extra = {"step": 2, "lr": 0.125, "tag": "run-a"}
     _dcp_save(rank, world, _state(model, opt, extra), d_ / "ck_dcp2")
-    # per-rank state as ucp_zarr.save stores it: a plain tensor and a value that differ
-    extra = {**extra, "rng": torch.tensor([rank, 10 + rank], dtype=torch.int64), "pos": 100 * rank}
+    # per-rank state as ucp_zarr.save stores it: a PerRank tensor and a value that differs
+    extra = {**extra, "rng": ucp_zarr.PerRank(torch.tensor([rank, 10 + rank], dtype=torch.int64)), "pos": 100 * rank}
     ucp_zarr.save(_state(model, opt, extra), d_ / "ck_ucp2", **CHUNKS)
     # a value only rank 1 holds cannot be stored as JSON: every rank fails the same way
     bad = {"w": torch.ones(2), **({"obj": io.BytesIO()} if rank == 1 else {})}
@@ -254,7 +254,7 @@ def test_fsdp2_dcp_save_writes_the_universal_format(jobs_dir):
             assert _bits_equal(ck[key][...], value), key
         else:
             saved = from_json(ck.meta.values[key])
-            assert saved == (list(value) if isinstance(value, tuple) else value), key
+            assert saved == value and type(saved) is type(value), key  # tuples stay tuples
     assert ck.metadata["values"]["extra.tag"] == "run-a"
     _assert_zarr_only(path)
     assert not (jobs_dir / "ck_bad" / "zarr.json").exists()  # the failed save committed nothing
@@ -341,7 +341,7 @@ def test_single_process_no_process_group_round_trip(tmp_path):
     ck = ucp_zarr.open(tmp_path / "ck")
     assert ck.meta.world_size == 1
     assert ck.metadata["values"]["extra.step"] == 7 and ck.metadata["values"]["extra.blob"] == EXTRA["blob"]
-    assert ck.metadata["values"]["optim.param_groups.0.betas"] == [0.8, 0.9]
+    assert ck.metadata["values"]["optim.param_groups.0.betas"] == (0.8, 0.9)
     assert _bits_equal(ck["extra.bf16"][...], EXTRA["bf16"])
 
     model2, opt2, sd2 = _plain_state(5, 0.5)
@@ -405,12 +405,16 @@ def test_reader_reads_only_what_is_asked(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_writer_refuses_committed_checkpoint_and_pickle_only_values(tmp_path):
+def test_writer_overwrites_like_dcp_unless_told_not_to_and_refuses_pickle_only_values(tmp_path):
     sd = {"w": torch.ones(3)}
     dcp.save(sd, storage_writer=ucp_zarr.ZarrStorageWriter(tmp_path / "ck"))
+    dcp.save({"w": torch.full((3,), 2.0)}, storage_writer=ucp_zarr.ZarrStorageWriter(tmp_path / "ck"))
+    assert torch.equal(ucp_zarr.open(tmp_path / "ck")["w"][:], torch.full((3,), 2.0))  # DCP's default: overwrite
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no staging copy left beside it
     with pytest.raises(CheckpointException, match="already committed") as info:
-        dcp.save(sd, storage_writer=ucp_zarr.ZarrStorageWriter(tmp_path / "ck"))
+        dcp.save(sd, storage_writer=ucp_zarr.ZarrStorageWriter(tmp_path / "ck", overwrite=False))
     assert isinstance(info.value.failures[0][0], ucp_zarr.CheckpointExistsError)
+    assert torch.equal(ucp_zarr.open(tmp_path / "ck")["w"][:], torch.full((3,), 2.0))
     with pytest.raises(CheckpointException, match="neither a tensor nor JSON-able") as info:
         dcp.save({"w": torch.ones(3), "obj": io.BytesIO()}, storage_writer=ucp_zarr.ZarrStorageWriter(tmp_path / "bad"))
     assert isinstance(info.value.failures[0][0], ucp_zarr.NotJSONableError)

@@ -4,8 +4,9 @@ On the local filesystem every byte read goes through ``ck.store.stats``. A read 
 ``ck[key][index]`` must cost exactly
 
     (chunks overlapping the selection's bounding box) * (chunk bytes + 4 crc32c bytes)
-    + (shard index bytes: prod(chunks_per_shard) * 16 + 4) for every shard touched for the
-      first time by this Checkpoint (indexes are cached; unsharded arrays have none)
+    + (shard tail: index prod(chunks_per_shard) * 16 + 4 and trailer 80 + 4 * prod(...),
+      FORMAT.md section 5) for every shard touched for the first time by this Checkpoint
+      (tails are cached; every array is sharded, a one-chunk shard too)
 
 Chunks at the array's edge are stored padded to the full chunk shape, so every stored chunk
 has the same size. All expectations are computed from ``ck.array_meta(key).grid``.
@@ -93,13 +94,20 @@ def _expand(index: Any, ndim: int) -> tuple[Any, ...]:
 
 def _expected_bytes(grid, itemsize: int, index: Any, touched: set[tuple[int, ...]]) -> tuple[int, set]:
     """Bytes a read of ``index`` must cost (the chunks holding a selected element, plus the
-    index of each shard not touched before); returns them and the shards this read touches."""
+    trailer and index of each shard not touched before, read together from the shard's end:
+    FORMAT.md section 5); returns them and the shards this read touches."""
     chunk_stored = math.prod(grid.chunk_shape) * itemsize + CRC
     nbytes = len(_selected_cells(index, grid.shape, grid.chunk_shape)) * chunk_stored
     shards = _selected_cells(index, grid.shape, grid.shard_shape)
-    if grid.sharded:
-        nbytes += len(shards - touched) * (math.prod(grid.chunks_per_shard) * 16 + CRC)
+    nbytes += len(shards - touched) * _tail(grid)
     return nbytes, shards
+
+
+def _tail(grid) -> int:
+    """What is read from the end of a shard before its chunks: its trailer and its index."""
+    n = math.prod(grid.chunks_per_shard)
+    trailer = 8 + 4 + 4 + 16 + 16 + 4 * n + 32
+    return trailer + n * 16 + CRC
 
 
 def _reset(ck) -> None:
@@ -167,8 +175,7 @@ def test_small_read_is_a_small_fraction(saved, name):
     grid = ck.array_meta(KEY).grid
     _reset(ck)
     assert ck[KEY][src.shape[0] - 1, src.shape[1] - 1].item() == src[-1, -1].item()
-    index = math.prod(grid.chunks_per_shard) * 16 + CRC if grid.sharded else 0
-    assert ck.store.stats.bytes_read == math.prod(grid.chunk_shape) * 4 + CRC + index
+    assert ck.store.stats.bytes_read == math.prod(grid.chunk_shape) * 4 + CRC + _tail(grid)
     assert ck.store.stats.bytes_read < src.numel() * 4 // 8
 
 
@@ -181,8 +188,7 @@ def test_whole_read_reads_every_chunk_once(saved, name):
     assert torch.equal(ck[KEY][...], src)
     nchunks = math.prod(_counts(grid.shape, grid.chunk_shape))
     nshards = math.prod(grid.shard_counts)
-    index = math.prod(grid.chunks_per_shard) * 16 + CRC if grid.sharded else 0
-    assert ck.store.stats.bytes_read == nchunks * (math.prod(grid.chunk_shape) * 4 + CRC) + nshards * index
+    assert ck.store.stats.bytes_read == nchunks * (math.prod(grid.chunk_shape) * 4 + CRC) + nshards * _tail(grid)
 
 
 # --- random slices --------------------------------------------------------------------------
@@ -251,9 +257,7 @@ def test_stepped_read_skips_chunks_without_selected_elements(saved, name):
     index = (slice(None, None, 64), slice(None, None, 200))
     chunks = _selected_cells(index, tuple(src.shape), grid.chunk_shape)
     shards = _selected_cells(index, tuple(src.shape), grid.shard_shape)
-    want = len(chunks) * (math.prod(grid.chunk_shape) * 4 + CRC)
-    if grid.sharded:
-        want += len(shards) * (math.prod(grid.chunks_per_shard) * 16 + CRC)
+    want = len(chunks) * (math.prod(grid.chunk_shape) * 4 + CRC) + len(shards) * _tail(grid)
     _reset(ck)
     assert torch.equal(ck[KEY][index], src[index])
     assert ck.store.stats.bytes_read == want, (ck.store.stats.bytes_read, want)

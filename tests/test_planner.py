@@ -103,11 +103,22 @@ def test_replicated_tensor_is_written_by_every_replica():
 
 
 def test_per_rank_state_gets_one_array_per_rank():
-    infos = [[FragmentInfo("rng", (16,), "uint8", (Box.whole((16,)),), plain=True, digest=r)] for r in range(3)]
+    infos = [[FragmentInfo("rng", (16,), "uint8", (Box.whole((16,)),), plain=True, per_rank=True)] for r in range(3)]
     plan = plan_save(infos)
     assert plan.per_rank == {"rng": {r: f"rng@rank{r}" for r in range(3)}}
     assert {plan.arrays[f"rng@rank{r}"][0] for r in range(3)} == {f"rng/rng~rank{r}" for r in range(3)}
     assert sorted(t.writer for t in plan.shards) == [0, 1, 2]
+
+
+def test_plain_tensor_differing_between_ranks_is_an_error_naming_the_ranks():
+    """Regression: a plain tensor whose copies differ used to be stored per rank silently
+    (and then left untouched on new ranks at load); per-rank state must be PerRank."""
+    infos = [[FragmentInfo("emb", (16,), "float32", (Box.whole((16,)),), plain=True, digest=d)] for d in (7, 7, 8, 7)]
+    with pytest.raises(LayoutError, match=r"'emb'.*differ.*\[0, 1, 3\] vs ranks \[2\].*PerRank"):
+        plan_save(infos)
+    mixed = [[FragmentInfo("rng", (4,), "uint8", (Box.whole((4,)),), plain=True, per_rank=r == 0)] for r in range(2)]
+    with pytest.raises(LayoutError, match=r"'rng': ranks \[0\] wrap it in PerRank, ranks \[1\] do not"):
+        plan_save(mixed)
 
 
 def test_invalid_layouts_name_the_tensor_and_ranks():

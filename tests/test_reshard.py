@@ -442,8 +442,8 @@ def _save_one_writer(root: Path, rank: int, world: int) -> None:
 def _save_per_rank(root: Path, rank: int, world: int) -> None:
     """Case 9 source: RNG-state-like tensor and data position that differ per rank."""
     sd = {
-        "rng": torch.tensor([rank] * 3),
-        "loader": {"pos": rank * 10},
+        "rng": ucp_zarr.PerRank(torch.tensor([rank] * 3)),
+        "loader": {"pos": ucp_zarr.PerRank(rank * 10)},
         "shared": ref_tensor("shared", (4, 4), seed=9),
         "step": 9,
     }
@@ -452,7 +452,11 @@ def _save_per_rank(root: Path, rank: int, world: int) -> None:
 
 def _load_per_rank(root: Path, rank: int, world: int) -> None:
     sd = {"rng": torch.tensor([100 + rank] * 3), "loader": {"pos": -1}, "shared": torch.zeros(4, 4), "step": 0}
-    ucp_zarr.load(sd, root / "ck_per_rank")
+    if rank >= 4:  # a new rank: strict loading refuses to leave its per-rank state unrestored
+        with pytest.raises(ucp_zarr.PerRankStateError, match=r"rank 4 .*'rng'.*'loader.pos'"):
+            ucp_zarr.load(sd, root / "ck_per_rank")
+        assert sd["rng"].tolist() == [100 + rank] * 3 and sd["step"] == 0  # nothing was read
+    ucp_zarr.load(sd, root / "ck_per_rank", allow_new_ranks=True)
     assert_bits_equal(sd["shared"], ref_tensor("shared", (4, 4), seed=9), "shared")
     assert sd["step"] == 9
     if rank < 4:  # the rank existed at save time: its own saved values

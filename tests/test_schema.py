@@ -9,6 +9,7 @@ the schemas reject them, so these tests can fail.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import os
@@ -214,12 +215,16 @@ def test_documents_agree_with_each_other(saved) -> None:
         assert attrs["torch_dtype"] == entry["dtype"]
         assert doc["shape"] == entry["shape"] == attrs["global_shape"]
         shard = doc["chunk_grid"]["configuration"]["chunk_shape"]
-        codec = doc["codecs"][0]
-        chunk = codec["configuration"]["chunk_shape"] if codec["name"] == "sharding_indexed" else shard
+        assert [c["name"] for c in doc["codecs"]] == ["sharding_indexed"]  # every array is sharded
+        chunk = doc["codecs"][0]["configuration"]["chunk_shape"]
         assert len(shard) == len(chunk) == rank
         assert all(s % c == 0 for s, c in zip(shard, chunk))
-        assert (codec["name"] == "sharding_indexed") == (shard != chunk)
         _check_regions(doc)
+    # the commit record holds the SHA-256 of exactly every other document
+    written = {p.relative_to(root).as_posix() for p in root.rglob("zarr.json") if p != root / "zarr.json"}
+    assert set(index["documents"]) == written
+    for path, digest in index["documents"].items():
+        assert digest == "sha256:" + hashlib.sha256((root / path).read_bytes()).hexdigest(), path
 
 
 def _check_regions(doc: dict[str, Any]) -> None:
@@ -338,7 +343,7 @@ def _dist_worker(rank: int, world: int, port: int, path: str) -> None:
                 "empty": torch.empty(0, 3),
                 "fp8": _fp8(torch.float8_e4m3fn, (8, 8), 1),
             },
-            "rng": torch.tensor([rank, 7]),  # differs between ranks: per-rank state
+            "rng": ucp_zarr.PerRank(torch.tensor([rank, 7])),  # per-rank state
             "seed": rank,
             "step": 11,
             "loss": float("nan"),
@@ -371,16 +376,17 @@ def test_distributed_documents_validate(validators, dist_saved) -> None:
     index = docs["checkpoint"][0][1]["attributes"]["ucp_zarr"]
     arrays = dict(docs["array"])
     assert index["world_size"] == DIST_WORLD
-    assert set(arrays) == {p for e in index["tensors"].values() for p in [e["path"], *e.get("ranks", {}).values()]}
+    assert set(arrays) == {p for e in index["tensors"].values() for p in [e["path"], *(a["path"] for a in e.get("ranks", {}).values())]}
     for key, entry in index["tensors"].items():
-        for rank, path in (entry.get("ranks") or {None: entry["path"]}).items():
+        copies = entry.get("ranks") or {None: {"path": entry["path"], "digest": entry["digest"]}}
+        for rank, path in {r: a["path"] for r, a in copies.items()}.items():
             doc = arrays[path]
             attrs = doc["attributes"]["ucp_zarr"]
             assert attrs["key"] == key and doc["shape"] == entry["shape"] == attrs["global_shape"]
             assert attrs.get("rank") == (None if rank is None else int(rank))
             _check_regions(doc)
         if "ranks" in entry:
-            assert entry["path"] == entry["ranks"][min(entry["ranks"], key=int)]
+            assert entry["path"] == entry["ranks"][min(entry["ranks"], key=int)]["path"]
     assert not set(index["values"]) & set(index["rank_values"])
 
 
@@ -453,8 +459,8 @@ ARRAY_BREAKS: dict[str, Callable[[dict], None]] = {
     "missing key": _del(*U, "key"),
     "missing regions": _del(*U, "regions"),
     "missing ucp_zarr attributes": _set({}, "attributes"),
-    "format_version 2": _set(2, *U, "format_version"),
-    "format_version as string": _set("1", *U, "format_version"),
+    "format_version 3": _set(3, *U, "format_version"),
+    "format_version as string": _set("2", *U, "format_version"),
     "unknown torch_dtype": _set("float4_e2m1fn_x2", *U, "torch_dtype"),
     "torch. prefix": _set("torch.float32", *U, "torch_dtype"),
     "dtype mismatch": _set("bfloat16", *U, "torch_dtype"),
@@ -508,7 +514,7 @@ def _tensor0(doc: dict) -> dict:
 
 
 ROOT_BREAKS: dict[str, Callable[[dict], None]] = {
-    "format_version 2": _set(2, *U, "format_version"),
+    "format_version 3": _set(3, *U, "format_version"),
     "missing format_version": _del(*U, "format_version"),
     "missing tensors": _del(*U, "tensors"),
     "missing values": _del(*U, "values"),
@@ -516,7 +522,7 @@ ROOT_BREAKS: dict[str, Callable[[dict], None]] = {
     "rank_values with a non-rank key": _set({"seed": {"rank0": 1}}, *U, "rank_values"),
     "rank_values with no ranks": _set({"seed": {}}, *U, "rank_values"),
     "tensor entry with empty ranks": lambda d: _tensor0(d).__setitem__("ranks", {}),
-    "tensor entry ranks with bad path": lambda d: _tensor0(d).__setitem__("ranks", {"0": "../x"}),
+    "tensor entry ranks with bad path": lambda d: _tensor0(d).__setitem__("ranks", {"0": {"path": "../x", "digest": "sha256:" + "0" * 64}}),
     "missing created": _del(*U, "created"),
     "created not a date-time": _set("yesterday", *U, "created"),
     "created without zone": _set("2025-01-31T12:00:00", *U, "created"),

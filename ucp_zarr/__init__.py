@@ -1,39 +1,58 @@
 """ucp_zarr: universal checkpointing for PyTorch training, stored as plain Zarr v3."""
 
-from .version import __version__
-
 from typing import TYPE_CHECKING
 
 from .api import load, save, wait_for_pending_save
 from .checkpoint import Checkpoint, TensorView, open
-from .fragments import FlatShard, Shard
 from .errors import (
+    AuthenticationError,
     CheckpointError,
     CheckpointExistsError,
     CorruptChunkError,
+    DtypeMismatchError,
     FormatError,
     IncompleteCheckpointError,
     KeyMismatchError,
+    LayoutError,
+    NotACheckpointError,
     NotJSONableError,
+    OwnershipError,
+    PerRankStateError,
+    SaveError,
+    ShapeMismatchError,
 )
+from .fragments import FlatShard, PerRank, Shard
+from .saver import SaveResult
+from .version import __version__
 
 if TYPE_CHECKING:
     from .adapters.dcp import ZarrStorageReader, ZarrStorageWriter
 
 __all__ = [
+    "AuthenticationError",
     "Checkpoint",
-    "FlatShard",
-    "Shard",
     "CheckpointError",
     "CheckpointExistsError",
     "CorruptChunkError",
+    "DtypeMismatchError",
+    "FlatShard",
     "FormatError",
     "IncompleteCheckpointError",
     "KeyMismatchError",
+    "LayoutError",
+    "NotACheckpointError",
     "NotJSONableError",
+    "OwnershipError",
+    "PerRank",
+    "PerRankStateError",
+    "SaveError",
+    "SaveResult",
+    "Shard",
+    "ShapeMismatchError",
     "TensorView",
     "ZarrStorageReader",
     "ZarrStorageWriter",
+    "__version__",
     "load",
     "open",
     "save",

@@ -11,19 +11,22 @@ import torch
 
 from .checkpoint import Checkpoint, open_store_checkpoint
 from .distributed import Comm
-from .errors import KeyMismatchError
-from .fragments import Fragment, is_fragment_value, to_fragment
+from .dtypes import is_lossless_cast, stored_dtype_by_name
+from .errors import DtypeMismatchError, KeyMismatchError, PerRankStateError, ShapeMismatchError
+from .fragments import Fragment, PerRank, is_fragment_value, to_fragment
 from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
-from .saver import SaveResult, collect, prepare
+from .saver import SaveOptions, SaveResult, collect, prepare
 from .statedict import from_json, iter_leaves, set_leaf
 from .storage import open_store
+from .transaction import DEFAULT_LEASE_S
 
 DEFAULT_WORKERS = 4
 
 _background = ThreadPoolExecutor(1, thread_name_prefix="ucp_zarr-save")
 _pending: Future | None = None
 _pending_lock = threading.Lock()
-_async_groups: dict[Any, Any] = {}
+_async_groups: dict[tuple[int, ...], tuple[Any, Any]] = {}
+"""Background groups by the global ranks of the group they serve: (default group, group)."""
 
 
 def save(
@@ -33,38 +36,68 @@ def save(
     process_group: Any = None,
     storage_options: dict[str, Any] | None = None,
     async_save: bool = False,
+    async_group: Any = None,
+    overwrite: bool = False,
+    overwrite_incomplete: bool = False,
+    hmac_key: bytes | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     max_workers: int = DEFAULT_WORKERS,
+    lease_s: float = DEFAULT_LEASE_S,
 ) -> SaveResult | Future:
     """Save ``state_dict`` at ``path``; every rank of ``process_group`` calls it.
 
     Tensor values may be DTensors, :class:`~ucp_zarr.Shard`, :class:`~ucp_zarr.FlatShard`
-    or plain tensors (whole, identical on every rank; a small plain tensor that differs
-    between ranks is stored per rank). Other values must be JSON-able; values that differ
-    between ranks are stored per rank. Each rank writes only its own shards, no two ranks
-    write the same object, and the commit record is written last, after every rank's data
-    is durable. Saving onto a committed checkpoint raises
-    :class:`~ucp_zarr.CheckpointExistsError`; the leftovers of a failed save are replaced.
+    or plain tensors (whole, identical on every rank). Per-rank state (RNG states, data
+    positions) must be wrapped in :class:`~ucp_zarr.PerRank`; a plain tensor that differs
+    between ranks is an error. Other values must be JSON-able. Each rank writes only its
+    own shards, no two ranks write the same object, and the commit record is written last,
+    after every rank's data is durable. A failure on any rank fails the save on every rank.
+
+    The save is a transaction on ``path`` (see :mod:`ucp_zarr.transaction`):
+
+    * a committed checkpoint is never replaced, unless ``overwrite``: then the new one is
+      staged beside it and put in place so that a crash at any point leaves the old or the
+      new checkpoint complete and findable;
+    * the leftovers of another save are removed only when that save is provably dead (its
+      process is gone, or its lease of ``lease_s`` seconds expired on another host), or
+      with ``overwrite_incomplete``; a live one raises :class:`~ucp_zarr.OwnershipError`.
+
+    ``hmac_key`` signs the checkpoint (HMAC-SHA256 over the commit record, which holds the
+    digests of every document and array, and per-chunk SHA-256 in every shard), so that
+    ``load``/``open``/``verify`` with the key refuse any change.
 
     With ``async_save`` the call returns a :class:`~concurrent.futures.Future` after copying
-    the state into host memory; writing and commit happen in the background, errors surface
+    the state into host memory; writing and commit happen in the background, over
+    ``async_group`` (a group of the same ranks reserved for checkpointing, as DCP asks) or
+    else a gloo group created once, by the ranks of ``process_group`` only. Errors surface
     on the future. Any save first waits for the previous one.
 
     Returns (or resolves to) this rank's :class:`~ucp_zarr.saver.SaveResult`.
     """
     wait_for_pending_save()
     comm = Comm(process_group)
+    options = SaveOptions(
+        chunk_bytes=chunk_bytes,
+        shard_bytes=shard_bytes,
+        max_workers=max_workers,
+        overwrite=overwrite,
+        overwrite_incomplete=overwrite_incomplete,
+        lease_s=lease_s,
+        hmac_key=hmac_key,
+    )
     store = open_store(path, storage_options)
-    options = dict(chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, max_workers=max_workers)
     if not async_save:
-        return prepare(lambda: collect(state_dict), store, comm, copy=False, **options).finish()
-    background = Comm(_background_group(process_group)) if comm.active else comm
-    prepared = prepare(lambda: collect(state_dict), store, comm, copy=True, **options)
-    prepared.comm = background
+        return prepare(lambda: collect(state_dict), store, comm, options, copy=False).finish()
+    background = comm
+    if comm.active:
+        background = Comm(async_group if async_group is not None else _background_group(process_group))
+        if background.world != comm.world:
+            raise ValueError(f"async_group has {background.world} ranks, process_group {comm.world}")
+    prepared = prepare(lambda: collect(state_dict), store, comm, options, copy=True)
     global _pending
     with _pending_lock:
-        _pending = _background.submit(prepared.finish)
+        _pending = _background.submit(prepared.finish, background)
         return _pending
 
 
@@ -77,14 +110,19 @@ def wait_for_pending_save() -> None:
 
 
 def _background_group(group: Any) -> Any:
-    """A separate gloo group for background saves, so they never interleave with the
-    training's collectives (created collectively on first use)."""
+    """A gloo group of the ranks of ``group`` for background saves, so that their
+    collectives never interleave with training's. Created on first use by the members of
+    ``group`` alone (``use_local_synchronization``: other ranks need not call anything),
+    and again after the default group was re-created."""
     import torch.distributed as dist
 
-    if group not in _async_groups:
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        _async_groups[group] = dist.new_group(ranks=ranks, backend="gloo")
-    return _async_groups[group]
+    default = dist.distributed_c10d._get_default_group()
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else default))
+    held = _async_groups.get(ranks)
+    if held is None or held[0] is not default:
+        held = (default, dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True))
+        _async_groups[ranks] = held
+    return held[1]
 
 
 def load(
@@ -92,6 +130,9 @@ def load(
     path: str | os.PathLike[str],
     *,
     strict: bool = True,
+    allow_new_ranks: bool = False,
+    allow_lossy_cast: bool = False,
+    hmac_key: bytes | None = None,
     process_group: Any = None,
     storage_options: dict[str, Any] | None = None,
     max_workers: int = DEFAULT_WORKERS,
@@ -100,48 +141,80 @@ def load(
 
     Every rank reads only the chunks that overlap what its own tensors hold (DTensor,
     :class:`~ucp_zarr.Shard`, :class:`~ucp_zarr.FlatShard` or whole tensors), whatever the
-    saving layout was. Tensors keep their dtype and device; other values are replaced.
-    Per-rank state is restored on the ranks that existed at save time; other ranks keep
-    their own values. With ``strict``, keys missing from the checkpoint or unexpected in it
-    raise one :class:`~ucp_zarr.KeyMismatchError` listing them all.
+    saving layout was. Tensors keep their dtype and device (a lossy conversion, such as
+    ``float32`` into ``bfloat16``, needs ``allow_lossy_cast``); other values are replaced.
+    Per-rank state (:class:`~ucp_zarr.PerRank`) is restored from the copy of the saving
+    rank of the same number.
+
+    With ``strict``: keys missing from the checkpoint or unexpected in it raise one
+    :class:`~ucp_zarr.KeyMismatchError` listing them all, and a rank that did not exist at
+    save time raises :class:`~ucp_zarr.PerRankStateError` for per-rank state it cannot
+    restore, unless ``allow_new_ranks`` (then it keeps its current values, as it always
+    does without ``strict``). Everything is checked before anything is read.
+    ``hmac_key`` refuses a checkpoint that is unsigned or was changed after signing.
     """
     rank = Comm(process_group).rank
-    ck = open_store_checkpoint(open_store(path, storage_options))
+    ck = open_store_checkpoint(open_store(path, storage_options), hmac_key)
     leaves = {leaf.key: leaf for leaf in iter_leaves(state_dict)}
-    saved_values = set(ck.meta.values) | set(ck.meta.rank_values)
-    saved = list(ck.meta.tensors) + [k for k in ck.meta.values] + [k for k in ck.meta.rank_values]
-    missing = [k for k in leaves if k not in ck.meta.tensors and k not in saved_values]
+    meta = ck.meta
+    saved_values = set(meta.values) | set(meta.rank_values)
+    saved = list(meta.tensors) + list(meta.values) + list(meta.rank_values)
+    missing = [k for k in leaves if k not in meta.tensors and k not in saved_values]
     unexpected = [k for k in saved if k not in leaves]
     if strict and (missing or unexpected):
         raise KeyMismatchError(missing, unexpected)
 
-    reads: list[tuple[str, Fragment]] = []
+    reads: list[tuple[str, Fragment, bool]] = []
+    unrestorable: list[str] = []
     for key, leaf in leaves.items():
-        if key in ck.meta.tensors:
-            if not is_fragment_value(leaf.value):
-                raise TypeError(f"key {key!r}: the checkpoint holds a tensor, the state dict a {type(leaf.value).__name__}")
-            frag = to_fragment(key, leaf.value)
-            saved_shape = ck.meta.tensors[key].shape
-            if frag.shape != saved_shape:
-                raise ValueError(f"tensor {key!r}: checkpoint shape {list(saved_shape)}, state dict shape {list(frag.shape)}")
-            reads.append((key, frag))
-        elif key in saved_values and is_fragment_value(leaf.value):
-            raise TypeError(f"key {key!r}: the state dict holds a tensor, the checkpoint a JSON value")
+        value = leaf.value.value if isinstance(leaf.value, PerRank) else leaf.value
+        if key in meta.tensors:
+            entry = meta.tensors[key]
+            if not is_fragment_value(value):
+                raise DtypeMismatchError(f"key {key!r}: the checkpoint holds a tensor, the state dict a {type(value).__name__}")
+            frag = to_fragment(key, value)
+            if frag.shape != entry.shape:
+                raise ShapeMismatchError(
+                    f"tensor {key!r}: checkpoint shape {list(entry.shape)}, state dict shape {list(frag.shape)}"
+                )
+            saved_dtype = stored_dtype_by_name(entry.dtype).torch_dtype
+            if not allow_lossy_cast and not is_lossless_cast(saved_dtype, frag.dtype):
+                raise DtypeMismatchError(
+                    f"tensor {key!r}: the checkpoint holds {saved_dtype}, the state dict {frag.dtype}; "
+                    "converting loses information (pass allow_lossy_cast=True to convert anyway)"
+                )
+            per_rank = entry.ranks is not None
+            if per_rank and rank not in entry.ranks:
+                unrestorable.append(key)
+                continue
+            reads.append((key, frag, per_rank))
+        elif key in saved_values:
+            if is_fragment_value(value):
+                raise DtypeMismatchError(f"key {key!r}: the state dict holds a tensor, the checkpoint a JSON value")
+            if key in meta.rank_values and rank not in meta.rank_values[key]:
+                unrestorable.append(key)
+    if strict and unrestorable and not allow_new_ranks:
+        saved_ranks = sorted(range(meta.world_size))
+        raise PerRankStateError(
+            f"rank {rank} did not exist when the checkpoint was saved (ranks {saved_ranks[0]}..{saved_ranks[-1]}), "
+            f"so its per-rank state {unrestorable} cannot be restored; pass allow_new_ranks=True to keep the "
+            "current values"
+        )
 
     with ThreadPoolExecutor(max_workers) as pool:
-        list(pool.map(lambda item: _read_fragment(ck, item[0], item[1], rank), reads))
+        list(pool.map(lambda r: _read_fragment(ck, *r, rank, allow_lossy_cast), reads))
     for key, leaf in leaves.items():
-        if key in ck.meta.values:
-            set_leaf(state_dict, leaf.path, from_json(ck.meta.values[key]))
-        elif key in ck.meta.rank_values and rank in ck.meta.rank_values[key]:
-            set_leaf(state_dict, leaf.path, from_json(ck.meta.rank_values[key][rank]))
+        if key in meta.values:
+            value = from_json(meta.values[key])
+        elif key in meta.rank_values and rank in meta.rank_values[key]:
+            value = from_json(meta.rank_values[key][rank])
+        else:
+            continue
+        set_leaf(state_dict, leaf.path, PerRank(value) if isinstance(leaf.value, PerRank) else value)
     return state_dict
 
 
-def _read_fragment(ck: Checkpoint, key: str, frag: Fragment, rank: int) -> None:
-    entry = ck.meta.tensors[key]
-    if entry.ranks is not None and rank not in entry.ranks:
-        return  # per-rank state of a rank that did not exist at save time: keep ours
+def _read_fragment(ck: Checkpoint, key: str, frag: Fragment, per_rank: bool, rank: int, lossy: bool) -> None:
     for box, view in frag.pieces:
         with torch.no_grad():
-            ck.read(key, box, out=view, rank=rank if entry.ranks is not None else None)
+            ck.read(key, box, out=view, rank=rank if per_rank else None, allow_lossy_cast=lossy)

@@ -1,6 +1,6 @@
 """Moving one array's bytes: encode shards from tensor memory, decode boxes into tensors.
 
-This is the only module that knows the byte layout of stored chunks (via :mod:`.shard`).
+This is the only module that knows the byte layout of stored chunks (via :mod:`.codec`).
 Writes stream chunk by chunk straight from tensor memory (a copy only for non-contiguous
 or edge chunks, bounded by one chunk). Reads fetch only the chunks that overlap the
 requested box, coalesce neighbouring chunks into one request, and land whole chunks
@@ -9,10 +9,11 @@ directly in the destination tensor when its memory allows.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -23,13 +24,17 @@ from .layout import Box, grid_indices
 from .codec import (
     CRC_BYTES,
     MISSING,
+    Trailer,
+    checksum,
     chunk_key,
-    crc_bytes,
     decode_index,
+    decode_trailer,
     empty_index,
     encode_index,
+    encode_trailer,
     index_nbytes,
     local_chunk_number,
+    trailer_nbytes,
     verify_chunk,
 )
 from .storage import Store
@@ -75,67 +80,95 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 # --- write ---------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Seal:
+    """What binds a shard to its checkpoint (see :mod:`.codec`): the save id, whether the
+    checkpoint is authenticated, and the key (writers: always when authenticated; readers:
+    when they have it)."""
+
+    save_id: str
+    authenticated: bool = False
+    hmac_key: bytes | None = None
+
+
 def _chunk_buffers(
-    meta: ArrayMeta, box: Box, src: torch.Tensor, src_box: Box, stage: torch.Tensor | None = None
-) -> list[memoryview]:
-    """The stored form of the chunk covering ``box``: its bytes (padded to the full chunk
+    meta: ArrayMeta, box: Box, src: torch.Tensor, src_box: Box, stage: torch.Tensor
+) -> tuple[memoryview, int]:
+    """The stored form of the chunk covering ``box`` (its bytes, padded to the full chunk
     shape at the array's edge) and their crc32c.
 
-    A chunk that is a contiguous block of ``src`` is returned as a view of it (no copy). Any
-    other chunk is copied into ``stage`` (a uint8 buffer of the stored chunk's size) when
-    given, else into new memory; a staged result is valid until the next call with ``stage``.
-    """
+    A chunk that is a contiguous block of ``src`` is returned as a view of it (no copy);
+    any other chunk is copied into ``stage`` (valid until the next call with it)."""
     grid = meta.grid
     part = src[box.relative_to(src_box).slices()]
     if box.shape == grid.chunk_shape and part.is_contiguous():
         data = _bytes_of(part)
-        return [data, memoryview(crc_bytes(data))]
+        return data, checksum(data)
     nbytes = math.prod(grid.chunk_shape) * part.element_size()
-    if stage is None:
-        stage = torch.empty(nbytes + CRC_BYTES, dtype=torch.uint8)
     full = stage[:nbytes].view(part.dtype).view(grid.chunk_shape)
     if box.shape != grid.chunk_shape:
         full.zero_()
         full[Box.whole(box.shape).slices()] = part
     else:
         full.copy_(part)
-    stored = memoryview(stage.numpy())[: nbytes + CRC_BYTES]
-    stored[nbytes:] = crc_bytes(stored[:nbytes])
-    return [stored]
+    data = memoryview(stage.numpy())[:nbytes]
+    return data, checksum(data)
 
 
-def write_shard(store: Store, path: str, meta: ArrayMeta, shard: Sequence[int], src: torch.Tensor, src_box: Box) -> int:
+class _Replayable:
+    """An iterable that starts ``make()`` afresh each time it is iterated (a store may
+    replay a failed write)."""
+
+    def __init__(self, make: Callable[[], Iterator[memoryview | bytes]]) -> None:
+        self._make = make
+
+    def __iter__(self) -> Iterator[memoryview | bytes]:
+        return self._make()
+
+
+def write_shard(
+    store: Store, path: str, meta: ArrayMeta, shard: Sequence[int], src: torch.Tensor, src_box: Box, seal: Seal
+) -> bytes:
     """Write shard ``shard`` of the array at ``path`` from ``src``, which holds ``src_box``
     of the global tensor (in the storage dtype, see :func:`as_storage`) and must contain the
-    shard's part of the array. Returns the bytes written."""
+    shard's part of the array. Returns the shard's seal (see :func:`.codec.array_digest`)."""
     grid = meta.grid
     sbox = grid.shard_box(shard)
     if not src_box.contains(sbox):
         raise ValueError(f"tensor {meta.key!r}: source {src_box} does not cover shard {sbox}")
     key = f"{path}/{chunk_key(shard)}"
-    if not grid.sharded:
-        return store.write(key, _chunk_buffers(meta, sbox, src, src_box))
-
     cps = grid.chunks_per_shard
-    index = empty_index(cps)
-
     # One staging buffer per shard: Store.write consumes each buffer before pulling the next.
-    stage = torch.empty(math.prod(grid.chunk_shape) * meta.dtype.itemsize + CRC_BYTES, dtype=torch.uint8)
+    stage = torch.empty(math.prod(grid.chunk_shape) * meta.dtype.itemsize, dtype=torch.uint8)
+    sealed: list[bytes] = []
 
     def buffers() -> Iterator[memoryview | bytes]:
+        index = empty_index(cps)
+        crcs: list[int] = []
+        shas: list[bytes] | None = [] if seal.authenticated else None
         offset = 0
         for n, local in enumerate(grid_indices(cps)):
             cbox = grid.chunk_box(shard, local)
-            if cbox is None:
+            if cbox is None:  # beyond the array's edge: absent from the index, zero in the trailer
+                crcs.append(0)
+                if shas is not None:
+                    shas.append(bytes(32))
                 continue
-            bufs = _chunk_buffers(meta, cbox, src, src_box, stage)
-            size = sum(b.nbytes for b in bufs)
-            index[n] = (offset, size)
-            offset += size
-            yield from bufs
+            data, crc = _chunk_buffers(meta, cbox, src, src_box, stage)
+            if shas is not None:
+                shas.append(hashlib.sha256(data).digest())
+            crcs.append(crc)
+            index[n] = (offset, data.nbytes + CRC_BYTES)
+            offset += data.nbytes + CRC_BYTES
+            yield data
+            yield crc.to_bytes(CRC_BYTES, "little")
+        trailer = encode_trailer(seal.save_id, key, crcs, shas, seal.hmac_key)
+        sealed[:] = [trailer[-32:]]
+        yield trailer
         yield encode_index(index)
 
-    return store.write(key, buffers())
+    store.write(key, _Replayable(buffers))
+    return sealed[0]
 
 
 # --- read ----------------------------------------------------------------------------------
@@ -148,6 +181,7 @@ class _Piece:
     offset: int
     nbytes: int
     cbox: Box
+    row: int  # the chunk's row in the shard index (and trailer)
     direct: torch.Tensor | None  # the destination view, when the chunk lands there whole
     scratch: torch.Tensor | None = None
     crc: bytearray | None = None
@@ -158,13 +192,64 @@ class _Piece:
         return [_bytes_of(target), memoryview(self.crc)]
 
 
-def read_shard_index(store: Store, path: str, meta: ArrayMeta, shard: Sequence[int]) -> np.ndarray:
+@dataclass(frozen=True)
+class ShardHead:
+    """A shard's index and trailer, read together from its end and checked."""
+
+    index: np.ndarray
+    trailer: Trailer
+
+
+def _shard_where(store: Store, path: str, shard: Sequence[int]) -> tuple[str, str]:
     key = f"{path}/{chunk_key(shard)}"
+    return key, f"{store.url}/{key}"
+
+
+def _inside_rows(meta: ArrayMeta, shard: Sequence[int]) -> np.ndarray:
+    """Which index rows of ``shard`` are chunks inside the array (the others lie wholly
+    beyond its edge and are absent)."""
+    grid = meta.grid
+    counts = [
+        -(-(min((s + 1) * ss, n) - s * ss) // cs)
+        for s, ss, n, cs in zip(shard, grid.shard_shape, grid.shape, grid.chunk_shape)
+    ]
+    mask = np.zeros(grid.chunks_per_shard, dtype=bool)
+    mask[tuple(slice(0, c) for c in counts)] = True
+    return mask.reshape(-1)
+
+
+def read_shard_head(store: Store, path: str, meta: ArrayMeta, shard: Sequence[int], seal: Seal) -> ShardHead:
+    """Read and check the trailer and index of a shard (one request from its end).
+
+    Raises :class:`CorruptChunkError` when the shard is missing, damaged, marks a chunk
+    inside the array absent, or belongs to another array or another save."""
+    grid = meta.grid
+    cps = grid.chunks_per_shard
+    n = math.prod(cps)
+    key, where = _shard_where(store, path, shard)
+    where = f"{where} (tensor {meta.key!r})"
+    tn = trailer_nbytes(n, seal.authenticated)
     try:
-        raw = store.read_tail(key, index_nbytes(meta.grid.chunks_per_shard))
+        raw = store.read_tail(key, tn + index_nbytes(cps))
     except FileNotFoundError:
-        raise CorruptChunkError(f"tensor {meta.key!r}: shard {store.url}/{key} is missing") from None
-    return decode_index(raw, meta.grid.chunks_per_shard, f"{store.url}/{key}")
+        raise CorruptChunkError(f"{where} is missing") from None
+    except OSError as e:
+        raise CorruptChunkError(f"{where} is truncated: {e}") from None
+    index = decode_index(memoryview(raw)[tn:], cps, where)
+    trailer = decode_trailer(
+        memoryview(raw)[:tn], n, seal.save_id, key, where, authenticated=seal.authenticated, hmac_key=seal.hmac_key
+    )
+    inside = _inside_rows(meta, shard)
+    absent = index[:, 0] == MISSING
+    wrong = np.flatnonzero(absent == inside)
+    if wrong.size:
+        row = int(wrong[0])
+        what = "marked absent" if inside[row] else "present beyond the array's edge"
+        raise CorruptChunkError(f"{where}: chunk {row} of the shard is {what}: the shard is corrupt")
+    chunk_nbytes = math.prod(grid.chunk_shape) * meta.dtype.itemsize + CRC_BYTES
+    if (index[inside, 1] != chunk_nbytes).any():
+        raise CorruptChunkError(f"{where}: the shard index records chunks of a size other than {chunk_nbytes} bytes")
+    return ShardHead(index, trailer)
 
 
 def read_box(
@@ -174,34 +259,24 @@ def read_box(
     box: Box,
     out: torch.Tensor,
     shard: Sequence[int],
-    index: np.ndarray | None = None,
+    head: ShardHead,
 ) -> None:
     """Fill the part of ``out`` (which holds ``box``, in the storage dtype) that shard
-    ``shard`` covers, reading only the chunks that overlap ``box``. ``index`` is the shard's
-    decoded index (read here when None)."""
+    ``shard`` covers, reading only the chunks that overlap ``box``; ``head`` is the shard's
+    checked index and trailer (:func:`read_shard_head`)."""
     grid = meta.grid
-    key = f"{path}/{chunk_key(shard)}"
-    chunk_nbytes = math.prod(grid.chunk_shape) * meta.dtype.itemsize + CRC_BYTES
+    key, where = _shard_where(store, path, shard)
     pieces: list[_Piece] = []
     for local in grid.chunks_overlapping(shard, box):
         cbox = grid.chunk_box(shard, local)
         assert cbox is not None
         inter = cbox.intersect(box)
         assert inter is not None
-        if grid.sharded:
-            if index is None:
-                index = read_shard_index(store, path, meta, shard)
-            off, nbytes = index[local_chunk_number(local, grid.chunks_per_shard)]
-        else:
-            off, nbytes = 0, chunk_nbytes
+        row = local_chunk_number(local, grid.chunks_per_shard)
+        off, nbytes = head.index[row]
         dest = out[inter.relative_to(box).slices()]
-        if off == MISSING:
-            dest.zero_()
-            continue
-        if int(nbytes) != chunk_nbytes:
-            raise OSError(f"{store.url}/{key}: chunk {local} has {nbytes} bytes, expected {chunk_nbytes}")
         whole = inter == cbox and cbox.shape == grid.chunk_shape and dest.is_contiguous()
-        pieces.append(_Piece(int(off), int(nbytes), cbox, dest if whole else None))
+        pieces.append(_Piece(int(off), int(nbytes), cbox, row, dest if whole else None))
     if not pieces:
         return
     pieces.sort(key=lambda p: p.offset)
@@ -218,25 +293,64 @@ def read_box(
                 p.scratch = stage[at : at + p.nbytes]  # the stored chunk: its bytes, then its crc
                 bufs.append(memoryview(p.scratch.numpy()))
                 at += _aligned(p.nbytes)  # every staged chunk starts 64-byte aligned
-        try:
-            store.readv(key, [(run[0].offset, bufs)])
-        except FileNotFoundError:
-            raise CorruptChunkError(f"tensor {meta.key!r}: {store.url}/{key} is missing") from None
+        _readv(store, key, where, meta, [(run[0].offset, bufs)])
         for p in run:
-            where = f"{store.url}/{key} (tensor {meta.key!r}, chunk at {p.cbox.offset})"
+            chunk_where = f"{where} (tensor {meta.key!r}, chunk at {p.cbox.offset})"
             if p.direct is not None:
                 assert p.crc is not None
-                verify_chunk(_bytes_of(p.direct), p.crc, where)
+                data = _bytes_of(p.direct)
+                verify_chunk(data, p.crc, chunk_where)
+                head.trailer.check_chunk(p.row, p.crc, data, chunk_where)
                 continue
             assert p.scratch is not None
             n = p.nbytes - CRC_BYTES
             stored = memoryview(p.scratch.numpy())
-            verify_chunk(stored[:n], stored[n:], where)
+            verify_chunk(stored[:n], stored[n:], chunk_where)
+            head.trailer.check_chunk(p.row, stored[n:], stored[:n], chunk_where)
             inter = p.cbox.intersect(box)
             assert inter is not None
             chunk = p.scratch[:n].view(out.dtype).view(grid.chunk_shape)
             out[inter.relative_to(box).slices()] = chunk[inter.relative_to(p.cbox).slices()]
             p.scratch = None
+
+
+def _readv(store: Store, key: str, where: str, meta: ArrayMeta, requests: list[tuple[int, list[memoryview]]]) -> None:
+    try:
+        store.readv(key, requests)
+    except FileNotFoundError:
+        raise CorruptChunkError(f"tensor {meta.key!r}: {where} is missing") from None
+    except OSError as e:
+        if "short read" in str(e):
+            raise CorruptChunkError(f"tensor {meta.key!r}: {where} is truncated ({e})") from None
+        raise
+
+
+def verify_shard(store: Store, path: str, meta: ArrayMeta, shard: Sequence[int], seal: Seal) -> bytes:
+    """Read every chunk of a shard through one bounded buffer, checking its crc32c against
+    the data and against the trailer (and its SHA-256 when authenticated); return the
+    shard's seal. Memory: at most ``MAX_STAGED_BYTES`` plus one chunk."""
+    head = read_shard_head(store, path, meta, shard, seal)
+    key, where = _shard_where(store, path, shard)
+    rows = np.flatnonzero(head.index[:, 0] != MISSING)
+    pieces = sorted(
+        (_Piece(int(head.index[r, 0]), int(head.index[r, 1]), Box((), ()), int(r), None) for r in rows),
+        key=lambda p: p.offset,
+    )
+    stage = _stage(max(MAX_STAGED_BYTES, max((p.nbytes for p in pieces), default=0)) + 64)
+    for run in _runs(pieces, direct=False):
+        at, bufs, spans = 0, [], []
+        for p in run:
+            bufs.append(memoryview(stage[at : at + p.nbytes].numpy()))
+            spans.append((p, at))
+            at += p.nbytes
+        _readv(store, key, where, meta, [(run[0].offset, bufs)])
+        raw = memoryview(stage.numpy())
+        for p, at in spans:
+            n = p.nbytes - CRC_BYTES
+            chunk_where = f"{where} (tensor {meta.key!r}, chunk {p.row} of the shard)"
+            verify_chunk(raw[at : at + n], raw[at + n : at + p.nbytes], chunk_where)
+            head.trailer.check_chunk(p.row, raw[at + n : at + p.nbytes], raw[at : at + n], chunk_where)
+    return head.trailer.seal
 
 
 def _aligned(n: int) -> int:

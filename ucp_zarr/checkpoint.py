@@ -13,23 +13,31 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .arrayio import as_storage, read_box, read_shard_index
-from .dtypes import stored_dtype_by_name
-from .errors import FormatError, IncompleteCheckpointError
-from .format import METADATA_FILE, ArrayMeta, CheckpointMeta
+from .arrayio import Seal, ShardHead, as_storage, read_box, read_shard_head, verify_shard
+from .dtypes import is_lossless_cast, stored_dtype_by_name
+from .errors import CorruptChunkError, DtypeMismatchError, FormatError, ShapeMismatchError
+from .format import ATTRIBUTE, METADATA_FILE, ArrayMeta, CheckpointMeta, TensorEntry
+from .integrity import array_digest, check_signature, document_digest
 from .layout import Box
 from .statedict import from_json
-from .storage import PENDING_MARKER, Store, open_store
+from .storage import Store, open_store
+from .transaction import committed_store
 
 
 class Checkpoint:
-    """A read-only view of a committed checkpoint. Tensors are read lazily, by slice."""
+    """A read-only view of a committed checkpoint. Tensors are read lazily, by slice.
 
-    def __init__(self, store: Store, meta: CheckpointMeta) -> None:
+    Every read is checked: the array documents against the digests in the commit record,
+    each shard's trailer against the checkpoint's save id and the shard's key, each chunk
+    against its crc32c and the one its shard recorded. With ``hmac_key`` the commit record's
+    signature, the shards' seals and every chunk's SHA-256 are verified too."""
+
+    def __init__(self, store: Store, meta: CheckpointMeta, hmac_key: bytes | None = None) -> None:
         self.store = store
         self.meta = meta
+        self.seal = Seal(meta.save_id, meta.authenticated, hmac_key)
         self._arrays: dict[str, ArrayMeta] = {}
-        self._indexes: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
+        self._heads: dict[tuple[str, tuple[int, ...]], ShardHead] = {}
         self._lock = threading.Lock()
 
     # --- mapping face --------------------------------------------------------------------
@@ -74,70 +82,108 @@ class Checkpoint:
 
     # --- reading -------------------------------------------------------------------------
 
-    def _entry(self, key: str):
+    def _entry(self, key: str) -> TensorEntry:
         try:
             return self.meta.tensors[key]
         except KeyError:
             raise KeyError(f"no tensor {key!r} in checkpoint {self.store.url}") from None
 
+    def _path(self, key: str, rank: int | None) -> str:
+        entry = self._entry(key)
+        try:
+            return entry.array(rank).path
+        except KeyError:
+            raise KeyError(
+                f"tensor {key!r} has no copy of rank {rank}; saved ranks: {sorted(entry.ranks or ())}"
+            ) from None
+
+    def document(self, path: str) -> bytes:
+        """A metadata document (``<path>``), checked against its digest in the commit record."""
+        where = f"{self.store.url}/{path}"
+        want = self.meta.documents.get(path)
+        if want is None:
+            raise FormatError(f"{where} is not a document of this checkpoint (no digest in its commit record)")
+        try:
+            raw = self.store.read(path)
+        except FileNotFoundError:
+            raise CorruptChunkError(f"{where} is missing") from None
+        if document_digest(raw) != want:
+            raise CorruptChunkError(f"{where} was changed or replaced after the checkpoint was committed")
+        return raw
+
     def array_meta(self, key: str, rank: int | None = None) -> ArrayMeta:
-        """The array metadata of ``key`` (its zarr.json, read once); ``rank`` picks the copy
-        of per-rank state."""
+        """The array metadata of ``key`` (its zarr.json, read and checked once); ``rank``
+        picks the copy of per-rank state."""
         path = self._path(key, rank)
         with self._lock:
             if path in self._arrays:
                 return self._arrays[path]
         where = f"{self.store.url}/{path}/{METADATA_FILE}"
+        raw = self.document(f"{path}/{METADATA_FILE}")
         try:
-            doc = json.loads(self.store.read(f"{path}/{METADATA_FILE}"))
-        except FileNotFoundError:
-            raise FormatError(f"tensor {key!r}: array metadata {where} is missing") from None
+            doc = json.loads(raw)
+        except ValueError as e:
+            raise FormatError(f"{where} is not valid JSON: {e}") from e
         meta = ArrayMeta.from_zarr_json(doc, where)
+        entry = self._entry(key)
         if meta.key != key:
             raise FormatError(f"{where} holds tensor {meta.key!r}, the index says {key!r}")
+        if meta.shape != entry.shape or meta.dtype.name != entry.dtype:
+            raise FormatError(
+                f"{where}: shape {list(meta.shape)} {meta.dtype.name}, but the index says "
+                f"{list(entry.shape)} {entry.dtype}"
+            )
+        if (entry.ranks is not None) != (meta.rank is not None) or (rank is not None and meta.rank not in (None, rank)):
+            raise FormatError(f"{where}: per-rank copy of rank {meta.rank}, the index says {rank}")
         with self._lock:
             self._arrays[path] = meta
         return meta
 
-    def _path(self, key: str, rank: int | None) -> str:
-        entry = self._entry(key)
-        if rank is None or entry.ranks is None:
-            return entry.path
-        try:
-            return entry.ranks[rank]
-        except KeyError:
-            raise KeyError(f"tensor {key!r} has no copy of rank {rank}; saved ranks: {sorted(entry.ranks)}") from None
-
-    def _index(self, path: str, meta: ArrayMeta, shard: tuple[int, ...]) -> np.ndarray:
+    def _head(self, path: str, meta: ArrayMeta, shard: tuple[int, ...]) -> ShardHead:
         with self._lock:
-            idx = self._indexes.get((path, shard))
-        if idx is None:
-            idx = read_shard_index(self.store, path, meta, shard)
+            head = self._heads.get((path, shard))
+        if head is None:
+            head = read_shard_head(self.store, path, meta, shard, self.seal)
             with self._lock:
-                self._indexes[(path, shard)] = idx
-        return idx
+                self._heads[(path, shard)] = head
+        return head
 
     def read(
-        self, key: str, box: Box | None = None, out: torch.Tensor | None = None, rank: int | None = None
+        self,
+        key: str,
+        box: Box | None = None,
+        out: torch.Tensor | None = None,
+        rank: int | None = None,
+        *,
+        allow_lossy_cast: bool = False,
     ) -> torch.Tensor:
         """Read ``box`` (default: all) of tensor ``key`` into ``out`` (allocated if None).
 
-        ``out`` may have any dtype, device and strides; it is filled directly when it is a
-        CPU tensor of the saved dtype, else through a temporary and ``copy_``. ``rank``
-        picks the copy of per-rank state (default: the lowest saved rank's).
+        ``out`` may have any device and strides, and another dtype when every saved value
+        converts to it exactly (``float16`` into ``float32``, say); a lossy conversion
+        (``float32`` into ``bfloat16``, floats into integers) needs ``allow_lossy_cast``.
+        It is filled directly when it is a CPU tensor of the saved dtype, else through a
+        temporary and ``copy_``. ``rank`` picks the copy of per-rank state (default: the
+        lowest saved rank's).
         """
         meta = self.array_meta(key, rank)
         box = box or Box.whole(meta.shape)
-        if out is not None and tuple(out.shape) != box.shape:
-            raise ValueError(f"tensor {key!r}: destination shape {tuple(out.shape)} != {box.shape}")
+        if out is not None:
+            if tuple(out.shape) != box.shape:
+                raise ShapeMismatchError(f"tensor {key!r}: destination shape {list(out.shape)} != {list(box.shape)}")
+            src = meta.dtype.torch_dtype
+            if not allow_lossy_cast and not is_lossless_cast(src, out.dtype):
+                raise DtypeMismatchError(
+                    f"tensor {key!r}: the checkpoint holds {src}, the destination is {out.dtype}; converting "
+                    "loses information (pass allow_lossy_cast=True to convert anyway)"
+                )
         direct = out is not None and out.device.type == "cpu" and out.dtype == meta.dtype.torch_dtype
         dest = out if direct else torch.empty(box.shape, dtype=meta.dtype.torch_dtype)
         assert dest is not None
         raw = as_storage(dest, meta)
         path = self._path(key, rank)
         for shard in meta.grid.shards_overlapping(box):
-            index = self._index(path, meta, shard) if meta.grid.sharded else None
-            read_box(self.store, path, meta, box, raw, shard, index)
+            read_box(self.store, path, meta, box, raw, shard, self._head(path, meta, shard))
         if out is None:
             return dest
         if not direct:
@@ -146,14 +192,27 @@ class Checkpoint:
         return out
 
     def verify(self) -> int:
-        """Read every chunk of every tensor, checking its crc32c; return the bytes checked.
+        """Check everything: every document against its digest, every chunk of every array
+        (every per-rank copy too) against its crc32c and its shard's trailer, every array
+        against its digest, streaming one bounded buffer at a time. Returns the bytes of
+        tensor data checked.
 
-        Raises :class:`~ucp_zarr.errors.CorruptChunkError` naming the first bad chunk.
-        """
+        Raises :class:`~ucp_zarr.CorruptChunkError` naming the first bad object."""
+        for path in self.meta.documents:
+            if path.count("/") == 1:  # group documents (array documents are read below)
+                self.document(path)
         total = 0
-        for key in self.keys():
-            t = self.read(key)
-            total += t.numel() * t.element_size()
+        for key, entry in self.meta.tensors.items():
+            for rank in sorted(entry.ranks) if entry.ranks is not None else [None]:
+                meta = self.array_meta(key, rank)
+                ref = entry.array(rank)
+                seals = [verify_shard(self.store, ref.path, meta, shard, self.seal) for shard in meta.grid.all_shards()]
+                if array_digest(seals) != ref.digest:
+                    raise CorruptChunkError(
+                        f"{self.store.url}/{ref.path} (tensor {key!r}): its shards do not match the array digest "
+                        "in the commit record (a shard was replaced)"
+                    )
+                total += entry.nbytes
         return total
 
     # --- reprs ---------------------------------------------------------------------------
@@ -298,25 +357,25 @@ def _human(n: float) -> str:
     return f"{n} B"
 
 
-def open(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> Checkpoint:
-    """Open the committed checkpoint at ``path`` (a local path or fsspec URL), read-only."""
-    store = open_store(path, storage_options)
-    return open_store_checkpoint(store)
+def open(
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None, hmac_key: bytes | None = None
+) -> Checkpoint:
+    """Open the committed checkpoint at ``path`` (a local path or fsspec URL), read-only.
+
+    With ``hmac_key``, refuse a checkpoint that is unsigned or whose signature does not
+    verify, and check every shard's seal and every chunk's SHA-256 as it is read."""
+    return open_store_checkpoint(open_store(path, storage_options), hmac_key)
 
 
-def open_store_checkpoint(store: Store) -> Checkpoint:
+def open_store_checkpoint(store: Store, hmac_key: bytes | None = None) -> Checkpoint:
+    store = committed_store(store)
     where = f"{store.url}/{METADATA_FILE}"
-    try:
-        raw = store.read(METADATA_FILE)
-    except FileNotFoundError:
-        if store.exists(PENDING_MARKER) or not store.is_empty():
-            raise IncompleteCheckpointError(
-                f"{store.url} holds an incomplete checkpoint: its commit record {METADATA_FILE} "
-                "was never written (the save failed or is still running)"
-            ) from None
-        raise FileNotFoundError(f"no checkpoint at {store.url}") from None
+    raw = store.read(METADATA_FILE)
     try:
         doc = json.loads(raw)
     except ValueError as e:
         raise FormatError(f"{where} is not valid JSON: {e}") from e
-    return Checkpoint(store, CheckpointMeta.from_zarr_json(doc, where))
+    meta = CheckpointMeta.from_zarr_json(doc, where)
+    if hmac_key is not None:
+        check_signature(doc["attributes"][ATTRIBUTE], hmac_key, where)
+    return Checkpoint(store, meta, hmac_key)

@@ -1,4 +1,4 @@
-"""The ``ucp-zarr`` command: ``demo``, ``info PATH``, ``verify PATH``."""
+"""The ``ucp-zarr`` command: ``demo``, ``info PATH``, ``verify PATH [--key-file F]``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import time
 
 from .checkpoint import open as open_checkpoint
+from .errors import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,24 +18,41 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--steps", type=int, default=20, help="last step (exclusive) of both runs")
     d.add_argument("--save-at", type=int, default=10, help="step at which the 4-process run saves")
     d.add_argument("--dir", default=None, help="keep the checkpoint in a new folder here (default: a temp dir)")
-    for name, text in (("info", "print a checkpoint's tensors and metadata"), ("verify", "check every chunk's crc32c")):
+    for name, text in (
+        ("info", "print a checkpoint's tensors and metadata"),
+        ("verify", "check every document, chunk and array digest (and the signature, with --key-file)"),
+    ):
         s = sub.add_parser(name, help=text)
         s.add_argument("path")
         s.add_argument("--storage-options", type=json.loads, default=None, help="JSON dict for fsspec")
+        s.add_argument("--key-file", default=None, help="file holding the HMAC key the checkpoint was signed with")
     args = p.parse_args(argv)
 
     if args.cmd == "demo":
         from .examples.elastic_resume import run
 
         return 0 if run(args.steps, args.save_at, args.dir) else 1
-    ck = open_checkpoint(args.path, storage_options=args.storage_options)
+    key = None
+    if args.key_file is not None:
+        with open(args.key_file, "rb") as f:
+            key = f.read()
+    try:
+        ck = open_checkpoint(args.path, storage_options=args.storage_options, hmac_key=key)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.cmd == "info":
         print(ck)
         print(json.dumps({k: v for k, v in ck.metadata.items() if k != "values"}, indent=1))
         return 0
     t0 = time.perf_counter()
-    n = ck.verify()
-    print(f"ok: {len(ck)} tensors, {n} bytes checked in {time.perf_counter() - t0:.2f} s")
+    try:
+        n = ck.verify()
+    except CheckpointError as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        return 1
+    signed = "signature verified" if key is not None else ("signed, key not given" if ck.meta.authenticated else "unsigned")
+    print(f"ok: {len(ck)} tensors, {n} bytes checked in {time.perf_counter() - t0:.2f} s ({signed})")
     return 0
 
 

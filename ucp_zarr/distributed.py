@@ -1,16 +1,28 @@
 """The few collectives a distributed save needs, over a torch.distributed process group.
 
-Only metadata travels through ``all_gather_object`` (pickled
-between the job's own ranks, never read from storage); tensor bytes move point-to-point,
-only boundary pieces, as flat ``uint8`` tensors.
+Only metadata travels through the object collectives (pickled between the job's own
+ranks, never read from storage); tensor bytes move point-to-point, only boundary pieces,
+as flat ``uint8`` tensors whose sizes every rank agreed on first.
+
+Every fallible step of a save ends in an *agreement* (:meth:`Comm.agree`): each rank
+contributes its error (or None) with its payload, and if any rank failed, every rank
+raises the same error naming the failing ranks, at once, instead of leaving the others
+blocked in the next collective until the process group times out.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .errors import agreed_error
+
+
+def describe(error: BaseException | None) -> tuple[str, str] | None:
+    """An error as the (class name, message) sent to the other ranks."""
+    return None if error is None else (type(error).__name__, str(error))
 
 
 class Comm:
@@ -37,6 +49,22 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (None elsewhere)."""
+        if not self.active:
+            return [obj]
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=self._global(0), group=self.group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.active:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global(0), group=self.group)
+        return box[0]
+
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
@@ -51,26 +79,22 @@ class Comm:
             w.wait()
         return {src: t.cpu() for src, t in recvs.items()}
 
-    def agree(self, error: BaseException | None, what: str) -> None:
-        """Raise the same error on every rank if any rank failed ``what`` (a single process
-        raises its own error unchanged)."""
-        self.raise_failures(self.all_gather(describe(error)) if self.active else [None], error, what)
-
-    def raise_failures(self, described: Sequence[str | None], error: BaseException | None, what: str) -> None:
-        """Raise one error naming every rank whose entry of ``described`` (see
-        :func:`describe`, gathered from all ranks) reports a failure of ``what``."""
-        if not self.active:
-            if error is not None:
-                raise error
-            return
-        failed = [(r, e) for r, e in enumerate(described) if e is not None]
-        if failed:
-            from .errors import CheckpointError
-
-            detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
-            raise CheckpointError(f"{what} failed on {len(failed)} of {self.world} ranks: {detail}") from error
+    def agree(self, error: BaseException | None, what: str, payload: Any = None) -> list[Any]:
+        """All-gather ``(error, payload)``; return every rank's payload, or raise on every
+        rank if any rank failed ``what`` (a single process re-raises its own error)."""
+        gathered = self.all_gather((describe(error), payload))
+        raise_failures(self, {r: e for r, (e, _) in enumerate(gathered) if e is not None}, error, what)
+        return [p for _, p in gathered]
 
 
-def describe(error: BaseException | None) -> str | None:
-    """An error as the short text sent to the other ranks."""
-    return None if error is None else f"{type(error).__name__}: {error}"
+def raise_failures(
+    comm: Comm, failures: dict[int, tuple[str, str]], error: BaseException | None, what: str
+) -> None:
+    """Raise one error naming every failing rank of ``what`` (see :func:`describe`); a
+    single process raises its own error unchanged."""
+    if not failures:
+        return
+    if not comm.active and error is not None:
+        raise error
+    detail = "; ".join(f"rank {r}: {name}: {msg}" for r, (name, msg) in sorted(failures.items()))
+    raise agreed_error(f"{what} failed on {len(failures)} of {comm.world} ranks: {detail}", failures) from error

@@ -7,10 +7,17 @@ attribute says how to reinterpret them:
 * ``bfloat16`` -> ``uint16``: ``torch.from_numpy(a).view(torch.bfloat16)`` or
   ``a.view(ml_dtypes.bfloat16)``
 * ``float8_*`` -> ``uint8``: ``torch.from_numpy(a).view(torch.float8_e4m3fn)`` (etc.)
+
+Loading into a tensor of another dtype casts automatically only when the cast is lossless
+(:func:`is_lossless_cast`: every value of the source is kept exactly); a lossy cast
+(float to integer, wider float to narrower, int64 to float32, complex to real, anything to
+bool, ...) needs an explicit opt-in.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -98,3 +105,105 @@ def stored_dtype_by_name(name: str) -> StoredDtype:
 
 def supported_dtypes() -> list[torch.dtype]:
     return [s.torch_dtype for s in _BY_NAME.values()]
+
+
+@dataclass(frozen=True)
+class _FloatFormat:
+    """What :func:`is_lossless_cast` needs to know about a floating-point dtype."""
+
+    mantissa_bits: int
+    max: float
+    tiny: float
+    """The smallest positive value (a subnormal where the type has them)."""
+    signed: bool
+    zero: bool
+    negative_zero: bool
+    inf: bool
+    nan: bool
+
+
+def _through(values: list[float], dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64).to(dtype).to(torch.float64)
+
+
+@functools.cache
+def _float_format(dtype: torch.dtype) -> _FloatFormat:
+    fi = torch.finfo(dtype)
+    eps = fi.eps
+    # torch (2.13 included) reports eps = 2**-3 for float8_e5m2fnuz, which has 2 mantissa
+    # bits like float8_e5m2: take the smallest power of two >= finfo.eps that is a real gap.
+    while _through([1.0 + eps], dtype).item() != 1.0 + eps:
+        eps *= 2
+    mantissa_bits = -int(math.log2(eps))
+    # Which special values exist: what torch's own conversion makes of them.
+    zero, neg_zero, inf, nan = _through([0.0, -0.0, math.inf, math.nan], dtype).tolist()
+    return _FloatFormat(
+        mantissa_bits=mantissa_bits,
+        max=fi.max,
+        tiny=fi.smallest_normal * 2.0**-mantissa_bits,
+        signed=fi.min < 0,
+        zero=zero == 0.0,
+        negative_zero=neg_zero == 0.0 and math.copysign(1.0, neg_zero) < 0,
+        inf=math.isinf(inf),
+        nan=math.isnan(nan),
+    )
+
+
+def is_lossless_cast(src: torch.dtype, dst: torch.dtype) -> bool:
+    """True when every value of ``src`` converts to ``dst`` and back exactly.
+
+    That is, ``x.to(dst)`` is the same number as ``x`` and ``x.to(dst).to(src)`` has the bits
+    of ``x``, for every value including inf, nan, -0.0, subnormals and the extremes (NaN
+    payloads and the sign of NaN are not values: torch's float32 -> float16 / bfloat16 casts
+    drop them). A round trip alone is not enough: uint8 255 -> int8 -1 -> uint8 255.
+    The rule, from ``torch.finfo`` / ``torch.iinfo`` and which special values a float has:
+
+    * same dtype: lossless. To ``bool`` from anything else: lossy.
+    * complex -> complex: as the component types; complex -> real: lossy; real -> complex:
+      as real -> the component type (``float32`` for ``complex64``).
+    * bool -> any number that has 0 (all but ``float8_e8m0fnu``): lossless.
+    * int -> int: lossless when ``dst``'s [min, max] contains ``src``'s (so unsigned ->
+      signed needs a strictly wider type; signed -> unsigned is lossy).
+    * int -> float: every integer of ``src`` must be exact: ``max(|min|, max) <= 2**(m+1)``
+      with m = mantissa bits of ``dst`` (int16 -> float32 yes, int32 -> float32 no,
+      int32 -> float64 yes, int64 -> float64 no), ``dst`` signed if ``src`` is, has 0.
+    * float -> int: lossy.
+    * float -> float: ``dst`` has at least as many mantissa bits (``-log2(eps)``), a max at
+      least as large, a smallest positive value (smallest normal * eps) at most as large, a
+      sign if ``src`` has one, and each of 0, -0.0, inf, nan that ``src`` has. So
+      float8_e4m3fn / e5m2 -> float16 / bfloat16 / float32 / float64 are lossless, while
+      float8_e5m2 -> float8_e5m2fnuz (no inf, no -0.0) and float8_e8m0fnu -> float16 (range) are
+      lossy.
+    """
+    if src == dst:
+        return True
+    if dst == torch.bool:
+        return False
+    if src.is_complex:
+        return dst.is_complex and is_lossless_cast(src.to_real(), dst.to_real())
+    if dst.is_complex:
+        return is_lossless_cast(src, dst.to_real())
+    if src == torch.bool:
+        return not dst.is_floating_point or _float_format(dst).zero
+    if src.is_floating_point:
+        if not dst.is_floating_point:
+            return False
+        s, d = _float_format(src), _float_format(dst)
+        return (
+            d.mantissa_bits >= s.mantissa_bits
+            and d.max >= s.max
+            and d.tiny <= s.tiny
+            and d.signed >= s.signed
+            and d.zero >= s.zero
+            and d.negative_zero >= s.negative_zero
+            and d.inf >= s.inf
+            and d.nan >= s.nan
+        )
+    si = torch.iinfo(src)
+    if dst.is_floating_point:
+        d = _float_format(dst)
+        largest = max(si.max, -si.min)
+        exact = min(2 ** (d.mantissa_bits + 1), d.max)  # every integer up to here is exact
+        return d.zero and (d.signed or si.min == 0) and largest <= exact
+    di = torch.iinfo(dst)
+    return di.min <= si.min and si.max <= di.max

@@ -104,3 +104,22 @@ class CorruptChunkError(CheckpointError):
 class AuthenticationError(CorruptChunkError):
     """An authenticated checkpoint (``hmac_key``) failed its check, or a key was given and
     the checkpoint is unsigned: data, metadata or values were changed."""
+
+
+_AGREED: dict[type, type] = {}
+
+
+def agreed_error(message: str, failures: dict[int, tuple[str, str]]) -> SaveError:
+    """The error every rank raises when ``failures`` (rank -> (error class name, message))
+    failed a collective step: a :class:`SaveError`, which is also an instance of the
+    failing ranks' error class when they all failed with the same ucp_zarr error."""
+    names = {name for name, _ in failures.values()}
+    cls = globals().get(names.pop()) if len(names) == 1 else None
+    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)) or cls in (SaveError, KeyMismatchError, PerRankStateError):
+        return SaveError(message, {r: f"{n}: {m}" for r, (n, m) in failures.items()})
+    if cls not in _AGREED:
+        # registered under its name in this module, so that it pickles (DCP gathers errors)
+        name = f"Agreed{cls.__name__}"
+        attrs = {"__module__": __name__, "__qualname__": name, "__doc__": cls.__doc__}
+        _AGREED[cls] = globals()[name] = type(name, (cls, SaveError), attrs)
+    return _AGREED[cls](message, {r: f"{n}: {m}" for r, (n, m) in failures.items()})

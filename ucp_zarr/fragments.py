@@ -6,8 +6,8 @@ A state-dict tensor value may be
 * :class:`Shard`: a Megatron-style slab at ``global_offset`` of ``global_shape``;
 * :class:`FlatShard`: a 1-D fragment of the row-major flattened global tensor starting at
   element ``flat_offset`` (ZeRO-1/2/3, distributed optimizers), cutting rows anywhere;
-* a plain tensor: the whole tensor, identical on every rank (unless it differs between
-  ranks, in which case it is per-rank state, see ``api.save``).
+* a plain tensor: the whole tensor, identical on every rank;
+* :class:`PerRank` of a plain tensor: this rank's own copy (per-rank state).
 
 Each is normalised to a :class:`Fragment`: ``(global box, local tensor view)`` pieces.
 The same forms describe the target layout at load.
@@ -59,6 +59,15 @@ class FlatShard:
 
 
 @dataclass
+class PerRank:
+    """State that is each rank's own (RNG states, data-loader positions): a plain tensor
+    or a JSON-able value, saved once per saving rank and restored on the rank of the same
+    number. A plain tensor that differs between ranks without this wrapper is an error."""
+
+    value: Any
+
+
+@dataclass
 class Fragment:
     """What one rank holds of one tensor."""
 
@@ -70,6 +79,8 @@ class Fragment:
     """``(start, stop)`` when the fragment is a flat range (recorded as such in metadata)."""
     plain: bool = False
     """A plain tensor: the whole tensor, expected identical on every rank."""
+    per_rank: bool = False
+    """A plain tensor wrapped in :class:`PerRank`."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property

@@ -41,7 +41,9 @@ class FragmentInfo:
     flat: tuple[int, int] | None = None
     plain: bool = False
     digest: int | None = None
-    """crc32c of a plain tensor's bytes, to tell per-rank state from replicas."""
+    """A fingerprint of a plain tensor's bytes: replicas must agree."""
+    per_rank: bool = False
+    """Wrapped in :class:`~ucp_zarr.PerRank`: this rank's own copy, stored per rank."""
 
 
 @dataclass(frozen=True)
@@ -90,16 +92,17 @@ def plan_save(
         for f in frags:
             by_key.setdefault(f.key, []).append((rank, f))
 
-    # per-rank plain tensors (differing digests) become one array per rank
+    # per-rank tensors (PerRank) become one array per rank
     layouts: dict[str, list[tuple[int, FragmentInfo]]] = {}
     per_rank: dict[str, dict[int, str]] = {}
     for key, held in by_key.items():
         _check_consistent(key, held)
-        if all(f.plain for _, f in held) and len({f.digest for _, f in held}) > 1:
+        if held[0][1].per_rank:
             per_rank[key] = {r: per_rank_key(key, r) for r, _ in held}
             for r, f in held:
                 layouts[per_rank_key(key, r)] = [(r, f)]
         else:
+            _check_replicas(key, held)
             layouts[key] = held
 
     base_paths = assign_array_paths(list(by_key))
@@ -131,6 +134,27 @@ def _check_consistent(key: str, held: list[tuple[int, FragmentInfo]]) -> None:
                 f"tensor {key!r}: rank {r0} has global shape {list(f0.shape)} {f0.dtype}, "
                 f"rank {r} has {list(f.shape)} {f.dtype}"
             )
+        if f.per_rank != f0.per_rank:
+            wrapped = sorted(q for q, g in held if g.per_rank)
+            raise LayoutError(
+                f"tensor {key!r}: ranks {wrapped} wrap it in PerRank, ranks "
+                f"{sorted(q for q, _ in held if q not in wrapped)} do not; per-rank state must be per-rank on every rank"
+            )
+
+
+def _check_replicas(key: str, held: list[tuple[int, FragmentInfo]]) -> None:
+    """A plain tensor is one tensor held whole by every rank: its copies must be equal."""
+    plain = [(r, f.digest) for r, f in held if f.plain]
+    groups: dict[int | None, list[int]] = defaultdict(list)
+    for r, d in plain:
+        groups[d].append(r)
+    if len(groups) > 1:
+        shown = " vs ".join(f"ranks {rs}" for rs in sorted(groups.values()))
+        raise LayoutError(
+            f"tensor {key!r} is a plain tensor, so every rank must hold the same value, but its "
+            f"copies differ ({shown} hold different values). Wrap per-rank state (RNG states, "
+            "data positions) in ucp_zarr.PerRank(...), or make the replicas equal"
+        )
 
 
 def _regions(key: str, held: list[tuple[int, FragmentInfo]]) -> dict[Box, list[int]]:

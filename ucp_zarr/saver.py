@@ -1,41 +1,65 @@
-"""Executing a save: normalise, plan, stage, exchange boundary pieces, write, commit.
+"""Orchestrating a save: every rank runs the same phases, each ending in an agreement.
 
-Every rank runs :func:`prepare` (the blocking stage: metadata exchange, planning, and for
-async saves the copy into host memory) and then :meth:`PreparedSave.finish` (exchange,
-writes, commit), either inline or on a background thread.
+1. **collect** this rank's fragments and values -> agree (error, fragment infos, values);
+2. **plan** (pure, the same on every rank) and **claim** the path (the coordinator's
+   :class:`~.transaction.Transaction`) -> agree (save id, staging sibling);
+3. **stage** host copies (:mod:`.staging`) and build the **boundary exchange**
+   (:mod:`.exchange`) -> agree (error, bytes each rank will send to each peer, checked by
+   every rank against the plan). An asynchronous save returns here;
+4. **exchange** boundary pieces point-to-point, with the sizes agreed;
+5. **write** documents and shards, each rank behind a :class:`~.transaction.Fence` ->
+   gather (error, shard seals) on the coordinator;
+6. the coordinator **commits** (or aborts) -> broadcast the outcome.
+
+A failure on any rank fails the save on every rank at the next agreement, with one error
+naming the failing ranks (after the claim, the coordinator aborts the transaction first);
+no rank is left waiting in a collective.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 
-from .version import __version__
-from .arrayio import as_storage, write_shard
-from .distributed import Comm, describe
-from .errors import CheckpointExistsError
-from .format import METADATA_FILE, ArrayMeta, CheckpointMeta, TensorEntry, group_zarr_json
-from .fragments import Fragment, is_fragment_value, to_fragment
-from .layout import Box
+from .arrayio import Seal, write_shard
+from .distributed import Comm, describe, raise_failures
+from .errors import LayoutError
+from .exchange import Exchange, build_exchange, check_sizes
+from .format import METADATA_FILE, CheckpointMeta, TensorEntry, ArrayRef, group_zarr_json
+from .fragments import Fragment, PerRank, is_fragment_value, to_fragment
+from .integrity import array_digest, document_digest, sign
+from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from .planner import FragmentInfo, SavePlan, ShardTask, plan_save
 from .codec import checksum
+from .staging import Staging
 from .statedict import iter_leaves, to_json
-from .storage import PENDING_MARKER, Store
+from .storage import Store
+from .transaction import DEFAULT_LEASE_S, Fence, Transaction, is_internal, target_store
+from .version import __version__
+
+log = logging.getLogger(__name__)
 
 DIGEST_COPY_BYTES = 16 << 20
-"""Off-CPU plain tensors up to this size are copied to the host for their digest."""
+"""Off-CPU plain tensors up to this size are copied to the host for their fingerprint."""
 
 
-@dataclass
-class Staged:
-    """Host copies of the boxes this rank writes or sends: array key -> [(box, copy)]."""
+@dataclass(frozen=True)
+class SaveOptions:
+    """The knobs of one save (see :func:`ucp_zarr.save`)."""
 
-    boxes: dict[str, list[tuple[Box, torch.Tensor]]] = field(default_factory=dict)
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    max_workers: int = 4
+    overwrite: bool = False
+    overwrite_incomplete: bool = False
+    lease_s: float = DEFAULT_LEASE_S
+    hmac_key: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -47,126 +71,192 @@ class SaveResult:
     bytes_written: int
     objects: tuple[str, ...]
     """The keys of the objects this rank wrote (no other rank wrote any of them)."""
+    save_id: str = ""
 
 
 @dataclass
-class PreparedSave:
-    store: Store
-    comm: Comm
-    plan: SavePlan
+class Collected:
+    """A state dict as a save sees it: tensors as fragments, other leaves as JSON."""
+
     fragments: dict[str, Fragment]
-    meta: CheckpointMeta
-    staged: Staged
-    max_workers: int
-
-    def finish(self) -> SaveResult:
-        """Exchange boundary pieces, write this rank's documents and shards, commit."""
-        comm, store, plan = self.comm, self.store, self.plan
-        error: BaseException | None = None
-        try:
-            received = _exchange(comm, plan, self._data)
-            docs = _documents(plan)
-            mine = [(k, d) for k, d in docs if plan.doc_writers[k] == comm.rank]
-            tasks = [(n, t) for n, t in enumerate(plan.shards) if t.writer == comm.rank]
-            with ThreadPoolExecutor(self.max_workers) as pool:
-                jobs = [pool.submit(store.write, k, [d]) for k, d in mine]
-                jobs += [pool.submit(self._write, n, t, received) for n, t in tasks]
-                for job in jobs:
-                    job.result()
-            store.sync()
-        except BaseException as e:  # every rank must learn of it before anyone commits
-            error = e
-        comm.agree(error, f"saving {store.url}")
-        if comm.rank == 0:
-            try:
-                store.write_atomic(METADATA_FILE, _dumps(self.meta.to_zarr_json()))
-                store.delete(PENDING_MARKER)
-            except BaseException as e:
-                error = e
-        comm.agree(error, f"committing {store.url}")
-        objects = tuple(k for k in store.stats.written if k != PENDING_MARKER)
-        return SaveResult(store.url, comm.rank, store.stats.bytes_written, objects)
-
-    def _data(self, akey: str, box: Box) -> torch.Tensor:
-        """This rank's data of ``box`` of array ``akey``, in the storage dtype (a view)."""
-        t, held = self._holding(akey, box)
-        return t[box.relative_to(held).slices()]
-
-    def _write(self, n: int, task: ShardTask, received: dict[tuple[int, int], torch.Tensor]) -> None:
-        path, meta = self.plan.arrays[task.key]
-        sbox = meta.grid.shard_box(task.shard)
-        if not task.sources:
-            src = self._holding(task.key, sbox)
-            write_shard(self.store, path, meta, task.shard, src[0], src[1])
-            return
-        buf = torch.empty(sbox.shape, dtype=meta.dtype.storage_torch_dtype)
-        for i, (rank, box) in enumerate(task.sources):
-            part = self._data(task.key, box) if rank == self.comm.rank else received[(n, i)]
-            buf[box.relative_to(sbox).slices()] = part.reshape(box.shape)
-        write_shard(self.store, path, meta, task.shard, buf, sbox)
-
-    def _holding(self, akey: str, box: Box) -> tuple[torch.Tensor, Box]:
-        """A tensor of this rank holding ``box`` whole, and the box it holds."""
-        for sbox, t in self.staged.boxes.get(akey, ()):
-            if sbox.contains(box):
-                return t, sbox
-        meta = self.plan.arrays[akey][1]
-        pbox, t = self.fragments[meta.key].holding(box)
-        return as_storage(t, meta), pbox
+    values: dict[str, Any]
+    per_rank_values: frozenset[str] = frozenset()
+    """Keys of values wrapped in :class:`~ucp_zarr.PerRank`."""
 
 
-def _exchange(
-    comm: Comm, plan: SavePlan, data: Callable[[str, Box], torch.Tensor]
-) -> dict[tuple[int, int], torch.Tensor]:
-    """Send the boundary pieces this rank holds to their shards' writers; receive ours.
-
-    The pieces for one peer travel as one byte buffer, each at a 64-byte aligned offset so
-    that it can be viewed in its dtype. Returns ``{(task number, source number): piece}``."""
-    sends: dict[int, list[torch.Tensor]] = {}
-    expect: dict[int, list[tuple[tuple[int, int], Box, ArrayMeta]]] = {}
-    for n, task in enumerate(plan.shards):
-        meta = plan.arrays[task.key][1]
-        for i, (src, box) in enumerate(task.sources):
-            if src == task.writer:
-                continue
-            if src == comm.rank:
-                raw = data(task.key, box).contiguous().reshape(-1).view(torch.uint8)
-                pad = _aligned(raw.numel()) - raw.numel()
-                sends.setdefault(task.writer, []).extend([raw, torch.zeros(pad, dtype=torch.uint8)])
-            elif task.writer == comm.rank:
-                expect.setdefault(src, []).append(((n, i), box, meta))
-    sizes = {src: sum(_aligned(b.numel * m.dtype.itemsize) for _, b, m in items) for src, items in expect.items()}
-    got = comm.exchange({dst: torch.cat(parts) for dst, parts in sends.items()}, sizes)
-    out: dict[tuple[int, int], torch.Tensor] = {}
-    for src, items in expect.items():
-        pos = 0
-        for ident, box, meta in items:
-            nbytes = box.numel * meta.dtype.itemsize
-            out[ident] = got[src][pos : pos + nbytes].view(meta.dtype.storage_torch_dtype).reshape(box.shape)
-            pos += _aligned(nbytes)
-    return out
-
-
-def _documents(plan: SavePlan) -> list[tuple[str, bytes]]:
-    docs = [(f"{g}/{METADATA_FILE}", _dumps(group_zarr_json())) for g in plan.groups]
-    docs += [(f"{p}/{METADATA_FILE}", _dumps(m.to_zarr_json())) for p, m in plan.arrays.values()]
-    return docs
-
-
-def _dumps(doc: dict[str, Any]) -> bytes:
-    return json.dumps(doc, indent=1, allow_nan=False).encode()
-
-
-def collect(state_dict: Mapping[str, Any]) -> tuple[dict[str, Fragment], dict[str, Any]]:
+def collect(state_dict: Mapping[str, Any]) -> Collected:
     """A state dict's tensors as fragments and its other leaves as JSON, by flattened key."""
     fragments: dict[str, Fragment] = {}
     values: dict[str, Any] = {}
+    per_rank: set[str] = set()
     for leaf in iter_leaves(state_dict):
-        if is_fragment_value(leaf.value):
-            fragments[leaf.key] = to_fragment(leaf.key, leaf.value)
+        value, wrapped = leaf.value, isinstance(leaf.value, PerRank)
+        if wrapped:
+            value = value.value
+        if is_fragment_value(value):
+            frag = to_fragment(leaf.key, value)
+            if wrapped and not frag.plain:
+                raise LayoutError(
+                    f"tensor {leaf.key!r}: PerRank holds a {type(value).__name__}; per-rank state is a "
+                    "plain tensor (or a JSON value) that each rank holds whole"
+                )
+            frag.per_rank = wrapped
+            fragments[leaf.key] = frag
         else:
-            values[leaf.key] = to_json(leaf.value, leaf.key)
-    return fragments, values
+            values[leaf.key] = to_json(value, leaf.key)
+            if wrapped:
+                per_rank.add(leaf.key)
+    return Collected(fragments, values, frozenset(per_rank))
+
+
+class PreparedSave:
+    """A save after its blocking stage (phases 1-3); :meth:`finish` runs phases 4-6."""
+
+    def __init__(
+        self,
+        store: Store,
+        comm: Comm,
+        options: SaveOptions,
+        plan: SavePlan,
+        txn: Transaction | None,
+        save_id: str,
+        staged: str | None,
+        staging: Staging,
+        exchange: Exchange,
+        values: tuple[dict[str, Any], dict[str, dict[int, Any]]],
+        order: list[str],
+    ) -> None:
+        self.store = store
+        self.comm = comm
+        self.options = options
+        self.plan = plan
+        self.txn = txn
+        self.save_id = save_id
+        self.target = target_store(store, staged)
+        self.staging = staging
+        self.exchange = exchange
+        self.values = values
+        self.order = order
+
+    def finish(self, comm: Comm | None = None) -> SaveResult:
+        """Exchange boundary pieces, write this rank's documents and shards, commit (over
+        ``comm``, by default the one the save was prepared on)."""
+        comm = comm or self.comm
+        error: BaseException | None = None
+        seals: dict[int, bytes] = {}
+        try:
+            received = self.exchange.run(comm)
+            seals = self._write(comm.rank, received)
+        except BaseException as e:  # every rank must learn of it before anyone commits
+            error = e
+        gathered = comm.gather((describe(error), seals))
+        outcome: dict[int, tuple[str, str]] = {}
+        if comm.rank == 0:
+            assert gathered is not None and self.txn is not None
+            outcome = {r: e for r, (e, _) in enumerate(gathered) if e is not None}
+            if outcome:
+                self._abort()
+            else:
+                try:
+                    self.txn.commit(self._root(gathered))
+                except BaseException as e:
+                    error = e
+                    outcome = {0: describe(e)}  # type: ignore[dict-item]
+                    self._abort()
+        outcome = comm.broadcast(outcome)
+        raise_failures(comm, outcome, error, f"saving {self.store.url}")
+        objects = tuple(k for k in self.target.stats.written if not is_internal(k))
+        return SaveResult(self.store.url, comm.rank, self.target.stats.bytes_written, objects, self.save_id)
+
+    def _abort(self) -> None:
+        if self.txn is None:
+            return
+        try:
+            self.txn.abort()
+        except Exception as e:  # the save's own error is what the caller needs to see
+            log.warning("ucp_zarr: could not clean up the failed save at %s: %s", self.store.url, e)
+
+    def _write(self, rank: int, received: dict[tuple[int, int], torch.Tensor]) -> dict[int, bytes]:
+        """Write this rank's documents and shards behind the fence; return the seal of each
+        shard written, by task number."""
+        fence = Fence(self.target, self.save_id)
+        seal = Seal(self.save_id, self.options.hmac_key is not None, self.options.hmac_key)
+        plan = self.plan
+
+        def write_doc(key: str, doc: bytes) -> None:
+            fence.check()
+            self.target.write(key, [doc])
+
+        def write_task(n: int, task: ShardTask) -> bytes:
+            fence.check()
+            path, meta = plan.arrays[task.key]
+            sbox = meta.grid.shard_box(task.shard)
+            if not task.sources:
+                src, held = self.staging.holding(task.key, sbox)
+                return write_shard(self.target, path, meta, task.shard, src, held, seal)
+            buf = torch.empty(sbox.shape, dtype=meta.dtype.storage_torch_dtype)
+            for i, (src_rank, box) in enumerate(task.sources):
+                part = self.staging.data(task.key, box) if src_rank == rank else received[(n, i)]
+                buf[box.relative_to(sbox).slices()] = part.reshape(box.shape)
+            return write_shard(self.target, path, meta, task.shard, buf, sbox, seal)
+
+        docs = [(k, d) for k, d in documents(plan) if plan.doc_writers[k] == rank]
+        tasks = [(n, t) for n, t in enumerate(plan.shards) if t.writer == rank]
+        with ThreadPoolExecutor(self.options.max_workers) as pool:
+            doc_jobs = [pool.submit(write_doc, k, d) for k, d in docs]
+            jobs = {n: pool.submit(write_task, n, t) for n, t in tasks}
+            for job in doc_jobs:
+                job.result()
+            seals = {n: job.result() for n, job in jobs.items()}
+        self.target.sync()
+        return seals
+
+    def _root(self, gathered: list[Any]) -> bytes:
+        """The commit record, from the plan and every rank's shard seals."""
+        plan = self.plan
+        seals: dict[int, bytes] = {}
+        for _, s in gathered:
+            seals.update(s)
+        by_array: dict[str, list[bytes]] = {}
+        for n, task in enumerate(plan.shards):
+            by_array.setdefault(task.key, []).append(seals[n])
+        refs = {akey: ArrayRef(path, array_digest(by_array.get(akey, []))) for akey, (path, _) in plan.arrays.items()}
+        entries: dict[str, TensorEntry] = {}
+        for akey, (path, meta) in plan.arrays.items():
+            if meta.rank is None:
+                entries[akey] = TensorEntry(path, meta.shape, meta.dtype.name, refs[akey].digest)
+        for key, ranks in plan.per_rank.items():
+            copies = {r: refs[a] for r, a in ranks.items()}
+            first = copies[min(copies)]
+            meta = plan.arrays[ranks[min(ranks)]][1]
+            entries[key] = TensorEntry(first.path, meta.shape, meta.dtype.name, first.digest, copies)
+        position = {k: i for i, k in enumerate(self.order)}
+        global_values, rank_values = self.values
+        meta = CheckpointMeta(
+            tensors=dict(sorted(entries.items(), key=lambda kv: position.get(kv[0], 0))),
+            values=global_values,
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            library=f"ucp_zarr {__version__}",
+            save_id=self.save_id,
+            world_size=self.comm.world,
+            rank_values=rank_values,
+            documents={k: document_digest(d) for k, d in documents(plan)},
+        )
+        attrs = meta.attributes()
+        if self.options.hmac_key is not None:
+            attrs["signature"] = sign(attrs, self.options.hmac_key)
+        return dumps({"zarr_format": 3, "node_type": "group", "attributes": {"ucp_zarr": attrs}})
+
+
+def documents(plan: SavePlan) -> list[tuple[str, bytes]]:
+    """Every group and array ``zarr.json`` of the checkpoint, as written."""
+    docs = [(f"{g}/{METADATA_FILE}", dumps(group_zarr_json())) for g in plan.groups]
+    docs += [(f"{p}/{METADATA_FILE}", dumps(m.to_zarr_json())) for p, m in plan.arrays.values()]
+    return docs
+
+
+def dumps(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, indent=1, allow_nan=False).encode()
 
 
 def _infos(fragments: dict[str, Fragment]) -> list[FragmentInfo]:
@@ -178,16 +268,17 @@ def _infos(fragments: dict[str, Fragment]) -> list[FragmentInfo]:
             tuple(b for b, _ in f.pieces),
             f.flat,
             f.plain,
-            _digest(f) if f.plain else None,
+            _fingerprint(f) if f.plain and not f.per_rank else None,
+            f.per_rank,
         )
         for f in fragments.values()
     ]
 
 
-def _digest(f: Fragment) -> int | None:
-    """A fingerprint of a plain tensor's bytes, compared across ranks to tell replicas from
-    per-rank state: crc32c on the host; for a large off-CPU tensor, a sum of its bytes and
-    of its bytes weighted by position, computed on the device."""
+def _fingerprint(f: Fragment) -> int | None:
+    """A fingerprint of a plain tensor's bytes, compared across ranks (replicas must be
+    equal): crc32c on the host; for a large off-CPU tensor, a sum of its bytes and of its
+    bytes weighted by position, computed on the device."""
     if not f.pieces:
         return None
     t = f.pieces[0][1].detach().contiguous().reshape(-1)
@@ -201,86 +292,28 @@ def _digest(f: Fragment) -> int | None:
     return hash((int(v.sum()), int((v * pos).sum())))
 
 
-def _begin(store: Store) -> None:
-    """Claim ``store`` for a new checkpoint: refuse a committed one, clear a failed one."""
-    if store.exists(METADATA_FILE):
-        raise CheckpointExistsError(f"a checkpoint is already committed at {store.url}; choose a new path")
-    if store.exists(PENDING_MARKER):
-        store.clear()
-    elif not store.is_empty():
-        raise CheckpointExistsError(f"{store.url} is not empty and holds no ucp_zarr checkpoint; refusing to write into it")
-    store.write(PENDING_MARKER, [b"{}"])
-
-
-def prepare(
-    collected: Callable[[], tuple[dict[str, Fragment], dict[str, Any]]],
-    store: Store,
-    comm: Comm,
-    *,
-    chunk_bytes: int,
-    shard_bytes: int,
-    max_workers: int,
-    copy: bool,
-) -> PreparedSave:
-    """The blocking stage of a save of what ``collected()`` returns (see :func:`collect`).
-
-    With ``copy`` (async saves) every box this rank will write or send is copied into host
-    memory; otherwise only non-CPU tensors are."""
-    fragments: dict[str, Fragment] = {}
-    values: dict[str, Any] = {}
-    infos: list[FragmentInfo] = []
-    error: BaseException | None = None
-    try:
-        fragments, values = collected()
-        infos = _infos(fragments)
-    except BaseException as e:
-        error = e
-    gathered = comm.all_gather((describe(error), infos, values))  # no tensor bytes: boxes, dtypes, JSON
-    comm.raise_failures([g[0] for g in gathered], error, "preparing the save")
-    plan = plan_save([g[1] for g in gathered], chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
-    global_values, rank_values = _merge_values([g[2] for g in gathered])
-
-    error = None
-    if comm.rank == 0:
-        try:
-            _begin(store)
-        except BaseException as e:
-            error = e
-    comm.agree(error, f"starting a checkpoint at {store.url}")
-
-    staged = _stage(plan, fragments, comm.rank, copy)
-    entries: dict[str, TensorEntry] = {}
-    for akey, (path, meta) in plan.arrays.items():
-        if meta.rank is None:
-            entries[akey] = TensorEntry(path, meta.shape, meta.dtype.name)
-    for key, ranks in plan.per_rank.items():
-        paths = {r: plan.arrays[a][0] for r, a in ranks.items()}
-        meta = plan.arrays[ranks[min(ranks)]][1]
-        entries[key] = TensorEntry(paths[min(paths)], meta.shape, meta.dtype.name, paths)
-    order = {k: i for i, k in enumerate(k for g in gathered for k in [f.key for f in g[1]])}
-    entries = dict(sorted(entries.items(), key=lambda kv: order.get(kv[0], 0)))
-    meta = CheckpointMeta(
-        tensors=entries,
-        values=global_values,
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        library=f"ucp_zarr {__version__}",
-        world_size=comm.world,
-        rank_values=rank_values,
-    )
-    return PreparedSave(store, comm, plan, fragments, meta, staged, max_workers)
-
-
-def _merge_values(per_rank: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, dict[int, Any]]]:
-    """Values equal on every rank holding them are global; the others are per-rank."""
+def _merge_values(
+    per_rank: list[tuple[dict[str, Any], frozenset[str]]],
+) -> tuple[dict[str, Any], dict[str, dict[int, Any]]]:
+    """Values wrapped in PerRank, or differing between ranks, are per-rank; the others
+    global. A key wrapped on some ranks only is an error."""
     seen: dict[str, dict[int, Any]] = {}
-    for r, vals in enumerate(per_rank):
+    wrapped: dict[str, set[int]] = {}
+    for r, (vals, explicit) in enumerate(per_rank):
         for k, v in vals.items():
             seen.setdefault(k, {})[r] = v
+        for k in explicit:
+            wrapped.setdefault(k, set()).add(r)
     global_values: dict[str, Any] = {}
     rank_values: dict[str, dict[int, Any]] = {}
     for k, by_rank in seen.items():
+        if k in wrapped and wrapped[k] != set(by_rank):
+            raise LayoutError(
+                f"value {k!r}: ranks {sorted(wrapped[k])} wrap it in PerRank, ranks "
+                f"{sorted(set(by_rank) - wrapped[k])} do not"
+            )
         first = next(iter(by_rank.values()))
-        if all(_same(v, first) for v in by_rank.values()):
+        if k not in wrapped and all(_same(v, first) for v in by_rank.values()):
             global_values[k] = first
         else:
             rank_values[k] = by_rank
@@ -291,56 +324,64 @@ def _same(a: Any, b: Any) -> bool:
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
-def _stage(plan: SavePlan, fragments: dict[str, Fragment], rank: int, copy: bool) -> Staged:
-    """Copy what this rank writes or sends into host memory (all of it with ``copy``, else
-    only what lives off the CPU), in one buffer."""
-    wanted: list[tuple[str, Box]] = []
-    for task in plan.shards:
-        if task.writer == rank and not task.sources:
-            wanted.append((task.key, plan.arrays[task.key][1].grid.shard_box(task.shard)))
-        for src, box in task.sources:
-            if src == rank:
-                wanted.append((task.key, box))
-    staged = Staged()
-    todo = []
-    for akey, box in wanted:
-        frag = fragments[plan.arrays[akey][1].key]
-        if copy or frag.device.type != "cpu":
-            todo.append((akey, box, frag))
-    if not todo:
-        return staged
-    pin = torch.cuda.is_available() and any(f.device.type == "cuda" for _, _, f in todo)
-    sizes = [_aligned(box.numel * frag.dtype.itemsize) for _, box, frag in todo]
-    buf = _STAGING.get(sum(sizes), pin)
-    pos = 0
-    for (akey, box, frag), size in zip(todo, sizes):
-        meta = plan.arrays[akey][1]
-        dst = buf[pos : pos + box.numel * frag.dtype.itemsize].view(meta.dtype.storage_torch_dtype).view(box.shape)
-        pbox, t = frag.holding(box)
-        dst.copy_(as_storage(t, meta)[box.relative_to(pbox).slices()], non_blocking=pin)
-        staged.boxes.setdefault(akey, []).append((box, dst))
-        pos += size
-    if pin:
-        torch.cuda.synchronize()
-    return staged
+def prepare(
+    collected: Callable[[], Collected],
+    store: Store,
+    comm: Comm,
+    options: SaveOptions,
+    *,
+    copy: bool,
+) -> PreparedSave:
+    """The blocking stage of a save of what ``collected()`` returns (phases 1-3).
 
+    With ``copy`` (async saves) every box this rank will write or send is copied into host
+    memory; otherwise only non-CPU tensors are."""
+    # 1. collect
+    error: BaseException | None = None
+    col = Collected({}, {})
+    infos: list[FragmentInfo] = []
+    try:
+        col = collected()
+        infos = _infos(col.fragments)
+    except BaseException as e:
+        error = e
+    gathered = comm.agree(error, "preparing the save", (infos, col.values, col.per_rank_values))
 
-def _aligned(n: int) -> int:
-    return -(-n // 64) * 64
+    # 2. plan (the same on every rank: a layout error is raised by all) and claim
+    plan = plan_save([g[0] for g in gathered], chunk_bytes=options.chunk_bytes, shard_bytes=options.shard_bytes)
+    values = _merge_values([(g[1], g[2]) for g in gathered])
+    order = [f.key for g in gathered for f in g[0]]
+    txn: Transaction | None = None
+    error = None
+    if comm.rank == 0:
+        try:
+            txn = Transaction(
+                store,
+                overwrite=options.overwrite,
+                overwrite_incomplete=options.overwrite_incomplete,
+                lease_s=options.lease_s,
+            )
+            txn.begin()
+        except BaseException as e:
+            error = e
+    claim = comm.agree(error, f"starting a checkpoint at {store.url}", (txn.save_id, txn.staged) if txn else None)
+    save_id, staged = claim[0]
 
-
-class _StagingBuffer:
-    """One host buffer per process, reused by every save that fits in it (a save waits
-    for the previous one before staging, so reuse is safe)."""
-
-    def __init__(self) -> None:
-        self._buf: torch.Tensor | None = None
-
-    def get(self, nbytes: int, pin: bool) -> torch.Tensor:
-        buf = self._buf
-        if buf is None or buf.numel() < nbytes or buf.is_pinned() != pin:
-            self._buf = buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        return buf
-
-
-_STAGING = _StagingBuffer()
+    # 3. stage and build the exchange
+    error = None
+    staging: Staging | None = None
+    exchange = Exchange()
+    try:
+        staging = Staging(plan, col.fragments, comm.rank, copy)
+        exchange = build_exchange(plan, comm.rank, staging)
+    except BaseException as e:
+        error = e
+    try:
+        announced = comm.agree(error, "staging the save", exchange.send_sizes())
+        check_sizes(plan, announced)
+    except BaseException:
+        if txn is not None:
+            txn.abort()
+        raise
+    assert staging is not None
+    return PreparedSave(store, comm, options, plan, txn, save_id, staged, staging, exchange, values, order)

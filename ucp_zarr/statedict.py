@@ -65,13 +65,10 @@ def _is_terminal(value: list) -> bool:
 
 
 def set_leaf(state_dict: Any, path: Path, value: Any) -> None:
-    """Replace the leaf at ``path``, keeping a tuple a tuple."""
+    """Replace the leaf at ``path``."""
     parent = state_dict
     for p in path[:-1]:
         parent = parent[p]
-    old = parent[path[-1]]
-    if isinstance(old, tuple) and isinstance(value, list):
-        value = tuple(value)
     parent[path[-1]] = value
 
 
@@ -81,9 +78,16 @@ _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 def to_json(value: Any, key: str) -> Any:
-    """``value`` as JSON-able data. Non-finite floats become ``{"$float": "nan"|"inf"|"-inf"}``,
-    bytes ``{"$bytes": "<base64>"}`` (kept as opaque bytes; never unpickled); a user's mapping
-    key starting with ``$`` gets one more ``$`` so it never reads as such a tag.
+    """``value`` as JSON-able data, so that :func:`from_json` gives back an equal value of
+    the same types at every depth:
+
+    * ``None``, ``bool``, ``int``, ``str``, finite ``float``: themselves (numpy scalars too);
+    * non-finite floats: ``{"$float": "nan"|"inf"|"-inf"}``;
+    * ``bytes``/``bytearray``: ``{"$bytes": "<base64>"}`` (opaque bytes; never unpickled);
+    * lists: JSON arrays; tuples: ``{"$tuple": [...]}`` (so ``(1, (2, 3))`` comes back as
+      itself, not as ``[1, [2, 3]]``);
+    * ``str``-keyed mappings: JSON objects (as ``dict``); a key starting with ``$`` gets one
+      more ``$``, so that a user's key never reads as one of the tags above.
 
     Raises :class:`NotJSONableError` naming ``key`` for anything else (objects, dtypes).
     """
@@ -99,8 +103,10 @@ def to_json(value: Any, key: str) -> Any:
         return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     if hasattr(value, "item") and hasattr(value, "dtype") and getattr(value, "ndim", 1) == 0:
         return to_json(value.item(), key)  # numpy scalars
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, list):
         return [to_json(v, f"{key}.{i}") for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {"$tuple": [to_json(v, f"{key}.{i}") for i, v in enumerate(value)]}
     if isinstance(value, Mapping):
         out = {}
         for k, v in value.items():
@@ -123,6 +129,8 @@ def from_json(value: Any) -> Any:
             return _NONFINITE[value["$float"]]
         if set(value) == {"$bytes"}:
             return base64.b64decode(value["$bytes"])
+        if set(value) == {"$tuple"}:
+            return tuple(from_json(v) for v in value["$tuple"])
         return {k[1:] if k.startswith("$$") else k: from_json(v) for k, v in value.items()}
     return value
 

@@ -8,21 +8,26 @@ Both count what they read and write in :class:`IOStats`.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import posixpath
+import shutil
 import threading
+import time
+import uuid
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import fsspec
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 Buffer = memoryview
 ReadRequest = tuple[int, Sequence[memoryview]]
 """Fill these writable buffers, one after another, from this byte offset of an object."""
 
 _IOV_MAX = 512
-PENDING_MARKER = ".ucp_zarr_pending"
-"""Marks a checkpoint directory whose save is under way or crashed (see :mod:`.format`)."""
 
 
 @dataclass
@@ -48,20 +53,35 @@ class IOStats:
 
 
 class Store:
-    """The operations the format needs from a storage backend."""
+    """The operations the format needs from a storage backend.
+
+    Every method names objects by key relative to the store's root. Writes of data objects
+    are idempotent (same key, same bytes), so they may be retried; the transaction's
+    exclusive creations are not, and say so."""
 
     url: str
     stats: IOStats
+
+    @property
+    def name(self) -> str:
+        """The last component of the root (the checkpoint's directory name)."""
+        return posixpath.basename(self.url.rstrip("/"))
 
     def write(self, key: str, buffers: Iterable[Buffer | bytes]) -> int:
         """Write an object from ``buffers`` in order, durably; return its size.
 
         Each buffer is consumed (written, or copied) before the next is pulled from
-        ``buffers``, so a producer may reuse one buffer's memory for the next."""
+        ``buffers``, so a producer may reuse one buffer's memory for the next. A store may
+        iterate ``buffers`` again to retry a failed write, unless it is an iterator."""
         raise NotImplementedError
 
     def write_atomic(self, key: str, data: bytes) -> None:
-        """Make ``data`` visible at ``key`` all at once, durably (the commit record)."""
+        """Make ``data`` visible at ``key`` all at once, durably, replacing what is there."""
+        raise NotImplementedError
+
+    def create_exclusive(self, key: str, data: bytes) -> None:
+        """Make ``data`` visible at ``key`` all at once, durably, only if ``key`` does not
+        exist; else raise :class:`FileExistsError` (never replaces an object)."""
         raise NotImplementedError
 
     def read(self, key: str) -> bytes:
@@ -77,15 +97,30 @@ class Store:
     def exists(self, key: str) -> bool:
         raise NotImplementedError
 
+    def list(self) -> list[str]:
+        """The keys of every object under the root (recursively), sorted."""
+        raise NotImplementedError
+
     def is_empty(self) -> bool:
         """True when nothing is stored under the root (or the root does not exist)."""
-        raise NotImplementedError
+        return not self.list()
 
     def delete(self, key: str) -> None:
+        """Remove an object (no error when it is absent)."""
         raise NotImplementedError
 
-    def clear(self) -> None:
-        """Remove everything under the root."""
+    def remove(self) -> None:
+        """Remove every object under the root, and the root itself where that means anything."""
+        raise NotImplementedError
+
+    def sibling(self, name: str) -> "Store":
+        """A store of the same kind at ``name`` beside this one (same parent)."""
+        raise NotImplementedError
+
+    def adopt(self, src: "Store", key: str) -> None:
+        """Make ``key`` of this store hold what ``key`` of ``src`` (a sibling) holds,
+        replacing any object there: a hard link on local disks, a server-side copy on
+        object stores. ``src`` keeps its object."""
         raise NotImplementedError
 
     def sync(self) -> None:
@@ -121,9 +156,35 @@ class LocalStore(Store):
 
     def write_atomic(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+        tmp = _tmp_name(path)
         self._write_file(tmp, [data])
         os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(path))
+        self.stats.add_write(key, len(data))
+
+    def create_exclusive(self, key: str, data: bytes) -> None:
+        """Written to a temporary file, fsynced, then hard-linked to ``key``: ``link``
+        fails if ``key`` exists, and readers see the whole object or nothing. Where the
+        file system has no hard links, ``O_EXCL`` creation (exclusive, but a reader may
+        see the object before its bytes)."""
+        path = self._path(key)
+        tmp = _tmp_name(path)
+        self._write_file(tmp, [data])
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK):
+                raise
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _writev_all(fd, [data])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        finally:
+            os.unlink(tmp)
         _fsync_dir(os.path.dirname(path))
         self.stats.add_write(key, len(data))
 
@@ -181,25 +242,37 @@ class LocalStore(Store):
     def exists(self, key: str) -> bool:
         return os.path.exists(self._path(key))
 
-    def is_empty(self) -> bool:
-        return not os.path.isdir(self.root) or not os.listdir(self.root)
+    def list(self) -> list[str]:
+        keys = []
+        for d, _, files in os.walk(self.root):
+            rel = os.path.relpath(d, self.root)
+            keys += [f if rel == "." else f"{rel.replace(os.sep, '/')}/{f}" for f in files]
+        return sorted(keys)
 
     def delete(self, key: str) -> None:
         try:
             os.remove(self._path(key))
         except FileNotFoundError:
-            pass
+            return
         _fsync_dir(os.path.dirname(self._path(key)))
 
-    def clear(self) -> None:
-        import shutil
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=False) if os.path.isdir(self.root) else None
+        parent = os.path.dirname(self.root)
+        if os.path.isdir(parent):
+            _fsync_dir(parent)
 
-        if os.path.isdir(self.root):
-            # the pending marker goes last, so a crash mid-way leaves a claimable directory
-            for name in sorted(os.listdir(self.root), key=lambda n: n == PENDING_MARKER):
-                p = os.path.join(self.root, name)
-                shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
-            _fsync_dir(self.root)
+    def sibling(self, name: str) -> "LocalStore":
+        return LocalStore(os.path.join(os.path.dirname(self.root), name))
+
+    def adopt(self, src: Store, key: str) -> None:
+        if not isinstance(src, LocalStore):
+            raise TypeError(f"cannot adopt objects of {src.url} into the local store {self.url}")
+        path = self._path(key)
+        self._makedirs(os.path.dirname(path))
+        tmp = _tmp_name(path)
+        os.link(src._path(key), tmp)
+        os.replace(tmp, path)
 
     def sync(self) -> None:
         with self._dirs_lock:
@@ -207,6 +280,11 @@ class LocalStore(Store):
         for d in dirs:
             if os.path.isdir(d):
                 _fsync_dir(d)
+
+
+def _tmp_name(path: str) -> str:
+    """A temporary name beside ``path``, unique to this call."""
+    return f"{path}.tmp-{uuid.uuid4().hex}"
 
 
 def _flat(bufs: Sequence[Buffer | bytes]) -> list[memoryview]:
@@ -250,52 +328,151 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class RetryPolicy:
+    """Bounded retries with exponential backoff for transient object-store errors
+    (connection resets and refusals, timeouts, HTTP 500/503 "slow down")."""
+
+    def __init__(self, attempts: int = 4, first_delay_s: float = 0.2, max_delay_s: float = 4.0) -> None:
+        self.attempts = attempts
+        self.first_delay_s = first_delay_s
+        self.max_delay_s = max_delay_s
+
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        delay = self.first_delay_s
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return fn()
+            except Exception as e:
+                if attempt == self.attempts or not is_transient(e):
+                    raise
+                log.warning("ucp_zarr: %s failed (%s: %s); retry %d of %d in %.1f s",
+                            what, type(e).__name__, e, attempt, self.attempts - 1, delay)
+                time.sleep(delay)
+                delay = min(2 * delay, self.max_delay_s)
+        raise AssertionError("unreachable")
+
+
+_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EREMOTEIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
+                     errno.ECONNABORTED, errno.EPIPE, errno.EAGAIN, errno.EHOSTUNREACH, errno.ENETUNREACH}
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether ``e`` is worth a retry: a network error, a timeout, or a server that is
+    busy or failing (HTTP 5xx as s3fs translates them); never a missing object, an
+    existing one, or a refusal."""
+    if isinstance(e, (FileNotFoundError, FileExistsError, PermissionError)):
+        return False
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+        return True
+    # botocore's connection errors (EndpointConnectionError, ConnectionClosedError, ...)
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(names & {"HTTPClientError", "ConnectionError", "ClientPayloadError", "ServerDisconnectedError"})
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """An S3 ``PreconditionFailed`` (HTTP 412), which a conditional create gets when the
+    object exists (s3fs says FileExistsError only where the server names the condition)."""
+    cause = e.__cause__
+    response = getattr(cause, "response", None) or {}
+    err = response.get("Error", {}) if isinstance(response, dict) else {}
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
+    return err.get("Code") in ("PreconditionFailed", "412") or status == 412
+
+
 class FsspecStore(Store):
     """Any fsspec filesystem. Objects are written whole or multipart by fsspec; a PUT is
-    atomic on object stores, so the commit record needs no rename."""
+    atomic on object stores, so the commit record needs no rename. Exclusive creation is
+    a conditional PUT (``If-None-Match: *``) where the filesystem supports fsspec's
+    ``mode="create"`` (s3fs on AWS S3, SeaweedFS, MinIO; ``memory://``); elsewhere fsspec
+    falls back to check-then-write, which two racing writers can both pass.
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    Every operation is retried on transient errors by ``retry``."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None) -> None:
+        self.storage_options = dict(storage_options or {})
+        self.fs, root = fsspec.core.url_to_fs(url, **self.storage_options)
         self.root = root.rstrip("/")
-        self.url = url
+        self.url = url.rstrip("/")
         self.stats = IOStats()
+        self.retry = retry or RetryPolicy()
 
     def _path(self, key: str) -> str:
         return posixpath.join(self.root, key)
 
     def write(self, key: str, buffers: Iterable[Buffer | bytes]) -> int:
-        total = 0
-        with self.fs.open(self._path(key), "wb") as f:
-            for b in buffers:
-                total += f.write(memoryview(b).cast("B"))
+        def attempt() -> int:
+            total = 0
+            with self.fs.open(self._path(key), "wb") as f:
+                for b in buffers:
+                    total += f.write(memoryview(b).cast("B"))
+            return total
+
+        # a one-pass iterator cannot be replayed: its retries are fsspec's own (per request)
+        one_pass = isinstance(buffers, Iterator)
+        total = attempt() if one_pass else self.retry.call(f"writing {self.url}/{key}", attempt)
         self.stats.add_write(key, total)
         return total
 
     def write_atomic(self, key: str, data: bytes) -> None:
-        self.fs.pipe_file(self._path(key), data)
+        self.retry.call(f"writing {self.url}/{key}", lambda: self.fs.pipe_file(self._path(key), data))
         self.stats.add_write(key, len(data))
 
+    def create_exclusive(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+
+        def create() -> None:
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                raise
+            except OSError as e:
+                if _precondition_failed(e):
+                    raise FileExistsError(f"{self.url}/{key} exists") from e
+                raise
+
+        try:
+            self.retry.call(f"creating {self.url}/{key}", create)
+        except FileExistsError:
+            # a retried create whose first attempt landed: the object is ours
+            if self._read_or_none(key) != data:
+                raise
+        self.stats.add_write(key, len(data))
+
+    def _read_or_none(self, key: str) -> bytes | None:
+        try:
+            return self.read(key)
+        except FileNotFoundError:
+            return None
+
     def read(self, key: str) -> bytes:
-        data = self.fs.cat_file(self._path(key))
+        data = self.retry.call(f"reading {self.url}/{key}", lambda: self.fs.cat_file(self._path(key)))
         self.stats.add_read(len(data))
         return data
 
     def read_tail(self, key: str, nbytes: int) -> bytes:
-        data = self.fs.cat_file(self._path(key), start=-nbytes)
+        data = self.retry.call(f"reading {self.url}/{key}", lambda: self.fs.cat_file(self._path(key), start=-nbytes))
         if len(data) != nbytes:
-            raise OSError(f"{self._path(key)} is shorter than its {nbytes}-byte index")
+            raise OSError(f"{self._path(key)} is shorter than the {nbytes} bytes read from its end")
         self.stats.add_read(len(data))
         return data
 
     def readv(self, key: str, requests: Sequence[ReadRequest]) -> None:
         path = self._path(key)
         sizes = [sum(b.nbytes for b in bufs) for _, bufs in requests]
-        datas = self.fs.cat_ranges(
-            [path] * len(requests), [o for o, _ in requests], [o + n for (o, _), n in zip(requests, sizes)]
-        )
+
+        def fetch() -> list[Any]:
+            datas = self.fs.cat_ranges(
+                [path] * len(requests), [o for o, _ in requests], [o + n for (o, _), n in zip(requests, sizes)]
+            )
+            for data in datas:
+                if isinstance(data, Exception):
+                    raise data
+            return datas
+
+        datas = self.retry.call(f"reading {self.url}/{key}", fetch)
         for (offset, bufs), want, data in zip(requests, sizes, datas):
-            if isinstance(data, Exception):
-                raise data
             if len(data) != want:
                 raise OSError(f"{path}: short read of {len(data)} bytes at {offset}, wanted {want}")
             pos = 0
@@ -306,24 +483,42 @@ class FsspecStore(Store):
         self.stats.add_read(sum(sizes), len(requests))
 
     def exists(self, key: str) -> bool:
-        return self.fs.exists(self._path(key))
+        return self.retry.call(f"looking up {self.url}/{key}", lambda: self.fs.exists(self._path(key)))
 
-    def is_empty(self) -> bool:
-        try:
-            return not self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return True
+    def list(self) -> list[str]:
+        def find() -> list[str]:
+            try:
+                self.fs.invalidate_cache(self.root)
+                return self.fs.find(self.root)
+            except FileNotFoundError:
+                return []
+
+        prefix = self.root + "/"
+        return sorted(p[len(prefix) :] for p in self.retry.call(f"listing {self.url}", find) if p.startswith(prefix))
 
     def delete(self, key: str) -> None:
-        try:
-            self.fs.rm_file(self._path(key))
-        except FileNotFoundError:
-            pass
+        def rm() -> None:
+            try:
+                self.fs.rm_file(self._path(key))
+            except FileNotFoundError:
+                pass
 
-    def clear(self) -> None:
-        if self.fs.exists(self.root):
-            for p in sorted(self.fs.ls(self.root, detail=False), key=lambda p: p.endswith(PENDING_MARKER)):
-                self.fs.rm(p, recursive=True)
+        self.retry.call(f"deleting {self.url}/{key}", rm)
+
+    def remove(self) -> None:
+        for key in self.list():
+            self.delete(key)
+
+    def sibling(self, name: str) -> "FsspecStore":
+        parent = posixpath.dirname(self.url)
+        if not parent or parent.endswith(":/") or parent.endswith(":"):
+            raise ValueError(f"{self.url} has no parent to hold a sibling {name!r}")
+        return FsspecStore(f"{parent}/{name}", self.storage_options, self.retry)
+
+    def adopt(self, src: Store, key: str) -> None:
+        if not isinstance(src, FsspecStore) or type(src.fs) is not type(self.fs):
+            raise TypeError(f"cannot adopt objects of {src.url} into {self.url}")
+        self.retry.call(f"copying {src.url}/{key}", lambda: self.fs.copy(src._path(key), self._path(key)))
 
 
 def open_store(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Store:

@@ -37,8 +37,8 @@ Limits
   while torch.distributed is initialised cannot be detected on rank 0 and is not supported.
 * For ``dcp.async_save``, give the writer (and ``dcp.async_save``) a dedicated gloo group so
   that the background collectives never interleave with training's, as DCP recommends.
-* Like ``ucp_zarr.save``, the writer refuses a directory that already holds a committed
-  checkpoint or unrelated files (DCP's own writer overwrites).
+* Like DCP's own writer, it replaces a committed checkpoint at the path (``overwrite=True``
+  by default; the replacement is crash-safe); it refuses a directory of unrelated files.
 * Non-tensor values must be JSON-able (see :func:`ucp_zarr.statedict.to_json`).
 * DCP's ``planner_data`` (the nesting of the flattened keys) is not stored; a reader's
   ``Metadata.planner_data`` is None, so DCP's metadata-only loaders rebuild a flat dict.
@@ -84,7 +84,7 @@ from ..dtypes import stored_dtype_by_name
 from ..fragments import Fragment
 from ..layout import Box
 from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
-from ..saver import prepare
+from ..saver import Collected, SaveOptions, prepare
 from ..statedict import from_json, to_json
 from ..storage import open_store
 
@@ -128,7 +128,10 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
     """A DCP ``StorageWriter`` that writes the ucp_zarr universal format at ``path``
     (a local path or fsspec URL).
 
-    ``chunk_bytes``, ``shard_bytes`` and ``max_workers`` are those of ``ucp_zarr.save``.
+    ``chunk_bytes``, ``shard_bytes``, ``max_workers``, ``overwrite_incomplete`` and
+    ``hmac_key`` are those of ``ucp_zarr.save``. ``overwrite`` defaults to True, as DCP's
+    own writer overwrites: a committed checkpoint at ``path`` is replaced, crash-safely
+    (the old or the new one is complete and findable at every point).
     ``process_group`` must be the group ``dcp.save`` runs on (default: the default group,
     or a single process when torch.distributed is not initialised).
     """
@@ -139,6 +142,9 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
         *,
         storage_options: dict[str, Any] | None = None,
         process_group: Any = None,
+        overwrite: bool = True,
+        overwrite_incomplete: bool = False,
+        hmac_key: bytes | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         shard_bytes: int = DEFAULT_SHARD_BYTES,
         max_workers: int = 4,
@@ -147,9 +153,14 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
         self.path = path
         self.storage_options = storage_options
         self.process_group = process_group
-        self.chunk_bytes = chunk_bytes
-        self.shard_bytes = shard_bytes
-        self.max_workers = max_workers
+        self.options = SaveOptions(
+            chunk_bytes=chunk_bytes,
+            shard_bytes=shard_bytes,
+            max_workers=max_workers,
+            overwrite=overwrite,
+            overwrite_incomplete=overwrite_incomplete,
+            hmac_key=hmac_key,
+        )
         self._fresh()
 
     def _fresh(self) -> None:
@@ -188,7 +199,7 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
         except Exception as e:  # raised from collected(), so that every rank learns of it
             store_error = e
 
-        def collected() -> tuple[dict[str, Fragment], dict[str, Any]]:
+        def collected() -> Collected:
             if store_error is not None:
                 raise store_error
             fragments, values = _plan_to_state(plan, planner)
@@ -200,18 +211,9 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
                     assert td is not None
                     size = math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
                 results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=None))
-            return fragments, values
+            return Collected(fragments, values)
 
-        prepared = prepare(
-            collected,
-            store,
-            Comm(self.process_group),
-            chunk_bytes=self.chunk_bytes,
-            shard_bytes=self.shard_bytes,
-            max_workers=self.max_workers,
-            copy=False,
-        )
-        self.result = prepared.finish()
+        self.result = prepare(collected, store, Comm(self.process_group), self.options, copy=False).finish()
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -374,7 +376,7 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
                     if item.type == LoadItemType.BYTE_IO:
                         value = _saved_value(ck, fqn, rank)
                         if value is not _MISSING:
-                            planner.load_bytes(item, _as_bytes(planner, item.dest_index.fqn, value))
+                            planner.load_bytes(item, _as_bytes(value))
                         continue
                     entry = ck.meta.tensors.get(fqn)
                     if entry is None:
@@ -415,15 +417,10 @@ def _saved_value(ck: Checkpoint, fqn: str, rank: int) -> Any:
     return per_rank.get(rank, _MISSING)
 
 
-def _as_bytes(planner: LoadPlanner, fqn: str, value: Any) -> io.BytesIO:
-    """What ``planner.load_bytes`` expects: a ``torch.save`` of the decoded JSON value
-    (a tuple again where the destination holds a tuple, as ``ucp_zarr.load`` does)."""
-    obj = from_json(value)
-    current = getattr(planner, "state_dict", {})
-    if isinstance(current, dict) and isinstance(current.get(fqn), tuple) and isinstance(obj, list):
-        obj = tuple(obj)
+def _as_bytes(value: Any) -> io.BytesIO:
+    """What ``planner.load_bytes`` expects: a ``torch.save`` of the decoded JSON value."""
     buf = io.BytesIO()
-    torch.save(obj, buf)
+    torch.save(from_json(value), buf)
     buf.seek(0)
     return buf
 
