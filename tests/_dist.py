@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from typing import Any, Callable
@@ -17,10 +18,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, timeout_s: float | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     try:
         fn(rank, world, *args)
         dist.barrier()
@@ -28,6 +30,9 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         dist.destroy_process_group()
 
 
-def run(world: int, fn: Callable[..., Any], *args: Any) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes; re-raise the first failure."""
-    mp.start_processes(_entry, args=(world, free_port(), fn, args), nprocs=world, start_method="spawn", join=True)
+def run(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; re-raise the first failure.
+    ``timeout_s`` bounds every collective (default: torch's 30 minutes)."""
+    mp.start_processes(
+        _entry, args=(world, free_port(), fn, args, timeout_s), nprocs=world, start_method="spawn", join=True
+    )

@@ -1,0 +1,286 @@
+"""A failure on one rank fails the save on every rank, promptly, whatever phase it hits.
+
+One real 4-process gloo job runs every case in turn; each rank records, per case, what
+its ``ucp_zarr.save`` raised and how long it took. Collectives time out after
+``PG_TIMEOUT_S``: a rank left waiting for a failed peer (the defect fixed here: staging and
+building the boundary exchange used to run after the last agreement) would record a
+timeout after that long, so "every rank raised within ``PROMPT_S``" really tests agreement.
+
+Cases: a failure while staging host copies (a tensor whose copy fails), while building the
+exchange (the copy of a boundary piece fails), while writing, while committing, a claim
+refused, a plain tensor that differs between ranks (per-rank state must be explicit), and
+asynchronous saves over subgroups (the background group used to be created by a collective
+that every rank of the world had to join).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import ucp_zarr
+from _dist import run
+
+WORLD = 4
+PG_TIMEOUT_S = 40.0
+PROMPT_S = 10.0
+
+
+# --- the cases (run on every rank) ---------------------------------------------------------
+
+
+def _rows(rank: int, local: torch.Tensor | None = None) -> ucp_zarr.Shard:
+    """Rows [2r, 2r+2) of an (8, 4096) tensor whose row i is all i (128 KiB: each rank
+    writes its own rows)."""
+    t = local if local is not None else torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32)[:, None].repeat(1, 4096)
+    return ucp_zarr.Shard(t, (8, 4096), (2 * rank, 0))
+
+
+def _flat(rank: int) -> ucp_zarr.FlatShard:
+    """Elements [20r, 20r+20) of a (10, 8) tensor: flat ranges cutting rows (boundary pieces)."""
+    return ucp_zarr.FlatShard(torch.arange(20 * rank, 20 * rank + 20, dtype=torch.float32), (10, 8), 20 * rank)
+
+
+def case_stage_fails(root: Path, rank: int) -> None:
+    # rank 1 holds its rows on the meta device: its host copy (staging) fails
+    local = torch.empty(2, 4096, device="meta") if rank == 1 else None
+    ucp_zarr.save({"w": _rows(rank, local)}, root / "stage_fails")
+
+
+def case_exchange_fails(root: Path, rank: int) -> None:
+    # the boundary pieces rank 2 sends are copied into one buffer: make that copy fail
+    original = torch.cat
+
+    def failing_cat(tensors: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in tensors):
+            raise RuntimeError("injected: no host memory for the exchange buffer")
+        return original(tensors, *args, **kwargs)
+
+    if rank == 2:
+        torch.cat = failing_cat
+    try:
+        ucp_zarr.save({"f": _flat(rank)}, root / "exchange_fails")
+    finally:
+        torch.cat = original
+
+
+def case_write_fails(root: Path, rank: int) -> None:
+    import ucp_zarr.saver as saver
+
+    original = saver.write_shard
+
+    def broken(*args: Any, **kwargs: Any) -> bytes:
+        raise OSError("injected: disk full")
+
+    if rank == 3:
+        saver.write_shard = broken
+    try:
+        ucp_zarr.save({"w": _rows(rank)}, root / "write_fails", chunk_bytes=4096)
+    finally:
+        saver.write_shard = original
+
+
+def case_commit_fails(root: Path, rank: int) -> None:
+    from ucp_zarr.storage import LocalStore
+
+    original = LocalStore.create_exclusive
+
+    def refuse_root(self: LocalStore, key: str, data: bytes) -> None:
+        if key == "zarr.json":
+            raise OSError("injected: the commit record cannot be written")
+        original(self, key, data)
+
+    if rank == 0:
+        LocalStore.create_exclusive = refuse_root  # type: ignore[method-assign]
+    try:
+        ucp_zarr.save({"w": _rows(rank)}, root / "commit_fails")
+    finally:
+        LocalStore.create_exclusive = original  # type: ignore[method-assign]
+
+
+def case_claim_refused(root: Path, rank: int) -> None:
+    import torch.distributed as dist
+
+    if rank == 0:
+        (root / "claim_refused").mkdir()
+        (root / "claim_refused" / "notes.txt").write_text("not a checkpoint")
+    dist.barrier()
+    ucp_zarr.save({"w": _rows(rank)}, root / "claim_refused")
+
+
+def case_plain_tensor_differs(root: Path, rank: int) -> None:
+    emb = torch.ones(1024, 1024)  # 4 MiB
+    if rank == 3:
+        emb[517, 3] = 2.0
+    ucp_zarr.save({"emb": emb, "w": _rows(rank)}, root / "plain_differs")
+
+
+def case_redo_after_failures(root: Path, rank: int) -> None:
+    """A new save onto each path a failed save left behind works at once (the failed
+    save's claim is aborted, so it counts as dead), and loads bit-exactly."""
+    for name in ("stage_fails", "exchange_fails", "write_fails", "commit_fails"):
+        ucp_zarr.save({"w": _rows(rank)}, root / name)
+        out = {"w": _rows(rank, torch.zeros(2, 4096))}
+        ucp_zarr.load(out, root / name)
+        assert torch.equal(out["w"].local, _rows(rank).local), name
+
+
+def case_async_subgroups(root: Path, rank: int) -> None:
+    """Ranks {0, 1} save asynchronously over their own subgroup (a pipeline stage, a DP
+    group) while ranks {2, 3} do not take part; then {2, 3} do the same on theirs, passing
+    their own background group. Only a subgroup's members call save: the background group
+    used to be created by ``new_group``, which every rank of the world must call (here the
+    world's group numbering then differed between ranks, so the next group hung)."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    given = [None, dist.new_group([2, 3], backend="gloo")]  # stage 1 passes its background group
+    for stage in (0, 1):
+        if rank // 2 == stage:
+            sub_rank = rank % 2
+            half = torch.full((4, 16), float(rank))
+            sd = {"w": ucp_zarr.Shard(half, (8, 16), (4 * sub_rank, 0)), "step": 7}
+            path = root / f"async_group{stage}"
+            fut = ucp_zarr.save(sd, path, process_group=groups[stage], async_save=True, async_group=given[stage])
+            result = fut.result(timeout=PROMPT_S * 3)
+            assert isinstance(result, ucp_zarr.SaveResult) and result.rank == sub_rank
+            want = torch.cat([torch.full((4, 16), float(2 * stage + i)) for i in range(2)])
+            assert torch.equal(ucp_zarr.open(path)["w"][...], want)
+        dist.barrier()
+    # the world's own group bookkeeping is intact: a group every rank creates next works
+    after = dist.new_group([0, 1, 2, 3])
+    total = torch.ones(1)
+    dist.all_reduce(total, group=after)
+    assert total.item() == 4
+
+
+def case_async_given_group(root: Path, rank: int) -> None:
+    """The caller may pass the background group (as DCP asks for async saves)."""
+    import torch.distributed as dist
+
+    background = dist.new_group(backend="gloo")
+    fut = ucp_zarr.save({"w": _rows(rank)}, root / "async_given", async_save=True, async_group=background)
+    fut.result(timeout=PROMPT_S * 3)
+    assert torch.equal(ucp_zarr.open(root / "async_given")["w"][2 * rank : 2 * rank + 2], _rows(rank).local)
+
+
+CASES: list[tuple[str, Callable[[Path, int], None]]] = [
+    ("stage_fails", case_stage_fails),
+    ("exchange_fails", case_exchange_fails),
+    ("write_fails", case_write_fails),
+    ("commit_fails", case_commit_fails),
+    ("claim_refused", case_claim_refused),
+    ("plain_differs", case_plain_tensor_differs),
+    ("redo", case_redo_after_failures),
+    ("async_subgroups", case_async_subgroups),
+    ("async_given", case_async_given_group),
+]
+
+
+def _job(rank: int, world: int, root: str) -> None:
+    import torch.distributed as dist
+
+    out = Path(root) / "results"
+    out.mkdir(exist_ok=True)
+    for name, fn in CASES:
+        start = time.perf_counter()
+        record: dict[str, Any] = {"ok": True}
+        try:
+            fn(Path(root), rank)
+        except Exception as e:  # recorded, and judged by the test of this case
+            record = {"ok": False, "types": [c.__name__ for c in type(e).__mro__], "message": str(e),
+                      "trace": traceback.format_exc()}
+        record["elapsed"] = time.perf_counter() - start
+        dist.barrier()
+        record["after"] = _state(Path(root) / name)  # what the case left at its path
+        (out / f"{name}.{rank}.json").write_text(json.dumps(record))
+        dist.barrier()
+
+
+def _state(path: Path) -> str:
+    try:
+        ucp_zarr.open(path)
+    except ucp_zarr.IncompleteCheckpointError:
+        return "incomplete"
+    except ucp_zarr.NotACheckpointError:
+        return "nothing"
+    return "committed"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> tuple[Path, str | None]:
+    root = tmp_path_factory.mktemp("faults")
+    error = None
+    try:
+        run(WORLD, _job, str(root), timeout_s=PG_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - each case reports what it recorded
+        error = f"{type(e).__name__}: {e}"
+    return root, error
+
+
+def _records(results: tuple[Path, str | None], name: str) -> list[dict[str, Any]]:
+    root, error = results
+    files = [root / "results" / f"{name}.{r}.json" for r in range(WORLD)]
+    missing = [f.name for f in files if not f.exists()]
+    assert not missing, f"case {name} never finished on {missing}; the job failed: {error}"
+    return [json.loads(f.read_text()) for f in files]
+
+
+def _assert_failed_everywhere(records: list[dict[str, Any]], error: str, *needles: str) -> None:
+    for rank, rec in enumerate(records):
+        assert not rec["ok"], f"rank {rank} did not fail"
+        assert error in rec["types"], (rank, rec["types"], rec["message"])
+        assert "CheckpointError" in rec["types"], (rank, rec["types"])
+        for needle in needles:
+            assert needle in rec["message"], (rank, needle, rec["message"])
+        assert rec["elapsed"] < PROMPT_S, f"rank {rank} took {rec['elapsed']:.1f} s to fail: {rec['message']}"
+
+
+@pytest.mark.parametrize(
+    "name, failing, detail",
+    [
+        ("stage_fails", 1, "meta"),
+        ("exchange_fails", 2, "no host memory for the exchange buffer"),
+        ("write_fails", 3, "disk full"),
+        ("commit_fails", 0, "the commit record cannot be written"),
+    ],
+)
+def test_a_failure_in_any_phase_fails_every_rank_promptly(results, name, failing, detail):
+    records = _records(results, name)
+    _assert_failed_everywhere(records, "SaveError", f"rank {failing}: ", detail)
+    for rank, rec in enumerate(records):
+        others = [f"rank {r}: " for r in range(WORLD) if r != failing]
+        assert not any(o in rec["message"] for o in others), rec["message"]  # only the failing rank is named
+        assert rec["after"] == "incomplete", rec["after"]
+
+
+def test_refused_claim_raises_the_same_error_class_everywhere(results):
+    records = _records(results, "claim_refused")
+    _assert_failed_everywhere(records, "CheckpointExistsError", "rank 0: ", "not empty")
+    assert (results[0] / "claim_refused" / "notes.txt").read_text() == "not a checkpoint"
+
+
+def test_plain_tensor_that_differs_between_ranks_is_refused_naming_it_and_the_ranks(results):
+    """Regression: a 4 MiB plain tensor differing in one element on rank 3 used to be stored
+    per rank silently (and left untouched on ranks that did not exist at save time)."""
+    records = _records(results, "plain_differs")
+    _assert_failed_everywhere(records, "LayoutError", "'emb'", "ranks [0, 1, 2] vs ranks [3]", "PerRank")
+    assert all(rec["after"] == "nothing" for rec in records)  # refused before anything was written
+
+
+def test_a_failed_save_leaves_a_path_the_next_save_can_use_at_once(results):
+    for rank, rec in enumerate(_records(results, "redo")):
+        assert rec["ok"], (rank, rec.get("trace"))
+
+
+@pytest.mark.parametrize("name", ["async_subgroups", "async_given"])
+def test_async_saves_over_subgroups_and_given_groups(results, name):
+    for rank, rec in enumerate(_records(results, name)):
+        assert rec["ok"], (rank, rec.get("trace"))
+        assert rec["elapsed"] < PROMPT_S * 3
