@@ -506,8 +506,26 @@ class FsspecStore(Store):
         self.retry.call(f"deleting {self.url}/{key}", rm)
 
     def remove(self) -> None:
-        for key in self.list():
+        keys = self.list()
+        for key in keys:
             self.delete(key)
+        # object stores that keep folder entries (SeaweedFS's filer) list emptied prefixes
+        # until their "<prefix>/" entries are deleted too; elsewhere these deletes are no-ops
+        folders: set[str] = set()
+        for key in keys:
+            folder = posixpath.dirname(key)
+            while folder:
+                folders.add(folder)
+                folder = posixpath.dirname(folder)
+        for folder in sorted(folders, key=lambda f: -f.count("/")):
+            self._remove_folder_entry(posixpath.join(self.root, folder))
+        self._remove_folder_entry(self.root)
+
+    def _remove_folder_entry(self, path: str) -> None:
+        try:
+            self.fs.rm_file(path + "/")
+        except OSError:
+            pass
 
     def sibling(self, name: str) -> "FsspecStore":
         parent = posixpath.dirname(self.url)
