@@ -1,0 +1,365 @@
+"""Reads are strict and verified: missing data is corruption, foreign metadata is refused,
+shards are bound to their checkpoint, ``verify`` covers everything in bounded memory, and
+authenticated checkpoints refuse any change.
+
+Each test damages a real checkpoint the way the defect or the threat does, then checks
+that ``open`` reads, ``load`` and ``verify`` (and the CLI) all notice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+
+import ucp_zarr
+from ucp_zarr import errors
+from ucp_zarr.cli import main as cli
+from ucp_zarr.codec import CRC_BYTES, crc_bytes, trailer_nbytes
+
+KEY = b"0123456789abcdef-secret"
+
+
+def _sd() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "a": torch.randn(64, 32, generator=g),  # a and b: same shape, same grid
+        "b": torch.randn(64, 32, generator=g),
+        "half": torch.randn(40, 8, generator=g).half(),
+        "step": 12,
+        "betas": (0.9, 0.999),
+    }
+
+
+def _save(path: Path, sd: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
+    sd = sd if sd is not None else _sd()
+    ucp_zarr.save(sd, path, chunk_bytes=1024, **kw)
+    return sd
+
+
+def _shard(path: Path, key: str, index: str = "c/0/0") -> Path:
+    return path / ucp_zarr.open(path).array_path(key) / index
+
+
+def _root(path: Path) -> dict[str, Any]:
+    return json.loads((path / "zarr.json").read_text())
+
+
+def _rewrite_root(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    doc = _root(path)
+    edit(doc["attributes"]["ucp_zarr"])
+    (path / "zarr.json").write_text(json.dumps(doc))
+
+
+def _all_fail(path: Path, error: type, match: str, key: str = "a", hmac_key: bytes | None = None) -> None:
+    """``open`` reads, ``load`` and ``verify`` all refuse, with ``error`` matching ``match``."""
+    with pytest.raises(error, match=match):
+        ucp_zarr.open(path, hmac_key=hmac_key)[key][...]
+    with pytest.raises(error, match=match):
+        ucp_zarr.load(_zeros(), path, hmac_key=hmac_key)
+    with pytest.raises(error, match=match):
+        ucp_zarr.open(path, hmac_key=hmac_key).verify()
+
+
+def _zeros() -> dict[str, Any]:
+    return {"a": torch.zeros(64, 32), "b": torch.zeros(64, 32), "half": torch.zeros(40, 8).half(), "step": 0, "betas": (0, 0)}
+
+
+# --- missing data and foreign metadata -----------------------------------------------------
+
+
+def _index_entries(shard: Path, n: int) -> tuple[bytearray, int]:
+    raw = bytearray(shard.read_bytes())
+    return raw, len(raw) - (n * 16 + CRC_BYTES)
+
+
+def test_a_chunk_marked_absent_is_corruption_not_zeros(tmp_path):
+    """Regression: an index entry marked absent inside a present shard read as zeros and
+    passed ``verify``."""
+    path = tmp_path / "ck"
+    _save(path)
+    meta = ucp_zarr.open(path).array_meta("a")
+    n = int(np.prod(meta.grid.chunks_per_shard))
+    assert n > 1
+    shard = _shard(path, "a")
+    raw, at = _index_entries(shard, n)
+    index = np.frombuffer(bytes(raw[at : at + n * 16]), dtype="<u8").copy().reshape(n, 2)
+    index[1] = 2**64 - 1  # chunk 1: "absent", index crc recomputed so the index itself is valid
+    raw[at : at + n * 16] = index.tobytes()
+    raw[at + n * 16 :] = crc_bytes(index.tobytes())
+    shard.write_bytes(bytes(raw))
+    _all_fail(path, ucp_zarr.CorruptChunkError, "marked absent")
+
+
+def _refresh_digest(path: Path, doc_path: str) -> None:
+    """Make the commit record agree with an edited document (a consistent foreign writer)."""
+    raw = (path / doc_path).read_bytes()
+    _rewrite_root(path, lambda a: a["documents"].__setitem__(doc_path, "sha256:" + hashlib.sha256(raw).hexdigest()))
+
+
+@pytest.mark.parametrize(
+    "what, edit, match",
+    [
+        ("big-endian", lambda d: d["codecs"][0]["configuration"]["codecs"][0]["configuration"].update(endian="big"), "codecs"),
+        ("index at the start", lambda d: d["codecs"][0]["configuration"].update(index_location="start"), "codecs"),
+        ("compressed", lambda d: d["codecs"][0]["configuration"]["codecs"].append({"name": "zstd", "configuration": {"level": 1, "checksum": False}}), "codecs"),
+        ("unsharded", lambda d: d.update(codecs=[{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]), "sharding_indexed"),
+        ("data type of another torch dtype", lambda d: d.update(data_type="int32"), "data_type"),
+        ("fill value", lambda d: d.update(fill_value=1.0), "fill_value"),
+        ("shape", lambda d: (d.update(shape=[65, 32]), d["attributes"]["ucp_zarr"].update(global_shape=[65, 32])), "the index says"),
+    ],
+)
+def test_array_metadata_this_library_did_not_write_is_refused(tmp_path, what, edit, match):
+    path = tmp_path / "ck"
+    _save(path)
+    doc_path = f"{ucp_zarr.open(path).array_path('a')}/zarr.json"
+    doc = json.loads((path / doc_path).read_text())
+    edit(doc)
+    (path / doc_path).write_text(json.dumps(doc))
+    with pytest.raises(ucp_zarr.CorruptChunkError, match="changed or replaced"):
+        ucp_zarr.open(path)["a"][...]  # first line of defence: the document's digest
+    _refresh_digest(path, doc_path)
+    _all_fail(path, ucp_zarr.FormatError, match)
+
+
+# --- shards bound to their checkpoint ------------------------------------------------------
+
+
+def test_shards_swapped_between_same_shape_arrays_are_detected(tmp_path):
+    """Regression: two same-shape arrays with their shard files swapped loaded without error."""
+    path = tmp_path / "ck"
+    _save(path)
+    sa, sb = _shard(path, "a"), _shard(path, "b")
+    da, db = sa.read_bytes(), sb.read_bytes()
+    assert len(da) == len(db)
+    sa.write_bytes(db)
+    sb.write_bytes(da)
+    _all_fail(path, ucp_zarr.CorruptChunkError, "another array")
+
+
+def test_a_stale_object_of_an_earlier_save_is_detected(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    _save(old, {**_sd(), "a": torch.zeros(64, 32)})
+    _save(new)
+    shutil.copy(_shard(old, "a"), _shard(new, "a"))  # same key, same size, earlier save
+    _all_fail(new, ucp_zarr.CorruptChunkError, "written by another save")
+
+
+def test_a_chunk_replaced_with_a_valid_crc_is_detected(tmp_path):
+    """The chunk's own crc32c is fine, but it is not the chunk its shard recorded."""
+    path = tmp_path / "ck"
+    _save(path)
+    shard = _shard(path, "a")
+    raw = bytearray(shard.read_bytes())
+    chunk = ucp_zarr.open(path).array_meta("a").grid.chunk_shape
+    n = int(np.prod(chunk)) * 4
+    raw[0:4] = b"\x00\x00\x80\x7f"  # first element: +inf
+    raw[n : n + CRC_BYTES] = crc_bytes(bytes(raw[:n]))
+    shard.write_bytes(bytes(raw))
+    _all_fail(path, ucp_zarr.CorruptChunkError, "chunk was replaced")
+
+
+def test_a_replaced_array_document_is_detected(tmp_path):
+    path = tmp_path / "ck"
+    _save(path)
+    ck = ucp_zarr.open(path)
+    src, dst = f"{ck.array_path('b')}/zarr.json", f"{ck.array_path('a')}/zarr.json"
+    (path / dst).write_bytes((path / src).read_bytes())
+    _all_fail(path, ucp_zarr.CorruptChunkError, "changed or replaced")
+
+
+def test_missing_shard_and_missing_document(tmp_path):
+    path = tmp_path / "ck"
+    _save(path)
+    _shard(path, "a").unlink()
+    _all_fail(path, ucp_zarr.CorruptChunkError, "missing")
+    path2 = tmp_path / "ck2"
+    _save(path2)
+    (path2 / ucp_zarr.open(path2).array_path("a") / "zarr.json").unlink()
+    _all_fail(path2, ucp_zarr.CorruptChunkError, "missing")
+
+
+# --- verify ----------------------------------------------------------------------------------
+
+
+def _save_per_rank(rank: int, world: int, path: str) -> None:
+    ucp_zarr.save({"rng": ucp_zarr.PerRank(torch.arange(1000) + 1000 * rank), "w": torch.ones(4)}, path)
+
+
+@pytest.fixture(scope="module")
+def per_rank_ckpt(tmp_path_factory) -> Path:
+    """A checkpoint of three ranks with per-rank state: one copy of ``rng`` per rank."""
+    from _dist import run
+
+    path = tmp_path_factory.mktemp("per_rank") / "ck"
+    run(3, _save_per_rank, str(path))
+    return path
+
+
+def test_verify_checks_every_per_rank_copy(tmp_path, per_rank_ckpt):
+    """Regression: verify read only the lowest rank's copy of per-rank state."""
+    path = tmp_path / "ck"
+    shutil.copytree(per_rank_ckpt, path)
+    ck = ucp_zarr.open(path)
+    entry = ck.meta.tensors["rng"]
+    assert sorted(entry.ranks) == [0, 1, 2]
+    assert ck.verify() > 0
+    shard = path / entry.ranks[2].path / "c" / "0"
+    raw = bytearray(shard.read_bytes())
+    raw[3] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ucp_zarr.CorruptChunkError, match="crc32c mismatch.*rng"):
+        ucp_zarr.open(path).verify()
+    assert torch.equal(ucp_zarr.open(path)["rng"][...], torch.arange(1000))  # rank 0's copy is fine
+
+
+def test_verify_streams_in_bounded_memory(tmp_path):
+    """``verify`` of a 256 MiB tensor holds one bounded buffer, not the tensor (measured as
+    the growth of the process's peak RSS in a fresh interpreter)."""
+    path = tmp_path / "big"
+    ucp_zarr.save({"w": torch.ones(64, 1 << 20)}, path)  # 256 MiB
+    code = f"""
+import resource, sys, ucp_zarr
+ck = ucp_zarr.open(sys.argv[1])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+n = ck.verify()
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(n, (after - before) // 1024)
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True).stdout.split()
+    checked, grew_mib = int(out[0]), int(out[1])
+    assert checked == 256 << 20
+    assert grew_mib < 64, f"verify grew the peak RSS by {grew_mib} MiB for a 256 MiB tensor"
+
+
+# --- values, casts, the error hierarchy ----------------------------------------------------
+
+
+def test_tuples_come_back_as_tuples_at_every_depth(tmp_path):
+    """Regression: ``(1, (2, 3))`` came back as ``[1, [2, 3]]``."""
+    value = {"t": (1, (2, 3)), "l": [1, [2, (3, [4])]], "e": (), "d": {"x": ((1.5, "s"), [None])}}
+    ucp_zarr.save({"v": value, "w": torch.ones(2)}, tmp_path / "ck")
+    out = {"v": {"t": None, "l": None, "e": None, "d": {"x": None}}, "w": torch.zeros(2)}
+    ucp_zarr.load(out, tmp_path / "ck")
+    assert out["v"] == value
+    assert type(out["v"]["t"][1]) is tuple and type(out["v"]["l"][1]) is list and type(out["v"]["l"][1][1]) is tuple
+    assert type(out["v"]["d"]["x"][0]) is tuple and type(out["v"]["d"]["x"][1]) is list
+
+
+def test_lossless_casts_are_automatic_and_lossy_ones_need_an_opt_in(tmp_path):
+    path = tmp_path / "ck"
+    sd = _save(path)
+    out = {**_zeros(), "half": torch.zeros(40, 8)}  # float16 -> float32: exact
+    ucp_zarr.load(out, path)
+    assert torch.equal(out["half"], sd["half"].float())
+    lossy = {**_zeros(), "a": torch.zeros(64, 32, dtype=torch.bfloat16)}
+    with pytest.raises(ucp_zarr.DtypeMismatchError, match="'a'.*torch.float32.*torch.bfloat16.*allow_lossy_cast"):
+        ucp_zarr.load(lossy, path)
+    assert not lossy["a"].any()  # refused before reading
+    ucp_zarr.load(lossy, path, allow_lossy_cast=True)
+    assert torch.equal(lossy["a"], sd["a"].bfloat16())
+    with pytest.raises(ucp_zarr.DtypeMismatchError):
+        ucp_zarr.open(path).read("a", out=torch.zeros(64, 32, dtype=torch.int64))
+    with pytest.raises(ucp_zarr.ShapeMismatchError, match="'a'"):
+        ucp_zarr.load({**_zeros(), "a": torch.zeros(64, 31)}, path)
+
+
+def test_every_error_is_a_checkpoint_error_and_exported():
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, Exception)]
+    assert len(classes) >= 14
+    for cls in classes:
+        assert issubclass(cls, ucp_zarr.CheckpointError), cls
+        if not cls.__name__.startswith("Agreed"):
+            assert getattr(ucp_zarr, cls.__name__) is cls, cls
+
+
+def test_a_directory_that_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(ucp_zarr.NotACheckpointError):
+        ucp_zarr.open(tmp_path / "nothing")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "a.txt").write_text("x")
+    with pytest.raises(ucp_zarr.IncompleteCheckpointError, match="no commit record"):
+        ucp_zarr.open(tmp_path / "junk")
+
+
+# --- authentication ----------------------------------------------------------------------------
+
+
+def test_signed_checkpoint_loads_with_the_key(tmp_path):
+    path = tmp_path / "ck"
+    sd = _save(path, hmac_key=KEY)
+    out = _zeros()
+    ucp_zarr.load(out, path, hmac_key=KEY)
+    assert torch.equal(out["a"], sd["a"]) and out["betas"] == (0.9, 0.999)
+    ck = ucp_zarr.open(path, hmac_key=KEY)
+    assert ck.meta.authenticated and ck.verify() > 0
+    assert torch.equal(ucp_zarr.open(path)["a"][...], sd["a"])  # readers without the key still read
+
+
+@pytest.mark.parametrize("where", ["chunk", "value", "document digest", "array digest"])
+def test_any_change_to_a_signed_checkpoint_is_refused(tmp_path, where):
+    path = tmp_path / "ck"
+    _save(path, hmac_key=KEY)
+    if where == "chunk":  # data changed, and the chunk crc32c AND the trailer crc forged
+        shard = _shard(path, "a")
+        raw = bytearray(shard.read_bytes())
+        meta = ucp_zarr.open(path).array_meta("a")
+        n_bytes = int(np.prod(meta.grid.chunk_shape)) * 4
+        raw[0:4] = b"\x00\x00\x80\x7f"
+        crc = crc_bytes(bytes(raw[:n_bytes]))
+        raw[n_bytes : n_bytes + 4] = crc
+        n = int(np.prod(meta.grid.chunks_per_shard))
+        tail = trailer_nbytes(n, True) + n * 16 + 4
+        crcs_at = len(raw) - tail + 48
+        raw[crcs_at : crcs_at + 4] = crc
+        shard.write_bytes(bytes(raw))
+        match = "HMAC does not verify"
+    elif where == "value":
+        _rewrite_root(path, lambda a: a["values"].__setitem__("step", 13))
+        match = "signature does not verify"
+    elif where == "document digest":
+        _rewrite_root(path, lambda a: a["documents"].__setitem__(next(iter(a["documents"])), "sha256:" + "0" * 64))
+        match = "signature does not verify"
+    else:
+        _rewrite_root(path, lambda a: a["tensors"]["a"].__setitem__("digest", "sha256:" + "1" * 64))
+        match = "signature does not verify"
+    _all_fail(path, ucp_zarr.AuthenticationError, match, hmac_key=KEY)
+
+
+def test_a_key_refuses_unsigned_checkpoints_and_other_keys(tmp_path):
+    _save(tmp_path / "plain")
+    with pytest.raises(ucp_zarr.AuthenticationError, match="not signed"):
+        ucp_zarr.open(tmp_path / "plain", hmac_key=KEY)
+    _save(tmp_path / "signed", hmac_key=KEY)
+    with pytest.raises(ucp_zarr.AuthenticationError, match="does not verify"):
+        ucp_zarr.load(_zeros(), tmp_path / "signed", hmac_key=b"another key")
+    # stripping the signature does not help: a key demands one
+    _rewrite_root(tmp_path / "signed", lambda a: a.pop("signature"))
+    with pytest.raises(ucp_zarr.AuthenticationError, match="not signed"):
+        ucp_zarr.open(tmp_path / "signed", hmac_key=KEY)
+
+
+def test_cli_verify_with_a_key_file(tmp_path, capsys):
+    path = tmp_path / "ck"
+    _save(path, hmac_key=KEY)
+    key_file = tmp_path / "key"
+    key_file.write_bytes(KEY)
+    assert cli(["verify", str(path), "--key-file", str(key_file)]) == 0
+    assert "signature verified" in capsys.readouterr().out
+    _rewrite_root(path, lambda a: a["values"].__setitem__("step", 13))
+    assert cli(["verify", str(path), "--key-file", str(key_file)]) == 2
+    assert "signature does not verify" in capsys.readouterr().err
+    shard = _shard(tmp_path / "ck", "b")
+    raw = bytearray(shard.read_bytes())
+    raw[5] ^= 1
+    shard.write_bytes(bytes(raw))
+    assert cli(["verify", str(path)]) == 1  # without the key: the crc32c catches it
+    assert "FAILED" in capsys.readouterr().err
