@@ -21,7 +21,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -205,8 +205,7 @@ class PreparedSave:
         with ThreadPoolExecutor(self.options.max_workers) as pool:
             doc_jobs = [pool.submit(write_doc, k, d) for k, d in docs]
             jobs = {n: pool.submit(write_task, n, t) for n, t in tasks}
-            for job in doc_jobs:
-                job.result()
+            _first_failure([*doc_jobs, *jobs.values()])
             seals = {n: job.result() for n, job in jobs.items()}
         self.target.sync()
         return seals
@@ -246,6 +245,17 @@ class PreparedSave:
         if self.options.hmac_key is not None:
             attrs["signature"] = sign(attrs, self.options.hmac_key)
         return dumps({"zarr_format": 3, "node_type": "group", "attributes": {"ucp_zarr": attrs}})
+
+
+def _first_failure(jobs: list[Future]) -> None:
+    """Wait for ``jobs``; on the first failure, cancel those not started and raise it (a
+    failing store fails the save in one round of retries, not one per object)."""
+    wait(jobs, return_when=FIRST_EXCEPTION)
+    for job in jobs:
+        if job.done() and not job.cancelled() and job.exception() is not None:
+            for other in jobs:
+                other.cancel()
+            raise job.exception()  # type: ignore[misc]
 
 
 def documents(plan: SavePlan) -> list[tuple[str, bytes]]:

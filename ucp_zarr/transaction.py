@@ -237,18 +237,27 @@ class Fence:
         self.save_id = save_id
         self.interval_s = interval_s
         self._checked = -float("inf")
+        self._failed: BaseException | None = None
         self._lock = threading.Lock()
 
     def check(self, force: bool = False) -> None:
+        """Raise :class:`OwnershipError` if the claim is lost (or the error of a failed check:
+        once failed, every later check fails at once)."""
         with self._lock:
+            if self._failed is not None:
+                raise self._failed
             if not force and time.monotonic() - self._checked < self.interval_s:
                 return
-            owner = read_owner(self.store, MARKER)
-            if owner is None or owner.save_id != self.save_id:
-                now = "no save" if owner is None else owner.describe()
-                raise OwnershipError(
-                    f"save {self.save_id} lost its claim on {self.store.url}: the owner marker now names {now}"
-                )
+            try:
+                owner = read_owner(self.store, MARKER)
+                if owner is None or owner.save_id != self.save_id:
+                    now = "no save" if owner is None else owner.describe()
+                    raise OwnershipError(
+                        f"save {self.save_id} lost its claim on {self.store.url}: the owner marker now names {now}"
+                    )
+            except BaseException as e:
+                self._failed = e
+                raise
             self._checked = time.monotonic()
 
 
