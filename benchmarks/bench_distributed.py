@@ -63,6 +63,7 @@ import threading
 import time
 import traceback
 import warnings
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
@@ -376,6 +377,14 @@ class _Inline:
 
     def map(self, fn: Callable[..., Any], *its: Any) -> list[Any]:
         return [fn(*xs) for xs in zip(*its)]
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:
+            fut.set_exception(e)
+        return fut
 
 
 def profiled(op: Callable[[], None], out: str, rank: int) -> None:

@@ -32,9 +32,9 @@ from typing import Any
 
 import pytest
 import torch
+from _crash_job import WORLD, full_state, worker
 
 import ucp_zarr
-from _crash_job import WORLD, full_state, worker
 
 TRIALS = int(os.environ.get("UCP_ZARR_KILL_TRIALS", "30"))
 LONG_TRIALS = 200

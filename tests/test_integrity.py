@@ -226,7 +226,7 @@ def test_verify_streams_in_bounded_memory(tmp_path):
     the growth of the process's peak RSS in a fresh interpreter)."""
     path = tmp_path / "big"
     ucp_zarr.save({"w": torch.ones(64, 1 << 20)}, path)  # 256 MiB
-    code = f"""
+    code = """
 import resource, sys, ucp_zarr
 ck = ucp_zarr.open(sys.argv[1])
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

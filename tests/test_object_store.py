@@ -15,9 +15,9 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+from _dist import run
 
 import ucp_zarr
-from _dist import run
 
 BUCKET = "objstore"
 

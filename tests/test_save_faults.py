@@ -23,9 +23,9 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from _dist import run
 
 import ucp_zarr
-from _dist import run
 
 WORLD = 4
 PG_TIMEOUT_S = 40.0

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from _faulty import Crash, FaultyStore, Judge, Log
+
 from ucp_zarr.errors import CheckpointExistsError, IncompleteCheckpointError, NotACheckpointError, OwnershipError
 from ucp_zarr.storage import LocalStore
 from ucp_zarr.transaction import (

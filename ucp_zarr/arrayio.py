@@ -13,14 +13,11 @@ import hashlib
 import math
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from .errors import CorruptChunkError
-from .format import ArrayMeta
-from .layout import Box, grid_indices
 from .codec import (
     CRC_BYTES,
     MISSING,
@@ -37,6 +34,9 @@ from .codec import (
     trailer_nbytes,
     verify_chunk,
 )
+from .errors import CorruptChunkError
+from .format import ArrayMeta
+from .layout import Box, grid_indices
 from .storage import Store
 
 MAX_REQUEST_BYTES = 64 << 20

@@ -28,15 +28,15 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .arrayio import Seal, write_shard
+from .codec import checksum
 from .distributed import Comm, describe, raise_failures
 from .errors import LayoutError
 from .exchange import Exchange, build_exchange, check_sizes
-from .format import METADATA_FILE, CheckpointMeta, TensorEntry, ArrayRef, group_zarr_json
+from .format import METADATA_FILE, ArrayRef, CheckpointMeta, TensorEntry, group_zarr_json
 from .fragments import Fragment, PerRank, is_fragment_value, to_fragment
 from .integrity import array_digest, document_digest, sign
 from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from .planner import FragmentInfo, SavePlan, ShardTask, plan_save
-from .codec import checksum
 from .staging import Staging
 from .statedict import iter_leaves, to_json
 from .storage import Store

@@ -1,0 +1,186 @@
+"""The save's agreed phases, in one process: ranks are threads talking through a fake
+communicator, each writing through a recording store that shares one log.
+
+Fast, deterministic checks of what the multi-process tests check for real
+(``test_save_faults.py``): a failure in any phase on one rank makes every rank raise the
+same error naming it; nothing is committed before every rank's objects are written; no
+object is written by two ranks; exchange sizes are checked before any transfer.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import ucp_zarr
+from _faulty import FaultyStore, Log
+from ucp_zarr.distributed import Comm
+from ucp_zarr.errors import LayoutError
+from ucp_zarr.exchange import check_sizes, planned_sizes
+from ucp_zarr.saver import SaveOptions, collect, prepare
+from ucp_zarr.storage import LocalStore
+
+
+class World:
+    """What the ranks of a fake job share."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=20)
+        self.slots: list[Any] = [None] * size
+        self.mail: dict[tuple[int, int], torch.Tensor] = {}
+
+
+class ThreadComm(Comm):
+    """A :class:`Comm` whose collectives run between threads of one process."""
+
+    def __init__(self, world: World, rank: int) -> None:
+        self.group = None
+        self.active = True
+        self.rank = rank
+        self.world = world.size
+        self._w = world
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        w = self._w
+        w.barrier.wait()
+        w.slots[self.rank] = obj
+        w.barrier.wait()
+        out = list(w.slots)
+        w.barrier.wait()
+        return out
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        out = self.all_gather(obj)
+        return out if self.rank == 0 else None
+
+    def broadcast(self, obj: Any) -> Any:
+        return self.all_gather(obj)[0]
+
+    def exchange(self, sends: dict[int, torch.Tensor], recv_sizes: dict[int, int]) -> dict[int, torch.Tensor]:
+        w = self._w
+        w.barrier.wait()
+        for dst, t in sends.items():
+            w.mail[(self.rank, dst)] = t.clone()
+        w.barrier.wait()
+        got = {src: w.mail[(src, self.rank)] for src in recv_sizes}
+        assert all(got[s].numel() == n for s, n in recv_sizes.items())
+        w.barrier.wait()
+        return got
+
+
+def _run(size: int, fn: Callable[[int, ThreadComm], Any]) -> list[Any]:
+    """Run ``fn(rank, comm)`` on ``size`` threads; return each rank's result or exception."""
+    world = World(size)
+    out: list[Any] = [None] * size
+
+    def body(rank: int) -> None:
+        try:
+            out[rank] = fn(rank, ThreadComm(world, rank))
+        except BaseException as e:  # noqa: BLE001 - returned to the test
+            out[rank] = e
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out
+
+
+def _state(rank: int, size: int) -> dict[str, Any]:
+    a, b = 16 * rank // size, 16 * (rank + 1) // size  # uneven rows
+    w = torch.arange(16 * 2048, dtype=torch.float32).reshape(16, 2048)
+    flat = torch.arange(30 * 7, dtype=torch.float32)
+    lo, hi = 210 * rank // size, 210 * (rank + 1) // size
+    return {
+        "w": ucp_zarr.Shard(w[a:b].clone(), (16, 2048), (a, 0)),
+        "f": ucp_zarr.FlatShard(flat[lo:hi].clone(), (30, 7), lo),  # boundary pieces move
+        "step": 3,
+    }
+
+
+def _save(path: Path, log: Log, size: int = 3, hook: Callable[[int], None] | None = None) -> list[Any]:
+    def fn(rank: int, comm: ThreadComm) -> Any:
+        store = FaultyStore(LocalStore(str(path)), log)
+        if hook is not None:
+            hook(rank)
+        return prepare(lambda: collect(_state(rank, size)), store, comm, SaveOptions(chunk_bytes=2048), copy=False).finish()
+
+    return _run(size, fn)
+
+
+def test_the_commit_follows_every_write_of_every_rank_and_no_object_has_two_writers(tmp_path):
+    log = Log()
+    results = _save(tmp_path / "ck", log)
+    assert all(isinstance(r, ucp_zarr.SaveResult) for r in results), results
+    ops = log.ops
+    root = ops.index(("create_exclusive", str(tmp_path / "ck"), "zarr.json"))
+    writes = [i for i, (op, _, key) in enumerate(ops) if op == "write" and not key.startswith(".ucp_zarr")]
+    assert writes and max(writes) < root
+    objects = [o for r in results for o in r.objects]
+    assert len(objects) == len(set(objects))  # each object written by one rank
+    ck = ucp_zarr.open(tmp_path / "ck")
+    assert torch.equal(ck["w"][...], torch.arange(16 * 2048, dtype=torch.float32).reshape(16, 2048))
+    assert torch.equal(ck["f"][...], torch.arange(210, dtype=torch.float32).reshape(30, 7))
+
+
+def _saver() -> Any:
+    import ucp_zarr.saver
+
+    return ucp_zarr.saver
+
+
+@pytest.mark.parametrize(
+    "phase, where, name",
+    [
+        ("collect", _saver, "_infos"),
+        ("stage", _saver, "Staging"),
+        ("exchange", _saver, "build_exchange"),
+        ("write", lambda: _saver().PreparedSave, "_write"),  # runs on the rank's own thread
+    ],
+)
+def test_a_failure_on_one_rank_in_any_phase_fails_every_rank(tmp_path, monkeypatch, phase, where, name):
+    mod = where()
+    original = getattr(mod, name)
+    rank1: list[int] = []  # the thread running rank 1
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() in rank1:
+            raise RuntimeError(f"injected {phase} failure")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(mod, name, wrapper)
+    results = _save(tmp_path / "ck", Log(), hook=lambda r: rank1.append(threading.get_ident()) if r == 1 else None)
+    for rank, r in enumerate(results):
+        assert isinstance(r, ucp_zarr.SaveError), (rank, r)
+        assert f"rank 1: RuntimeError: injected {phase} failure" in str(r) and "rank 0:" not in str(r)
+    if phase == "collect":
+        with pytest.raises(ucp_zarr.NotACheckpointError):
+            ucp_zarr.open(tmp_path / "ck")
+    else:
+        with pytest.raises(ucp_zarr.IncompleteCheckpointError):
+            ucp_zarr.open(tmp_path / "ck")
+
+
+def test_exchange_sizes_are_checked_against_the_plan_before_any_transfer():
+    from ucp_zarr.layout.flat import flat_range_boxes
+    from ucp_zarr.planner import FragmentInfo, plan_save
+
+    infos = [[FragmentInfo("f", (30, 7), "float32", tuple(flat_range_boxes((30, 7), 70 * r, 70 * (r + 1))), (70 * r, 70 * (r + 1)))] for r in range(3)]
+    plan = plan_save(infos, chunk_bytes=2048)
+    sizes = planned_sizes(plan)
+    assert sizes  # this layout moves boundary pieces
+    announced: list[dict[int, int]] = [{} for _ in range(3)]
+    for (src, dst), n in sizes.items():
+        announced[src][dst] = n
+    check_sizes(plan, announced)
+    (src, dst), n = next(iter(sizes.items()))
+    announced[src][dst] = n + 64
+    with pytest.raises(LayoutError, match="boundary exchange mismatch"):
+        check_sizes(plan, announced)
