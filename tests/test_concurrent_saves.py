@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -38,18 +38,6 @@ class Backend:
 
     def url(self) -> str:
         return f"{self.base}/{uuid.uuid4().hex[:8]}/ck"
-
-
-@pytest.fixture(scope="module")
-def seaweed(tmp_path_factory) -> Iterator[Any]:
-    from s3server import seaweed_or_skip
-
-    server = seaweed_or_skip(tmp_path_factory.mktemp("seaweed"))
-    try:
-        server.make_bucket(BUCKET)
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(params=["local", "s3"])

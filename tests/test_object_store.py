@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -20,18 +20,6 @@ from _dist import run
 import ucp_zarr
 
 BUCKET = "objstore"
-
-
-@pytest.fixture(scope="module")
-def seaweed(tmp_path_factory) -> Iterator[Any]:
-    from s3server import seaweed_or_skip
-
-    server = seaweed_or_skip(tmp_path_factory.mktemp("seaweed"))
-    try:
-        server.make_bucket(BUCKET)
-        yield server
-    finally:
-        server.stop()
 
 
 def _url(name: str) -> str:
