@@ -14,21 +14,27 @@ public API (section 5 of the reliability issue). For every malformed input:
   that is not a module being imported, and process creation;
 * nothing hangs or allocates without bound.
 
-Every example runs in a forked child process (:func:`isolated`) under an address-space limit
-(``RLIMIT_AS``: its size at fork plus ``ADDRESS_SPACE_HEADROOM``) and a wall-clock limit
-(``EXAMPLE_TIMEOUT_S``, then SIGKILL). The child reports each operation's outcome, the audit
-events it saw and its peak RSS (``wait4``), which may exceed the parent's by at most
-``MEMORY_GROWTH_LIMIT``. A fork costs ~25 ms here; the children never touch the parent's
-state, so a hang, a crash or a runaway allocation fails one example instead of the run.
+Every example runs outside this process, in a process forked from it: reads of a checkpoint
+in a long-lived reader worker (:class:`_Reader`, one job after another), saves and special
+cases in a child forked for the example (:func:`isolated`). Either runs each job under an
+address-space limit (``RLIMIT_AS``: its size plus ``ADDRESS_SPACE_HEADROOM``) and a wall-clock
+limit (``EXAMPLE_TIMEOUT_S``, then SIGKILL), with unpickling refused and audit hooks on, and
+reports each operation's outcome, the audit events it saw and how far its peak RSS rose
+(``/proc/self/clear_refs`` + ``VmHWM``; at most ``MEMORY_GROWTH_LIMIT``). So a hang, a crash
+or a runaway allocation fails one example instead of the run, and this process's own peak RSS
+stays flat (the last test checks ``ru_maxrss``). Each example's checkpoint is a sandbox
+restored from a template (:func:`sandbox`), next to canary files a path escaping it would reach.
 
-Tests that find a library bug are kept and marked ``xfail(strict=True, reason="BUG: ...")``;
-explicit ``@example``\\ s pin each such property test to its bug so that it fails on every run,
-and every bug also has a minimal reproduction among the ``test_bug_*`` tests at the end.
+The bugs these properties found (21, all fixed) stay pinned as explicit ``@example``\\ s of the
+property that found them, and each has a minimal regression test: a ``test_bug_*`` test at the
+end, or the small parametrized tests of section 5, which are minimal already; every one of them
+failed before its fix.
+``UCP_ZARR_BAD_INPUT_SCALE=10`` multiplies the number of examples (the default keeps this
+module under a minute on two cores).
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import copy
 import hashlib
@@ -53,28 +59,33 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import note as _hypothesis_note
-from hypothesis.control import currently_in_test_context
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 
 import ucp_zarr
 from ucp_zarr import CheckpointError
 from ucp_zarr.statedict import iter_leaves
 
-pytestmark = pytest.mark.skipif(
-    not (sys.platform.startswith("linux") and hasattr(os, "fork")),
-    reason="each example runs in a forked child process with resource limits (Linux)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (sys.platform.startswith("linux") and hasattr(os, "fork")),
+        reason="each example runs in a forked child process with resource limits (Linux)",
+    ),
+    # (Python >= 3.12 warns on fork() while torch's native threads exist; the children run no
+    # code that could wait on a lock held by one of them: they start their own threads)
+    pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning"),
+]
 
 # --- limits ----------------------------------------------------------------------------------
 
 EXAMPLE_TIMEOUT_S = 20.0
-"""Wall-clock limit of one isolated example (normal ones take ~30-300 ms): past it, a hang."""
-MEMORY_GROWTH_LIMIT = 384 << 20
-"""How far a child's peak RSS may exceed the parent's RSS at fork."""
+"""Wall-clock limit of one example's job (normal ones take 20-200 ms): past it, a hang."""
+MEMORY_GROWTH_LIMIT = 256 << 20
+"""How far a job may raise its process's peak RSS above its RSS at the start."""
 ADDRESS_SPACE_HEADROOM = 2 << 30
-"""RLIMIT_AS of a child: the address space it inherited plus this."""
+"""RLIMIT_AS of a job: its process's address space at the start plus this."""
 CHUNK_BYTES = 64
 SHARD_BYTES = 256
 HMAC_KEY = b"the key of the signed checkpoint"
@@ -85,20 +96,16 @@ _COMPONENT = re.compile(r"[A-Za-z0-9_%~\-][A-Za-z0-9_.%~\-]*")
 
 SCALE = float(os.environ.get("UCP_ZARR_BAD_INPUT_SCALE", "1"))
 """Multiplies every property's number of examples (the defaults keep the module under a minute
-on two cores, where one isolated example costs ~70 ms; a nightly run may pass 10)."""
+on two cores, where one example costs 20-70 ms; a nightly run may pass 10)."""
 
 
-def _settings(n: int, *, xfail: bool = False, **kw: Any) -> settings:
+def _settings(n: int, **kw: Any) -> settings:
     """``n`` examples (times SCALE), no deadline (the isolation enforces EXAMPLE_TIMEOUT_S
-    with SIGKILL). An xfail'd property stops at its pinned example and skips shrinking."""
-    extra: dict[str, Any] = {}
-    if xfail:
-        extra = {"phases": (Phase.explicit, Phase.reuse, Phase.generate), "report_multiple_bugs": False}
+    with SIGKILL)."""
     return settings(
         max_examples=max(1, round(n * SCALE)),
         deadline=None,
         suppress_health_check=list(HealthCheck),
-        **extra,
         **kw,
     )
 
@@ -107,10 +114,6 @@ def note(message: str) -> None:
     """hypothesis.note where a property runs (shown with a falsifying example), else nothing."""
     if currently_in_test_context():
         _hypothesis_note(message)
-
-
-def bug(reason: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"BUG: {reason}")
 
 
 # --- the saved state ---------------------------------------------------------------------------
@@ -333,15 +336,24 @@ def sandbox(source: Path | None = None) -> Iterator[tuple[Path, Path]]:
 _TEMPLATES: dict[Path, dict[str, tuple[int, int, int]]] = {}
 
 
-def _entries(root: Path) -> dict[str, tuple[int, int, int]]:
-    """Every entry under ``root``: (file type, size, mtime) -- for directories only the type."""
-    out: dict[str, tuple[int, int, int]] = {}
-    for dirpath, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(dirpath, name)
-            st_ = os.lstat(path)
-            kind = stat.S_IFMT(st_.st_mode)
-            out[os.path.relpath(path, root)] = (kind, 0, 0) if kind == stat.S_IFDIR else (kind, st_.st_size, st_.st_mtime_ns)
+def _entries(root: Path | str, prefix: str = "", out: dict[str, tuple[int, int, int]] | None = None
+             ) -> dict[str, tuple[int, int, int]]:
+    """Every entry under ``root`` by relative path: (file type, size, mtime) -- for
+    directories only the type. Symbolic links are not followed."""
+    out = {} if out is None else out
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for e in entries:
+        st_ = e.stat(follow_symlinks=False)
+        kind = stat.S_IFMT(st_.st_mode)
+        rel = prefix + e.name
+        if kind == stat.S_IFDIR:
+            out[rel] = (kind, 0, 0)
+            _entries(e.path, rel + os.sep, out)
+        else:
+            out[rel] = (kind, st_.st_size, st_.st_mtime_ns)
     return out
 
 
@@ -413,6 +425,8 @@ def _resolve(path: Any, dir_fd: Any) -> str | None:
         except OSError:
             return f"<fd {dir_fd}>/{path}"
     return os.path.abspath(path)
+
+
 _EXECUTING = {"pickle.find_class", "os.system", "subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty"}
 
 
@@ -484,9 +498,13 @@ def _statm() -> tuple[int, int]:
 
 
 def _reset_peak_rss() -> int:
-    """Reset this process's peak RSS (VmHWM) to its current RSS, which is returned."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    """Reset this process's peak RSS (VmHWM) to its current RSS, which is returned (where the
+    kernel does not allow the reset, the peak so far: then only a new peak counts)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return _status("VmHWM")
     return _status("VmRSS")
 
 
@@ -729,7 +747,7 @@ def problems_of(report: Report, *, box: Path, ck: Path, may_write: bool = False,
     hierarchy, a success that returned wrong data."""
     out = []
     if report.hung:
-        out.append(f"HANG: the example did not finish within {EXAMPLE_TIMEOUT_S:.0f} s (killed)")
+        out.append(f"HANG: the job did not finish within its time limit ({report.wall_s:.1f} s; killed)")
     if report.signal is not None:
         out.append(f"CRASH: the child died of signal {signal.Signals(report.signal).name}")
     if report.crash:
@@ -756,6 +774,7 @@ def problems_of(report: Report, *, box: Path, ck: Path, may_write: bool = False,
 
 
 def check(report: Report, *, box: Path, ck: Path, **kw: Any) -> None:
+    __tracebackhide__ = True  # (pytest reports the caller's line)
     found = problems_of(report, box=box, ck=ck, **kw)
     note(f"outcomes: {[(r['op'], r['outcome'], r.get('type')) for r in report.results]}")
     if found:
@@ -765,6 +784,7 @@ def check(report: Report, *, box: Path, ck: Path, **kw: Any) -> None:
 def expect(report: Report, op_prefix: str, *types: str, allow_ok: bool = False, exact: bool = False) -> None:
     """Every operation named ``op_prefix...`` (``exact``: named ``op_prefix``) raised one of
     ``types`` (or succeeded, if ``allow_ok``); at least one such operation ran."""
+    __tracebackhide__ = True  # (pytest reports the caller's line)
     ops = [r for r in report.ops(op_prefix) if not exact or r["op"] == op_prefix]
     assert ops, f"no operation {op_prefix!r} ran: {report.results}"
     for r in ops:
@@ -774,6 +794,24 @@ def expect(report: Report, op_prefix: str, *types: str, allow_ok: bool = False, 
             f"{r['op']}: expected {' or '.join(types)}{' or success' if allow_ok else ''}, got {r['outcome']} "
             f"{r.get('type', '')}: {r.get('detail', '')[:400]}"
         )
+
+
+def refused_at_open(report: Report) -> bool:
+    """Whether ``open`` refused the commit record (a FormatError: it is malformed, or two of
+    its entries contradict each other); then ``load`` must refuse it too."""
+    __tracebackhide__ = True  # (pytest reports the caller's line)
+    r = report.outcome("open")
+    if r is None or r["outcome"] == "ok":
+        return False
+    expect(report, "open", "FormatError")
+    expect(report, "load", "FormatError")
+    return True
+
+
+def expect_ok(report: Report, op: str) -> None:
+    __tracebackhide__ = True  # (pytest reports the caller's line)
+    r = report.outcome(op)
+    assert r is not None and r["outcome"] == "ok", f"{op}: expected success, got {r}"
 
 
 # --- what a reader does with a checkpoint ------------------------------------------------------
@@ -882,6 +920,7 @@ def _what_changed(ck: Path) -> tuple[bool, frozenset[str]]:
         intact = attrs["values"] == want["values"] and attrs["rank_values"] == want["rank_values"]
     except Exception:
         return True, frozenset()
+
     def restorable(key: str) -> bool:  # by rank 0, the rank every load here runs as
         try:
             entry = attrs["tensors"][key]
@@ -947,11 +986,6 @@ def apply(doc: Any, m: Mutation) -> Any:
     return doc
 
 
-def _touches(m: Mutation, *prefixes: tuple[Any, ...]) -> bool:
-    path = m[1]
-    return any(path[: len(p)] == p or p[: len(path)] == path for p in prefixes)
-
-
 HOSTILE_NAMES = [
     "", ".", "..", "../..", "../x", "../secret", "a/../../b", "/", "/etc/passwd", "//", "a//b", "\\", "a\\b",
     "..\\..\\x", "C:\\x", "~", "~/x", "~root", "\x00", "a\x00b", "\n", "\t\r\x1b[31m", "\u202e", "\ufeff",
@@ -975,9 +1009,10 @@ def _json_strategies(finite: bool) -> tuple[st.SearchStrategy[Any], st.SearchStr
         st.none(), st.booleans(), st.integers(-3, 40), st.sampled_from(BIG_INTS), st.integers(),
         st.sampled_from(specials), st.floats(allow_nan=not finite, allow_infinity=not finite), hostile_text,
     )
-    values = st.recursive(
-        scalars, lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(hostile_text, c, max_size=3)), max_leaves=8
-    )
+    def containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+        return st.one_of(st.lists(children, max_size=3), st.dictionaries(hostile_text, children, max_size=3))
+
+    values = st.recursive(scalars, containers, max_leaves=8)
     tagged = st.one_of(
         values,
         st.dictionaries(st.sampled_from(["$float", "$bytes", "$tuple", "$$x", "$", "$$float"]), values, min_size=1, max_size=2),
@@ -1076,7 +1111,7 @@ def test_harness_detects(misdeed: str) -> None:
 
             attempt(results, "misdeed", misbehave)
 
-        report = isolated(work, watch=box, timeout=2.0 if misdeed == "hang" else EXAMPLE_TIMEOUT_S)
+        report = isolated(work, watch=box, timeout=0.5 if misdeed == "hang" else EXAMPLE_TIMEOUT_S)
         found = problems_of(report, box=box, ck=ck, may_write=misdeed == "write-inside")
         if misdeed == "write-inside":
             assert not found, found  # a writer may write inside its checkpoint
@@ -1133,7 +1168,7 @@ unparseable_edits = st.one_of(
 )
 
 
-@_settings(50)
+@_settings(45)
 @given(edit=unparseable_edits)
 def test_root_unparseable_bytes(edit: BytesEdit) -> None:
     """Truncated, invalid UTF-8, non-JSON or re-encoded bytes of the root document: a
@@ -1156,9 +1191,7 @@ def test_root_unparseable_bytes(edit: BytesEdit) -> None:
             expect(report, "load", "FormatError")
 
 
-@bug("a flipped byte in a tagged value ({'$float': 'nen'}) raises KeyError from ck.metadata, repr(ck) and load "
-     "(statedict.from_json); a surrogate in a 'documents' name raises UnicodeEncodeError from verify (Checkpoint.document)")
-@_settings(60, xfail=True)
+@_settings(60)
 @example(edit=BytesEdit("flip", 12, b"\x04", needle=b'"$float": "nan"'))  # "nan" -> "nen"
 @example(edit=BytesEdit("insert", 1, b"\xed\xa0\x80", needle=b'"layers.0.weight/zarr.json"'))  # a surrogate in a name
 @given(edit=st.one_of(
@@ -1177,9 +1210,7 @@ def test_root_byte_edits(edit: BytesEdit) -> None:
         check(report, box=box, ck=ck)
 
 
-@bug("a deeply nested root document raises RecursionError from json.loads "
-     "(checkpoint.open_store_checkpoint catches only ValueError)")
-@_settings(10, xfail=True)
+@_settings(10)
 @example(depth=100_000, opener="[")
 @given(depth=st.integers(2_000, 300_000), opener=st.sampled_from(["[", '{"a":']))
 def test_root_deep_nesting(depth: int, opener: str) -> None:
@@ -1191,7 +1222,7 @@ def test_root_deep_nesting(depth: int, opener: str) -> None:
         expect(report, "open", "FormatError")
 
 
-@_settings(100)
+@_settings(80)
 @given(m=mutations("root", ROOT + ("tensors",)))
 def test_root_tensor_index_mutations(m: Mutation) -> None:
     """The tensor index: wrong types at every level (lists for objects, strings for numbers,
@@ -1222,7 +1253,7 @@ def _array_paths() -> list[str]:
     return sorted({doc.removesuffix("/zarr.json") for doc in base().array_docs})
 
 
-@_settings(60)
+@_settings(50)
 @given(key=st.sampled_from(sorted(ORIGINAL_TENSORS)), field=st.sampled_from(ARRAY_PATHS_IN_INDEX), path=hostile_array_paths)
 def test_root_hostile_tensor_paths(key: str, field: tuple[str, ...], path: str) -> None:
     """Array paths with ``..``, ``/``, absolute paths, backslashes, ``~``, control
@@ -1230,8 +1261,7 @@ def test_root_hostile_tensor_paths(key: str, field: tuple[str, ...], path: str) 
     when they are not ``<group>/<array>`` of safe names; otherwise (a name with no document
     digest) refused when read. Never a read outside. (Another array's path:
     test_root_tensor_path_aliasing_another_array.)"""
-    if path in _array_paths():
-        return
+    assume(path not in _array_paths())
     entry = base().docs["root"]["attributes"]["ucp_zarr"]["tensors"][key]
     if field[0] == "ranks" and "ranks" not in entry:
         field = ("path",)
@@ -1244,52 +1274,47 @@ def test_root_hostile_tensor_paths(key: str, field: tuple[str, ...], path: str) 
         if path.count("/") != 1 or not all(_COMPONENT.fullmatch(p) for p in path.split("/")):
             expect(report, "open", "FormatError")
             expect(report, "load", "FormatError")
-        else:  # a well-formed name: another array's (whose document names another key) or none
+        elif not refused_at_open(report):  # (a per-rank entry whose path is not rank 0's copy is)
+            # a well-formed name: another array's (whose document names another key) or none
             op = f"read {key!r}" if field == ("path",) else f"read {key!r} rank 0"
             expect(report, op, "FormatError", exact=True)
             if key != "rng" or field != ("path",):  # (a load reads rank 0's copy of per-rank state)
                 expect(report, "load", "FormatError", allow_ok=not _holds_data(key))
 
 
-@bug("Checkpoint.array_meta caches array metadata by path and returns a cached entry without checking it belongs "
-     "to the key: once tensor B was read, a key whose index entry names B's array reads B's data (another "
-     "shape/dtype, or silently wrong values); load is order-dependent (threads)")
-@_settings(60, xfail=True)
+@_settings(60)
 @example(key="model.scale", field=("path",), other="layers.0.weight/optim.step", first=True)
 @given(key=st.sampled_from(sorted(ORIGINAL_TENSORS)), field=st.sampled_from(ARRAY_PATHS_IN_INDEX),
        other=st.sampled_from(["layers.0.weight/model", "layers.0.weight/optim.exp_avg", "layers.0.weight/optim.step",
                               "rng/rng~rank0", "scale/model", "ids/model", "empty/model"]), first=st.booleans())
 def test_root_tensor_path_aliasing_another_array(key: str, field: tuple[str, ...], other: str, first: bool) -> None:
-    """The index entry of ``key`` names the array of another tensor (its document digest is
-    in the commit record, so the document is read): every read of ``key`` is refused with a
-    FormatError (the document names the other key), whether or not the other tensor was
-    read before (``first``), and never returns the other tensor's data."""
+    """The index entry of ``key`` names the array of another tensor: refused at open (two
+    entries name one array), so that no read of ``key`` can return the other tensor's data,
+    whether or not the other tensor was read before (``first``)."""
     entry = base().docs["root"]["attributes"]["ucp_zarr"]["tensors"][key]
     if field[0] == "ranks" and "ranks" not in entry:
         field = ("path",)
-    if _get(entry, field) == other:
-        return
+    assume(_get(entry, field) != other)
     owner = next(k for d, (k, _) in base().array_docs.items() if d == f"{other}/zarr.json")
     with sandbox(base().unsigned) as (box, ck):
         mutate_root(ck, ("replace", ROOT + ("tensors", key) + field, other))
 
         def work(results: list[dict[str, Any]]) -> None:
-            c = ucp_zarr.open(ck)
-            if first:
-                attempt(results, f"read {owner!r}", lambda: _check_tensor(owner, c[owner][...]))
-            op = f"read {key!r}" if field == ("path",) else f"read {key!r} rank 0"
-            attempt(results, op, lambda: _check_tensor(key, c.read(key, rank=None if field == ("path",) else 0)))
+            c = attempt(results, "open", lambda: ucp_zarr.open(ck))
+            if c is not None:
+                if first:
+                    attempt(results, f"read {owner!r}", lambda: _check_tensor(owner, c[owner][...]))
+                op = f"read {key!r}" if field == ("path",) else f"read {key!r} rank 0"
+                attempt(results, op, lambda: _check_tensor(key, c.read(key, rank=None if field == ("path",) else 0)))
             attempt(results, "load", lambda: _check_loaded(ucp_zarr.load(make_state(True), ck), True))
 
         report = isolated(work, watch=box)
         check(report, box=box, ck=ck)
-        expect(report, f"read {key!r}", "FormatError")
-        expect(report, "load", "FormatError", allow_ok=not _holds_data(key))
+        expect(report, "open", "FormatError")
+        expect(report, "load", "FormatError")
 
 
-@bug("an array path whose component is longer than NAME_MAX (with a digest for its document) raises "
-     "OSError(ENAMETOOLONG) from every read; Checkpoint.document turns only FileNotFoundError into a CheckpointError")
-@_settings(60, xfail=True)
+@_settings(60)
 @example(key="model.layers.0.weight", path="a" * 300 + "/model", digest_of=None)
 @given(key=st.sampled_from(sorted(ORIGINAL_TENSORS)), path=st.one_of(
     hostile_array_paths, st.builds(lambda n, m: "g" * n + "/" + m, st.integers(200, 5000), st.sampled_from(["model", "x" * 300]))),
@@ -1305,7 +1330,7 @@ def test_root_hostile_tensor_paths_with_documents(key: str, path: str, digest_of
         write_json(ck / "zarr.json", mutated)
         report = read_in_child(ck, box)
         check(report, box=box, ck=ck)
-        if path != doc["attributes"]["ucp_zarr"]["tensors"][key]["path"]:
+        if path != doc["attributes"]["ucp_zarr"]["tensors"][key]["path"] and not refused_at_open(report):
             expect(report, f"read {key!r}", "FormatError", "CorruptChunkError")
 
 
@@ -1351,7 +1376,16 @@ def test_root_format_version(version: Any) -> None:
         if not (version == 2 and not isinstance(version, bool)):
             expect(report, "open", "FormatError")
             expect(report, "load", "FormatError")
-            assert "format_version" in report.outcome("open")["detail"]
+            want = "is not valid JSON" if _holds_nonfinite(version) else "format_version"  # (NaN is not JSON)
+            assert want in report.outcome("open")["detail"]
+
+
+def _holds_nonfinite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_holds_nonfinite(v) for v in value.values())
+    return isinstance(value, list) and any(_holds_nonfinite(v) for v in value)
 
 
 @_settings(30)
@@ -1383,7 +1417,7 @@ FRAME = ((), ("attributes",), ROOT)
 """The document, its attributes and the ucp_zarr member as wholes (not what they hold)."""
 
 
-@_settings(60)
+@_settings(35)
 @given(m=mutations("root", *OTHER_FIELDS, exact=FRAME))
 def test_root_structure_and_other_fields(m: Mutation) -> None:
     """The document's frame (zarr_format, node_type, attributes, the ucp_zarr member as a
@@ -1399,10 +1433,7 @@ def test_root_structure_and_other_fields(m: Mutation) -> None:
         expect(report, "wrong-key open", "AuthenticationError", "FormatError")
 
 
-@bug("world_size is trusted: Infinity/1e400 raise OverflowError at open (format.CheckpointMeta.from_zarr_json "
-     "int()); 0 or less raise IndexError and a huge one allocates range(world_size) (MemoryError / GBs) in "
-     "load's PerRankStateError message (api.load)")
-@_settings(60, xfail=True)
+@_settings(60)
 @example(m=("replace", ROOT + ("world_size",), math.inf))
 @given(m=mutations("root", ROOT + ("world_size",), ops=("replace", "delete"),
                    values=st.one_of(json_values, st.sampled_from([0, -1, 2**62, 10**400, 2**26]))))
@@ -1413,9 +1444,7 @@ def test_root_world_size(m: Mutation) -> None:
         check(report, box=box, ck=ck)
 
 
-@bug("world_size 0 with per-rank state that rank 0 cannot restore raises IndexError in api.load "
-     "(saved_ranks[0] of an empty list); 2**62 raises MemoryError, 2**26 allocates ~3 GiB")
-@_settings(30, xfail=True)
+@_settings(30)
 @example(world_size=0)
 @given(world_size=st.one_of(st.integers(-3, 0), st.sampled_from([2**26, 2**40, 2**62])))
 def test_root_world_size_with_unrestorable_per_rank_state(world_size: int) -> None:
@@ -1430,10 +1459,7 @@ def test_root_world_size_with_unrestorable_per_rank_state(world_size: int) -> No
         expect(report, "load", "PerRankStateError", "FormatError")
 
 
-@bug("non-tensor values are decoded lazily and unchecked: {'$float': 'nope'} raises KeyError, "
-     "{'$bytes': 5} TypeError, {'$bytes': 'a'} binascii.Error, {'$tuple': 1} TypeError from ck.metadata, "
-     "repr(ck) and load (statedict.from_json)")
-@_settings(100, xfail=True)
+@_settings(100)
 @example(m=("replace", ROOT + ("values", "extra.nan"), {"$float": "nope"}))
 @given(m=mutations("root", ROOT + ("values",), ROOT + ("rank_values",), values=tagged_values))
 def test_root_values(m: Mutation) -> None:
@@ -1469,7 +1495,7 @@ def document_entry_edits(draw: st.DrawFn) -> Mutation:
     return ("replace", where + (name,), value)
 
 
-@_settings(60)
+@_settings(45)
 @given(m=document_entry_edits())
 def test_root_documents_missing_or_wrong(m: Mutation) -> None:
     """A document whose digest is missing or wrong is refused where it is read: array
@@ -1488,6 +1514,8 @@ def test_root_documents_missing_or_wrong(m: Mutation) -> None:
             else:
                 expect(report, "open", "FormatError")
                 return
+        if refused_at_open(report):  # a member that is no document path, or no digest
+            return
         # a group document (which holds nothing a read uses) whose digest is missing is not
         # checked any more; one whose digest is wrong is refused by verify; an array document
         # with a missing or wrong digest is refused by every read of its tensor
@@ -1509,10 +1537,7 @@ DOCUMENT_NAMES = [
 ]
 
 
-@bug("verify() reads every 'documents' member with one '/' as a file relative to the checkpoint: "
-     "'../secret' reads beside the checkpoint, a directory raises IsADirectoryError, a NUL ValueError, a "
-     "surrogate UnicodeEncodeError, a long name OSError(ENAMETOOLONG) (Checkpoint.verify/document)")
-@_settings(60, xfail=True)
+@_settings(60)
 @example(name="layers.0.weight/model", value=None)
 @given(name=st.one_of(st.sampled_from(DOCUMENT_NAMES), hostile_text), value=st.one_of(st.none(), json_values))
 def test_root_documents_hostile_entries(name: str, value: Any) -> None:
@@ -1531,7 +1556,7 @@ SIGNED_PARTS = (ROOT + ("tensors",), ROOT + ("values",), ROOT + ("rank_values",)
                 ROOT + ("save_id",), ROOT + ("layout",))
 
 
-@_settings(60)
+@_settings(50)
 @given(m=mutations("signed_root", *SIGNED_PARTS, values=finite_tagged_values))
 def test_signed_root_mutations_are_refused_with_the_key(m: Mutation) -> None:
     """A signed checkpoint read with its key: any change to the index, values, digests, save
@@ -1540,9 +1565,7 @@ def test_signed_root_mutations_are_refused_with_the_key(m: Mutation) -> None:
     _signed_root_mutation(m)
 
 
-@bug("a signed commit record holding NaN/Infinity anywhere (a value, a shape) makes open/load with the key raise "
-     "ValueError('Out of range float values are not JSON compliant') from integrity.canonical (check_signature)")
-@_settings(30, xfail=True)
+@_settings(30)
 @example(m=("replace", ROOT + ("values", "step"), math.nan))
 @given(m=mutations("signed_root", *SIGNED_PARTS, values=st.sampled_from([math.nan, math.inf, -math.inf, [math.nan], {"$float": math.inf}])))
 def test_signed_root_non_finite_numbers(m: Mutation) -> None:
@@ -1550,6 +1573,7 @@ def test_signed_root_non_finite_numbers(m: Mutation) -> None:
 
 
 def _signed_root_mutation(m: Mutation) -> None:
+    __tracebackhide__ = True  # (pytest reports the caller's line)
     from ucp_zarr.integrity import canonical
 
     with sandbox(base().signed) as (box, ck):
@@ -1574,10 +1598,13 @@ def _signed_root_mutation(m: Mutation) -> None:
 # === 2. array documents ========================================================================
 
 
-def array_doc_mutations() -> st.SearchStrategy[tuple[str, Mutation]]:
+def array_doc_mutations(bool_arrays: bool) -> st.SearchStrategy[tuple[str, Mutation]]:
+    """A mutation of an array document: of a bool array's (``bool_arrays``), or any other's."""
+
     @st.composite
     def strategy(draw: st.DrawFn) -> tuple[str, Mutation]:
-        doc = draw(st.sampled_from(sorted(base().array_docs)))
+        docs = sorted(d for d in base().array_docs if (base().docs[d]["data_type"] == "bool") == bool_arrays)
+        doc = draw(st.sampled_from(docs))
         return doc, draw(mutations(doc, ()))
 
     return strategy()
@@ -1611,7 +1638,7 @@ array_byte_edits = st.one_of(
 )
 
 
-@_settings(60)
+@_settings(40)
 @given(data=st.data())
 def test_array_document_changed_is_refused(data: st.DataObject) -> None:
     """Any change to the bytes of an array document (a JSON change, a flipped byte, even
@@ -1627,7 +1654,7 @@ def test_array_document_changed_is_refused(data: st.DataObject) -> None:
         changed = rewrite_array_doc(ck, doc, new, redigest=False)
         report = read_in_child(ck, box)
         check(report, box=box, ck=ck)
-        expect(report, "open", "none", allow_ok=True)
+        expect_ok(report, "open")
         if changed:
             for op in _readers_of(doc):
                 expect(report, op, "CorruptChunkError")
@@ -1638,19 +1665,31 @@ def test_array_document_changed_is_refused(data: st.DataObject) -> None:
                 assert r["outcome"] == "ok", r
 
 
-@_settings(80)
-@given(change=array_doc_mutations())
+@_settings(65)
+@given(change=array_doc_mutations(bool_arrays=False))
 def test_array_document_mutations_redigested(change: tuple[str, Mutation]) -> None:
     """Array documents changed anywhere (wrong types, missing and extra members) with their
     digest rewritten in the commit record, so that the document's own validation runs:
     success only with the saved bits (extra attributes or other regions are harmless), else
-    an error of the hierarchy."""
+    an error of the hierarchy. (Bool arrays: the next test.)"""
+    _array_document_mutation_redigested(change)
+
+
+@_settings(40)
+@example(change=("mask/model/zarr.json", ("replace", ("fill_value",), [])))
+@given(change=array_doc_mutations(bool_arrays=True))
+def test_bool_array_document_mutations_redigested(change: tuple[str, Mutation]) -> None:
+    _array_document_mutation_redigested(change)
+
+
+def _array_document_mutation_redigested(change: tuple[str, Mutation]) -> None:
+    __tracebackhide__ = True  # (pytest reports the caller's line)
     doc, m = change
     with sandbox(base().unsigned) as (box, ck):
         rewrite_array_doc(ck, doc, apply(base().docs[doc], m), redigest=True)
         report = read_in_child(ck, box)
         check(report, box=box, ck=ck)
-        expect(report, "open", "none", allow_ok=True)
+        expect_ok(report, "open")
 
 
 def _shapes(max_rank: int = 3) -> st.SearchStrategy[list[int]]:
@@ -1753,7 +1792,7 @@ STRUCTURAL = st.one_of(
 )
 
 
-@_settings(80)
+@_settings(55)
 @given(doc=st.sampled_from(["layers.0.weight/model/zarr.json", "layers.0.bias/model/zarr.json", "scale/model/zarr.json",
                             "rng/rng~rank0/zarr.json", "mask/model/zarr.json", "ids/model/zarr.json"]),
        change=STRUCTURAL)
@@ -1780,7 +1819,7 @@ def test_array_document_structural_changes_redigested(doc: str, change: Structur
         rewrite_array_doc(ck, doc, new, redigest=True)
         report = read_in_child(ck, box)
         check(report, box=box, ck=ck)
-        expect(report, "open", "none", allow_ok=True)
+        expect_ok(report, "open")
         # (a fill value is never used -- every chunk is stored -- and zarr compares it after
         # conversion to the data type, so another spelling of zero may pass: not required)
         if new != base().docs[doc] and not change.equivalent(base().docs[doc]):
@@ -1790,7 +1829,7 @@ def test_array_document_structural_changes_redigested(doc: str, change: Structur
             expect(report, "load", "FormatError", "CorruptChunkError")
 
 
-@_settings(30)
+@_settings(25)
 @given(regions=json_values, rank=st.one_of(st.just("keep"), json_values),
        doc=st.sampled_from(["layers.0.weight/model/zarr.json", "rng/rng~rank0/zarr.json", "scale/model/zarr.json"]))
 def test_array_document_regions_and_rank_redigested(regions: Any, rank: Any, doc: str) -> None:
@@ -1806,10 +1845,7 @@ def test_array_document_regions_and_rank_redigested(regions: Any, rank: Any, doc
         check(report, box=box, ck=ck)
 
 
-@bug("Checkpoint.read allocates the destination for the shape the metadata declares before it checks any shard: "
-     "a consistently forged shape ([2**62], or 2**31 under an address-space limit) makes ck[key][...] raise torch's "
-     "RuntimeError (can't allocate memory) instead of a CheckpointError")
-@_settings(30, xfail=True)
+@_settings(30)
 @example(doc="ids/model/zarr.json", shape=[2**62])
 @given(doc=st.sampled_from(["layers.0.weight/model/zarr.json", "ids/model/zarr.json", "scale/model/zarr.json"]),
        shape=st.lists(st.sampled_from([1, 3, 2**20, 2**31, 2**40, 2**62]), min_size=1, max_size=2))
@@ -1882,7 +1918,7 @@ def _shard_regions(doc: dict[str, Any], size: int) -> dict[str, tuple[int, int]]
             "flip-chunks": (0, size - index - trailer), "flip": (0, size)}
 
 
-@_settings(90)
+@_settings(70)
 @given(damage=SHARD_DAMAGE)
 @example(damage=ShardDamage("twin", 0))
 @example(damage=ShardDamage("swap", 0, other=1))
@@ -1900,8 +1936,7 @@ def test_shard_damage_is_detected(damage: ShardDamage) -> None:
             target.write_bytes(raw[: damage.at % len(raw)])
         elif damage.op.startswith("flip"):
             lo, hi = _shard_regions(base().docs[doc], len(raw))[damage.op]
-            if hi <= lo:
-                return
+            assume(hi > lo)
             at = lo + damage.at % (hi - lo)
             target.write_bytes(raw[:at] + bytes([raw[at] ^ (damage.data[0] or 0x80)]) + raw[at + 1 :])
         elif damage.op == "append":
@@ -1935,7 +1970,7 @@ def test_shard_damage_is_detected(damage: ShardDamage) -> None:
             target.symlink_to("/dev/null")
         report = read_in_child(ck, box)
         check(report, box=box, ck=ck)
-        expect(report, "open", "none", allow_ok=True)
+        expect_ok(report, "open")
         affected = {key}
         if damage.op == "swap":
             affected.add(next(k for r, _, k in shards if r == other))
@@ -1951,23 +1986,14 @@ def test_shard_damage_is_detected(damage: ShardDamage) -> None:
 # === 4. the save API ===========================================================================
 
 
-def _tree(root: Path) -> dict[str, tuple[bool, int]]:
-    """Every entry under ``root``: (is a directory, size)."""
-    out = {}
-    for dirpath, dirs, files in os.walk(root):
-        for name in dirs + files:
-            p = os.path.join(dirpath, name)
-            st_ = os.lstat(p)
-            out[os.path.relpath(p, root)] = (stat.S_ISDIR(st_.st_mode), 0 if stat.S_ISDIR(st_.st_mode) else st_.st_size)
-    return out
-
-
 def save_in_child(box: Path, ck: Path, build: Callable[[], dict[str, Any]], *, overwrite: bool = False,
                   roundtrip: bool = True, template: Callable[[], dict[str, Any]] | None = None) -> Report:
     """Save ``build()`` at ``ck`` in a child; where the save succeeded, read it back (open,
     every key, load into ``template()``) and compare. Checks that nothing outside ``ck``
-    changed (the sandbox's tree before and after) and that every name written is escaped."""
-    before = _tree(box)
+    changed (every entry of the sandbox, with its type, size and mtime, before and after) and
+    that every name written is escaped."""
+    __tracebackhide__ = True  # (pytest reports the caller's line)
+    before = _entries(box)
 
     def work(results: list[dict[str, Any]]) -> None:
         sd = build()
@@ -1998,7 +2024,7 @@ def save_in_child(box: Path, ck: Path, build: Callable[[], dict[str, Any]], *, o
             attempt(results, "load", reload)
 
     report = isolated(work, watch=box)
-    after = _tree(box)
+    after = _entries(box)
     outside = sorted(
         p for p in set(before) ^ set(after) | {p for p in before if p in after and before[p] != after[p]}
         if p != "ck" and not p.startswith("ck" + os.sep)
@@ -2007,7 +2033,7 @@ def save_in_child(box: Path, ck: Path, build: Callable[[], dict[str, Any]], *, o
     if outside:
         found.append(f"WRITE OUTSIDE THE CHECKPOINT: entries changed beside it: {outside[:10]}")
     if report.outcome("save") and report.outcome("save")["outcome"] == "ok":
-        for p in _tree(ck):
+        for p in _entries(ck):
             if not all(_COMPONENT.fullmatch(c) for c in p.split(os.sep)):
                 found.append(f"UNESCAPED NAME in the checkpoint: {p!r}")
     note(f"outcomes: {[(r['op'], r['outcome'], r.get('type')) for r in report.results]}")
@@ -2040,10 +2066,15 @@ _unicode_text = st.one_of(
     st.sampled_from([h for h in HOSTILE_NAMES if not any(0xD800 <= ord(c) <= 0xDFFF for c in h)]), st.text(_NO_SURROGATES, max_size=12)
 )
 """Text that is Unicode (no surrogate code points: test_save_values_with_surrogate_pairs)."""
+
+
+def _tuples_of(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Tuples, and str-keyed dicts inside tuples (a dict or list directly would be walked)."""
+    return st.one_of(st.lists(children, max_size=3).map(tuple), st.tuples(st.dictionaries(_unicode_text, children, max_size=2)))
+
+
 ROUND_TRIP_VALUES = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), _unicode_text, st.binary(max_size=8)),
-    lambda c: st.one_of(st.lists(c, max_size=3).map(tuple), st.tuples(st.dictionaries(_unicode_text, c, max_size=2))),
-    max_leaves=6,
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), _unicode_text, st.binary(max_size=8)), _tuples_of, max_leaves=6
 ) | st.lists(st.one_of(st.none(), st.integers(), _unicode_text), max_size=3)
 SAFE_KEY_PIECES = ["..", ".", "/", "\\", "~", "\x00", "\n", "\x7f", "a", "é", "\u202e", "%", "$", "zarr.json",
                    ".ucp_zarr_pending", ".ucp_zarr_replace", "c", "0", "__", " ", "\U0001f600", "state"]
@@ -2062,7 +2093,7 @@ hostile_keys = st.one_of(
 ).filter(lambda k: _escaped_len(k) <= 200)  # longer: test_save_long_keys
 
 
-@_settings(40)
+@_settings(30)
 @given(keys=st.lists(hostile_keys, min_size=1, max_size=3, unique=True), values=st.lists(st.one_of(TENSORS, ROUND_TRIP_VALUES), min_size=3, max_size=3),
        nest=st.sampled_from([None, "model", "optim.state"]), overwrite=st.booleans())
 def test_save_hostile_keys(keys: list[str], values: list[Any], nest: str | None, overwrite: bool) -> None:
@@ -2088,10 +2119,7 @@ def test_save_hostile_keys(keys: list[str], values: list[Any], nest: str | None,
             assert torch.equal(ucp_zarr.open(ck)["old"][...], torch.ones(2))
 
 
-@bug("a str value (or a key inside a value) holding a surrogate pair such as '\\ud800\\udc00' is saved as the JSON "
-     "escapes of that pair and loads back as the one astral character '\\U00010000': load silently returns another "
-     "value (statedict.to_json accepts str that is not valid Unicode)")
-@_settings(20, xfail=True)
+@_settings(20)
 @example(text="\ud800\udc00", as_key=False)
 @given(text=st.tuples(st.characters(min_codepoint=0xD800, max_codepoint=0xDBFF), st.characters(min_codepoint=0xDC00, max_codepoint=0xDFFF)).map("".join),
        as_key=st.booleans())
@@ -2103,8 +2131,7 @@ def test_save_values_with_surrogate_pairs(text: str, as_key: bool) -> None:
         expect(report, "save", "NotJSONableError", allow_ok=True)
 
 
-@bug("a key holding a lone surrogate raises UnicodeEncodeError from statedict._escape (save)")
-@_settings(20, xfail=True)
+@_settings(20)
 @example(key="a\ud800")
 @given(key=st.text(st.characters(categories=["Cs"]), min_size=1, max_size=3).flatmap(lambda s: st.sampled_from([s, "w." + s, s + "/x"])))
 def test_save_unencodable_keys(key: str) -> None:
@@ -2113,9 +2140,7 @@ def test_save_unencodable_keys(key: str) -> None:
         expect(report, "save", "NotJSONableError", "LayoutError", "KeyMismatchError", "FormatError", allow_ok=True)
 
 
-@bug("a key whose escaped name exceeds NAME_MAX (255 bytes) fails with OSError(ENAMETOOLONG) after the path was "
-     "claimed (statedict.array_path makes names of any length), leaving an incomplete checkpoint")
-@_settings(20, xfail=True)
+@_settings(20)
 @example(n=300, piece="k")
 @given(n=st.integers(86, 5000), piece=st.sampled_from(["k", "é", "/", "\U0001f600", "ab.cd."]))
 def test_save_long_keys(n: int, piece: str) -> None:
@@ -2127,9 +2152,7 @@ def test_save_long_keys(n: int, piece: str) -> None:
         expect(report, "save", "NotJSONableError", "LayoutError", "KeyMismatchError", allow_ok=True)
 
 
-@bug("two entries that flatten to the same key raise a plain ValueError (statedict.iter_leaves), not an error of "
-     "the hierarchy")
-@_settings(30, xfail=True)
+@_settings(30)
 @example(prefix="a", suffix="b", tensor_first=True)
 @given(prefix=st.text(_NO_SURROGATES, min_size=1, max_size=5), suffix=st.text(_NO_SURROGATES, min_size=1, max_size=5),
        tensor_first=st.booleans())
@@ -2143,8 +2166,7 @@ def test_save_colliding_keys(prefix: str, suffix: str, tensor_first: bool) -> No
         assert not ck.exists()
 
 
-@bug("a mapping key and a non-str key with the same str() (1 and '1') collide with a plain ValueError")
-@_settings(10, xfail=True)
+@_settings(10)
 @example(key=1)
 @given(key=st.one_of(st.integers(), st.booleans(), st.none(), st.floats(allow_nan=False)))
 def test_save_non_str_key_colliding_with_its_str(key: Any) -> None:
@@ -2179,7 +2201,7 @@ UNSUPPORTED = [
 ]
 
 
-@_settings(40)
+@_settings(30)
 @given(value=st.sampled_from(range(len(UNSUPPORTED))), where=st.sampled_from(["top", "nested", "list", "per-rank"]))
 def test_save_unsupported_values(value: int, where: str) -> None:
     """Objects, sets, functions, dtypes, devices, numpy arrays, complex numbers, modules,
@@ -2215,9 +2237,7 @@ def _unsupported_tensor(kind: str) -> torch.Tensor:
     raise AssertionError(kind)
 
 
-@bug("tensors of unsupported layouts/devices fail with foreign errors: sparse -> RuntimeError, meta -> "
-     "NotImplementedError, nested -> RuntimeError (fragments.to_fragment accepts any torch.Tensor)")
-@_settings(12, xfail=True)
+@_settings(12)
 @example(kind="sparse")
 @given(kind=st.sampled_from(["sparse", "sparse_csr", "meta", "nested", "complex32", "quint8"]))
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -2242,8 +2262,7 @@ def _deep(kind: str, depth: int) -> Any:
     return v
 
 
-@bug("deeply nested or self-referencing state dicts raise RecursionError (statedict.iter_leaves / to_json)")
-@_settings(10, xfail=True)
+@_settings(10)
 @example(kind="cycle-dict", depth=0)
 @given(kind=st.sampled_from(["cycle-dict", "cycle-list", "dict", "tuple", "list", "tensor-list"]), depth=st.integers(3_000, 20_000))
 def test_save_deep_and_cyclic_values(kind: str, depth: int) -> None:
@@ -2282,7 +2301,7 @@ def geometries(low: int) -> st.SearchStrategy[Geometry]:
                      st.lists(dims, max_size=3).map(tuple), st.lists(dims, max_size=3).map(tuple))
 
 
-@_settings(50)
+@_settings(40)
 @given(g=geometries(0))
 @example(g=Geometry(False, (2, 3), (4, 3), (3, 0)))
 @example(g=Geometry(True, (6,), (2, 3), (1,)))
@@ -2301,8 +2320,7 @@ def test_save_shard_geometry(g: Geometry) -> None:
             assert not (ck / "zarr.json").exists()
 
 
-@bug("Shard with a negative global dim or offset raises a plain ValueError from layout.Box (fragments.to_fragment)")
-@_settings(30, xfail=True)
+@_settings(30)
 @example(g=Geometry(False, (2, 3), (2, 3), (-1, 0)))
 @given(g=geometries(-3).filter(lambda g: any(n < 0 for n in g.global_shape + g.offset)))
 def test_save_negative_shard_geometry(g: Geometry) -> None:
@@ -2388,11 +2406,13 @@ TREE_NAMES = st.one_of(
                      "weird name", "é", "zarr.json.bak", "%2E", "ZARR.JSON", "zarr.json.tmp-1", "\\", "~"]),
     st.text(st.characters(codec="utf-8", exclude_characters="/\x00"), min_size=1, max_size=8).filter(lambda s: s not in (".", "..")),
 )
-trees = st.recursive(
-    st.binary(max_size=48),
-    lambda c: st.dictionaries(TREE_NAMES, c, max_size=4),
-    max_leaves=8,
-).filter(lambda t: isinstance(t, dict))
+
+
+def _directories(children: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
+    return st.dictionaries(TREE_NAMES, children, max_size=4)
+
+
+trees = st.recursive(st.binary(max_size=48), _directories, max_leaves=8).filter(lambda t: isinstance(t, dict))
 
 
 def _make_tree(root: Path, tree: dict[str, Any], top: bool = True) -> None:
@@ -2411,7 +2431,7 @@ def _has_files(root: Path) -> bool:
     return any(files for _, _, files in os.walk(root))
 
 
-@_settings(60)
+@_settings(45)
 @given(tree=trees, exists=st.booleans())
 def test_open_not_a_checkpoint(tree: dict[str, Any], exists: bool) -> None:
     """A directory that is no checkpoint -- missing, empty, random files and directories,
@@ -2428,8 +2448,6 @@ def test_open_not_a_checkpoint(tree: dict[str, Any], exists: bool) -> None:
         expect(report, "load", want)
 
 
-@bug("open/load/save on a path that is a file (or below one) raise NotADirectoryError "
-     "(transaction.read_owner catches only FileNotFoundError)")
 @pytest.mark.parametrize("below", [False, True])
 def test_open_a_file_instead_of_a_directory(below: bool) -> None:
     with sandbox() as (box, ck):
@@ -2446,11 +2464,9 @@ def test_open_a_file_instead_of_a_directory(below: bool) -> None:
         expect(report, "save", "CheckpointExistsError", "NotACheckpointError")
 
 
-_DIR_BUG = bug("a directory where the commit record or the replace record belongs raises IsADirectoryError "
-               "(LocalStore.read; transaction.read_owner and open_store_checkpoint catch only FileNotFoundError)")
 
 
-@pytest.mark.parametrize("name", [pytest.param("zarr.json", marks=_DIR_BUG), pytest.param(".ucp_zarr_replace", marks=_DIR_BUG),
+@pytest.mark.parametrize("name", ["zarr.json", ".ucp_zarr_replace",
                                   ".ucp_zarr_pending", ".ucp_zarr_heartbeat.x"])
 def test_open_directory_where_a_record_belongs(name: str) -> None:
     with sandbox() as (box, ck):
@@ -2460,8 +2476,6 @@ def test_open_directory_where_a_record_belongs(name: str) -> None:
         expect(report, "open", "FormatError", "IncompleteCheckpointError", "NotACheckpointError")
 
 
-@bug("a commit record that is a FIFO hangs open() forever; one that is a symlink to /dev/zero is read without "
-     "bound until MemoryError (storage.LocalStore.read reads any file whole, no size cap, no regular-file check)")
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "fifo-array-doc"])
 def test_open_special_files(kind: str) -> None:
     with sandbox(base().unsigned if kind == "fifo-array-doc" else None) as (box, ck):
@@ -2472,13 +2486,14 @@ def test_open_special_files(kind: str) -> None:
             os.mkfifo(target)
         else:
             target.symlink_to("/dev/zero")
-        report = read_in_child(ck, box, timeout=1.2, headroom=256 << 20)
+        report = read_in_child(ck, box, timeout=1.0, headroom=256 << 20)
         check(report, box=box, ck=ck)
+        if kind == "fifo-array-doc":
+            expect(report, "read 'model.layers.0.weight'", "CorruptChunkError", "FormatError")
+        else:
+            expect(report, "open", "FormatError", "IncompleteCheckpointError")
 
 
-@bug("the replace record's 'staged' member is trusted: open() follows it to any directory holding a "
-     "checkpoint (a sibling or an absolute path), and save() 'rolls it forward' -- moving its files in and "
-     "deleting the directory (transaction.committed_store / Transaction._settle_replacement / roll_forward)")
 @pytest.mark.parametrize("staged", ["victim", "ABSOLUTE", "../victim"])
 def test_replace_record_cannot_redirect_or_delete(staged: str) -> None:
     with sandbox() as (box, ck):
@@ -2488,7 +2503,6 @@ def test_replace_record_cannot_redirect_or_delete(staged: str) -> None:
         record = {"save_id": "0" * 32, "host": "", "boot_id": "", "pid": -1, "pid_start": None, "started": 0.0,
                   "lease_s": 0.0, "staged": str(victim) if staged == "ABSOLUTE" else staged}
         (ck / ".ucp_zarr_replace").write_text(json.dumps(record))
-        (box / "sub").mkdir()
         report = isolated(lambda results: (
             attempt(results, "open", lambda: ucp_zarr.open(ck)),
             attempt(results, "save", lambda: ucp_zarr.save({"w": torch.ones(1)}, ck)),
@@ -2498,7 +2512,7 @@ def test_replace_record_cannot_redirect_or_delete(staged: str) -> None:
         expect(report, "open", "IncompleteCheckpointError", "FormatError")
 
 
-# === minimal reproductions of the bugs found (one per bug) =====================================
+# === regression tests: minimal reproductions of the bugs found (one per bug) =====================================
 
 
 def _root_with(**changes: Any) -> Callable[[dict[str, Any]], None]:
@@ -2510,6 +2524,7 @@ def _root_with(**changes: Any) -> Callable[[dict[str, Any]], None]:
 
 
 def _repro_reader(edit: Callable[[dict[str, Any]], None] | None = None, raw: bytes | None = None, **kw: Any) -> None:
+    __tracebackhide__ = True  # (pytest reports the caller's line)
     with sandbox(base().unsigned) as (box, ck):
         if raw is not None:
             (ck / "zarr.json").write_bytes(raw)
@@ -2520,12 +2535,10 @@ def _repro_reader(edit: Callable[[dict[str, Any]], None] | None = None, raw: byt
         check(read_in_child(ck, box, **kw), box=box, ck=ck)
 
 
-@bug("world_size Infinity -> OverflowError from open (format.CheckpointMeta.from_zarr_json: int(inf))")
 def test_bug_world_size_infinity() -> None:
     _repro_reader(_root_with(world_size=math.inf))
 
 
-@bug("world_size 0 and per-rank state rank 0 lacks -> IndexError from load (api.load: saved_ranks[0])")
 def test_bug_world_size_zero_per_rank() -> None:
     def edit(a: dict[str, Any]) -> None:
         a["world_size"] = 0
@@ -2534,8 +2547,6 @@ def test_bug_world_size_zero_per_rank() -> None:
     _repro_reader(edit)
 
 
-@bug("world_size 2**40 and per-rank state rank 0 lacks -> load builds sorted(range(world_size)) just for an error "
-     "message: MemoryError (2**26 takes seconds and ~3 GiB) (api.load)")
 def test_bug_world_size_huge_per_rank() -> None:
     def edit(a: dict[str, Any]) -> None:
         a["world_size"] = 2**40
@@ -2544,32 +2555,24 @@ def test_bug_world_size_huge_per_rank() -> None:
     _repro_reader(edit)
 
 
-@bug("a root document nested 100000 deep -> RecursionError from open (json.loads; only ValueError is caught)")
 def test_bug_deeply_nested_root() -> None:
     _repro_reader(raw=b"[" * 100_000 + b"]" * 100_000)
 
 
-@bug("values {'$float': 'nope'} / {'$bytes': 5} / {'$bytes': 'a'} / {'$tuple': 1} -> KeyError / TypeError / "
-     "binascii.Error from metadata, repr and load (statedict.from_json)")
 @pytest.mark.parametrize("value", [{"$float": "nope"}, {"$bytes": 5}, {"$bytes": "a"}, {"$tuple": 1}, {"$float": []}])
 def test_bug_undecodable_value_tags(value: Any) -> None:
     _repro_reader(lambda a: a["values"].__setitem__("step", value), values_intact=False)
 
 
-@bug("documents member naming a directory/NUL/surrogate/long name -> IsADirectoryError/ValueError/"
-     "UnicodeEncodeError/OSError from verify (Checkpoint.document catches only FileNotFoundError)")
 @pytest.mark.parametrize("name", ["layers.0.weight/model", "a/\x00", "a/\ud800", "layers.0.weight/" + "x" * 300])
 def test_bug_documents_member_not_a_file(name: str) -> None:
     _repro_reader(lambda a: a["documents"].__setitem__(name, "sha256:" + "0" * 64))
 
 
-@bug("documents member '../secret' makes verify read a file beside the checkpoint (Checkpoint.verify)")
 def test_bug_documents_member_outside() -> None:
     _repro_reader(lambda a: a["documents"].__setitem__("../secret", digest(b"secret")))
 
 
-@bug("an array path with a 300-char component and a digest for its document -> OSError(ENAMETOOLONG) from reads "
-     "(Checkpoint.document)")
 def test_bug_long_array_path() -> None:
     def edit(a: dict[str, Any]) -> None:
         a["tensors"]["model.scale"]["path"] = "s" * 300 + "/model"
@@ -2578,35 +2581,30 @@ def test_bug_long_array_path() -> None:
     _repro_reader(edit)
 
 
-@bug("save({'a\\ud800': t}) -> UnicodeEncodeError (statedict._escape encodes the key as strict UTF-8)")
 def test_bug_save_surrogate_key() -> None:
     with sandbox() as (box, ck):
         report = save_in_child(box, ck, lambda: {"a\ud800": torch.ones(2)})
         expect(report, "save", "NotJSONableError", "LayoutError", allow_ok=True)
 
 
-@bug("save({'k' * 300: t}) -> OSError(ENAMETOOLONG) after claiming the path (statedict.array_path)")
 def test_bug_save_long_key() -> None:
     with sandbox() as (box, ck):
         report = save_in_child(box, ck, lambda: {"k" * 300: torch.ones(2)}, template=lambda: {"k" * 300: torch.zeros(2)})
         expect(report, "save", "LayoutError", allow_ok=True)
 
 
-@bug("save({'a.b': t, 'a': {'b': t}}) -> ValueError (statedict.iter_leaves)")
 def test_bug_save_colliding_keys() -> None:
     with sandbox() as (box, ck):
         report = save_in_child(box, ck, lambda: {"a.b": torch.ones(1), "a": {"b": torch.ones(1)}})
         expect(report, "save", "LayoutError", "KeyMismatchError", "NotJSONableError")
 
 
-@bug("a self-referencing state dict -> RecursionError (statedict.iter_leaves)")
 def test_bug_save_cyclic_state_dict() -> None:
     with sandbox() as (box, ck):
         report = save_in_child(box, ck, lambda: {"v": _deep("cycle-dict", 0)}, roundtrip=False)
         expect(report, "save", "NotJSONableError", "LayoutError")
 
 
-@bug("save of a sparse / meta / nested tensor -> RuntimeError / NotImplementedError (fragments.to_fragment)")
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("kind", ["sparse", "meta", "nested"])
 def test_bug_save_unsupported_tensor_kind(kind: str) -> None:
@@ -2615,7 +2613,50 @@ def test_bug_save_unsupported_tensor_kind(kind: str) -> None:
         expect(report, "save", "DtypeMismatchError", "LayoutError", "NotJSONableError")
 
 
-@bug("Shard(t, (2, 3), (-1, 0)) -> ValueError from layout.Box (fragments.to_fragment)")
+def test_bug_bool_fill_value_list() -> None:
+    with sandbox(base().unsigned) as (box, ck):
+        doc = "mask/model/zarr.json"
+        rewrite_array_doc(ck, doc, dict(base().docs[doc], fill_value=[]), redigest=True)
+        check(read_in_child(ck, box), box=box, ck=ck)
+
+
+def test_bug_array_meta_cache_aliasing() -> None:
+    """'model.scale' indexed at the array of 'optim.state.layers.0.weight.step' (both 0-d
+    float32): after reading the step, ck['model.scale'][...] returned the step's 7.0."""
+    with sandbox(base().unsigned) as (box, ck):
+        mutate_root(ck, ("replace", ROOT + ("tensors", "model.scale", "path"), "layers.0.weight/optim.step"))
+
+        def work(results: list[dict[str, Any]]) -> None:
+            c = attempt(results, "open", lambda: ucp_zarr.open(ck))
+            if c is not None:
+                c["optim.state.layers.0.weight.step"][...]
+                attempt(results, "read 'model.scale'", lambda: _check_tensor("model.scale", c["model.scale"][...]))
+
+        report = isolated(work, watch=box)
+        check(report, box=box, ck=ck)
+        expect(report, "open", "FormatError")
+
+
+def test_bug_signed_record_with_nan() -> None:
+    _signed_root_mutation(("replace", ROOT + ("values", "step"), math.nan))
+
+
+def test_bug_forged_huge_shape() -> None:
+    test_forged_shape_in_root_and_array_document.hypothesis.inner_test(doc="ids/model/zarr.json", shape=[2**62])
+
+
+def test_bug_save_surrogate_pair_value() -> None:
+    with sandbox() as (box, ck):
+        report = save_in_child(box, ck, lambda: {"v": "\ud800\udc00"}, template=lambda: {"v": None})
+        expect(report, "save", "NotJSONableError", allow_ok=True)
+
+
+def test_bug_save_non_str_key_collision() -> None:
+    with sandbox() as (box, ck):
+        report = save_in_child(box, ck, lambda: {1: torch.ones(1), "1": torch.ones(1)})
+        expect(report, "save", "LayoutError", "KeyMismatchError", "NotJSONableError")
+
+
 def test_bug_save_negative_shard_offset() -> None:
     with sandbox() as (box, ck):
         report = save_in_child(box, ck, lambda: {"w": ucp_zarr.Shard(torch.ones(2, 3), (2, 3), (-1, 0))}, roundtrip=False)
@@ -2626,8 +2667,8 @@ def test_bug_save_negative_shard_offset() -> None:
 
 
 def test_zz_this_process_stayed_small() -> None:
-    """The examples ran in children (each checked by its own wait4 peak RSS); this process's
-    peak RSS (ru_maxrss) did not jump by more than a few hundred MiB across the module."""
+    """The examples ran in other processes (each job checked by its own peak RSS); this
+    process's peak RSS (ru_maxrss) did not jump by more than a few hundred MiB across the module."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     growth = peak - base().peak_rss_at_start
     assert growth < MEMORY_GROWTH_LIMIT, f"peak RSS grew by {growth >> 20} MiB during this module"

@@ -16,6 +16,7 @@ that every rank of the world had to join).
 from __future__ import annotations
 
 import json
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -48,9 +49,21 @@ def _flat(rank: int) -> ucp_zarr.FlatShard:
 
 
 def case_stage_fails(root: Path, rank: int) -> None:
-    # rank 1 holds its rows on the meta device: its host copy (staging) fails
-    local = torch.empty(2, 4096, device="meta") if rank == 1 else None
-    ucp_zarr.save({"w": _rows(rank, local)}, root / "stage_fails")
+    # rank 1 cannot allocate the host buffer of its staged copies (an asynchronous save
+    # stages everything before it returns); only the staging module's allocation fails
+    original = torch.empty
+
+    def failing_empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if sys._getframe(1).f_globals.get("__name__") == "ucp_zarr.staging":
+            raise RuntimeError("injected: no host memory for the staging buffer")
+        return original(*args, **kwargs)
+
+    if rank == 1:
+        torch.empty = failing_empty
+    try:
+        ucp_zarr.save({"w": _rows(rank)}, root / "stage_fails", async_save=True).result()
+    finally:
+        torch.empty = original
 
 
 def case_exchange_fails(root: Path, rank: int) -> None:
@@ -245,7 +258,7 @@ def _assert_failed_everywhere(records: list[dict[str, Any]], error: str, *needle
 @pytest.mark.parametrize(
     "name, failing, detail",
     [
-        ("stage_fails", 1, "meta"),
+        ("stage_fails", 1, "staging buffer"),
         ("exchange_fails", 2, "no host memory for the exchange buffer"),
         ("write_fails", 3, "disk full"),
         ("commit_fails", 0, "the commit record cannot be written"),

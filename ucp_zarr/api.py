@@ -12,7 +12,7 @@ import torch
 from .checkpoint import Checkpoint, open_store_checkpoint
 from .distributed import Comm
 from .dtypes import is_lossless_cast, stored_dtype_by_name
-from .errors import DtypeMismatchError, KeyMismatchError, PerRankStateError, ShapeMismatchError
+from .errors import CheckpointError, DtypeMismatchError, KeyMismatchError, PerRankStateError, ShapeMismatchError
 from .fragments import Fragment, PerRank, is_fragment_value, to_fragment
 from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from .saver import SaveOptions, SaveResult, collect, prepare
@@ -93,7 +93,7 @@ def save(
     if comm.active:
         background = Comm(async_group if async_group is not None else _background_group(process_group))
         if background.world != comm.world:
-            raise ValueError(f"async_group has {background.world} ranks, process_group {comm.world}")
+            raise CheckpointError(f"async_group has {background.world} ranks, process_group {comm.world}: give the same ranks")
     prepared = prepare(lambda: collect(state_dict), store, comm, options, copy=True)
     global _pending
     with _pending_lock:
@@ -194,20 +194,18 @@ def load(
             if key in meta.rank_values and rank not in meta.rank_values[key]:
                 unrestorable.append(key)
     if strict and unrestorable and not allow_new_ranks:
-        saved_ranks = sorted(range(meta.world_size))
         raise PerRankStateError(
-            f"rank {rank} did not exist when the checkpoint was saved (ranks {saved_ranks[0]}..{saved_ranks[-1]}), "
-            f"so its per-rank state {unrestorable} cannot be restored; pass allow_new_ranks=True to keep the "
-            "current values"
+            f"rank {rank} has no saved copy of the per-rank state {unrestorable} (the checkpoint was saved by "
+            f"{meta.world_size} rank(s)), so it cannot be restored; pass allow_new_ranks=True to keep the current values"
         )
 
     with ThreadPoolExecutor(max_workers) as pool:
         list(pool.map(lambda r: _read_fragment(ck, *r, rank, allow_lossy_cast), reads))
     for key, leaf in leaves.items():
         if key in meta.values:
-            value = from_json(meta.values[key])
+            value = from_json(meta.values[key], key)
         elif key in meta.rank_values and rank in meta.rank_values[key]:
-            value = from_json(meta.rank_values[key][rank])
+            value = from_json(meta.rank_values[key][rank], key)
         else:
             continue
         set_leaf(state_dict, leaf.path, PerRank(value) if isinstance(leaf.value, PerRank) else value)

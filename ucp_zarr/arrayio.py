@@ -34,7 +34,7 @@ from .codec import (
     trailer_nbytes,
     verify_chunk,
 )
-from .errors import CorruptChunkError
+from .errors import CorruptChunkError, FormatError
 from .format import ArrayMeta
 from .layout import Box, grid_indices
 from .storage import Store
@@ -233,6 +233,8 @@ def read_shard_head(store: Store, path: str, meta: ArrayMeta, shard: Sequence[in
         raw = store.read_tail(key, tn + index_nbytes(cps))
     except FileNotFoundError:
         raise CorruptChunkError(f"{where} is missing") from None
+    except FormatError as e:  # a directory or special file where the shard belongs
+        raise CorruptChunkError(f"{where}: {e}") from None
     except OSError as e:
         raise CorruptChunkError(f"{where} is truncated: {e}") from None
     index = decode_index(memoryview(raw)[tn:], cps, where)
@@ -319,6 +321,8 @@ def _readv(store: Store, key: str, where: str, meta: ArrayMeta, requests: list[t
         store.readv(key, requests)
     except FileNotFoundError:
         raise CorruptChunkError(f"tensor {meta.key!r}: {where} is missing") from None
+    except FormatError as e:
+        raise CorruptChunkError(f"tensor {meta.key!r}: {e}") from None
     except OSError as e:
         if "short read" in str(e):
             raise CorruptChunkError(f"tensor {meta.key!r}: {where} is truncated ({e})") from None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import html
 import itertools
-import json
 import math
 import os
 import threading
@@ -16,7 +15,7 @@ import torch
 from .arrayio import Seal, ShardHead, as_storage, read_box, read_shard_head, verify_shard
 from .dtypes import is_lossless_cast, stored_dtype_by_name
 from .errors import CorruptChunkError, DtypeMismatchError, FormatError, ShapeMismatchError
-from .format import ATTRIBUTE, METADATA_FILE, ArrayMeta, CheckpointMeta, TensorEntry
+from .format import ATTRIBUTE, METADATA_FILE, ArrayMeta, CheckpointMeta, TensorEntry, parse_document
 from .integrity import array_digest, check_signature, document_digest
 from .layout import Box
 from .statedict import from_json
@@ -68,7 +67,7 @@ class Checkpoint:
         """Non-tensor state (by flattened key) and checkpoint facts, as plain data.
 
         ``rank_values`` holds the values that differed between the saving ranks, by rank."""
-        values = {k: from_json(v) for k, v in self.meta.values.items()}
+        values = {k: from_json(v, k) for k, v in self.meta.values.items()}
         return {
             "step": values.get("step"),
             "created": self.meta.created,
@@ -76,7 +75,7 @@ class Checkpoint:
             "world_size": self.meta.world_size,
             "layout": self.meta.layout,
             "values": values,
-            "rank_values": {k: {r: from_json(v) for r, v in per.items()} for k, per in self.meta.rank_values.items()},
+            "rank_values": {k: {r: from_json(v, k) for r, v in per.items()} for k, per in self.meta.rank_values.items()},
             "per_rank_tensors": sorted(k for k, e in self.meta.tensors.items() if e.ranks is not None),
         }
 
@@ -112,19 +111,16 @@ class Checkpoint:
         return raw
 
     def array_meta(self, key: str, rank: int | None = None) -> ArrayMeta:
-        """The array metadata of ``key`` (its zarr.json, read and checked once); ``rank``
-        picks the copy of per-rank state."""
+        """The array metadata of ``key`` (its zarr.json, read once, checked against the
+        index entry of ``key`` on every call); ``rank`` picks the copy of per-rank state."""
         path = self._path(key, rank)
-        with self._lock:
-            if path in self._arrays:
-                return self._arrays[path]
         where = f"{self.store.url}/{path}/{METADATA_FILE}"
-        raw = self.document(f"{path}/{METADATA_FILE}")
-        try:
-            doc = json.loads(raw)
-        except ValueError as e:
-            raise FormatError(f"{where} is not valid JSON: {e}") from e
-        meta = ArrayMeta.from_zarr_json(doc, where)
+        with self._lock:
+            meta = self._arrays.get(path)
+        if meta is None:
+            meta = ArrayMeta.from_zarr_json(parse_document(self.document(f"{path}/{METADATA_FILE}"), where), where)
+            with self._lock:
+                self._arrays[path] = meta
         entry = self._entry(key)
         if meta.key != key:
             raise FormatError(f"{where} holds tensor {meta.key!r}, the index says {key!r}")
@@ -135,8 +131,6 @@ class Checkpoint:
             )
         if (entry.ranks is not None) != (meta.rank is not None) or (rank is not None and meta.rank not in (None, rank)):
             raise FormatError(f"{where}: per-rank copy of rank {meta.rank}, the index says {rank}")
-        with self._lock:
-            self._arrays[path] = meta
         return meta
 
     def _head(self, path: str, meta: ArrayMeta, shard: tuple[int, ...]) -> ShardHead:
@@ -177,11 +171,14 @@ class Checkpoint:
                     f"tensor {key!r}: the checkpoint holds {src}, the destination is {out.dtype}; converting "
                     "loses information (pass allow_lossy_cast=True to convert anyway)"
                 )
+        path = self._path(key, rank)
+        if not box.is_empty():  # the first and last shards exist before memory is committed
+            for corner in (box.offset, tuple(o + n - 1 for o, n in zip(box.offset, box.shape))):
+                self._head(path, meta, tuple(i // s for i, s in zip(corner, meta.grid.shard_shape)))
         direct = out is not None and out.device.type == "cpu" and out.dtype == meta.dtype.torch_dtype
         dest = out if direct else torch.empty(box.shape, dtype=meta.dtype.torch_dtype)
         assert dest is not None
         raw = as_storage(dest, meta)
-        path = self._path(key, rank)
         for shard in meta.grid.shards_overlapping(box):
             read_box(self.store, path, meta, box, raw, shard, self._head(path, meta, shard))
         if out is None:
@@ -370,11 +367,7 @@ def open(
 def open_store_checkpoint(store: Store, hmac_key: bytes | None = None) -> Checkpoint:
     store = committed_store(store)
     where = f"{store.url}/{METADATA_FILE}"
-    raw = store.read(METADATA_FILE)
-    try:
-        doc = json.loads(raw)
-    except ValueError as e:
-        raise FormatError(f"{where} is not valid JSON: {e}") from e
+    doc = parse_document(store.read(METADATA_FILE), where)
     meta = CheckpointMeta.from_zarr_json(doc, where)
     if hmac_key is not None:
         check_signature(doc["attributes"][ATTRIBUTE], hmac_key, where)

@@ -13,6 +13,7 @@ Three kinds of ``zarr.json`` are written (specified in ``schema/``):
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -21,14 +22,30 @@ from typing import Any
 from .dtypes import StoredDtype, stored_dtype_by_name
 from .errors import FormatError
 from .layout import ChunkGrid
+from .statedict import from_json
 
 FORMAT_VERSION = 2
 MAX_CHUNK_BYTES = 1 << 30
 """The largest chunk a reader accepts (a reader allocates one chunk at a time)."""
 MAX_CHUNKS_PER_SHARD = 1 << 22
 """The most chunks per shard a reader accepts (it reads one shard index at a time)."""
+MAX_WORLD_SIZE = 1 << 24
+"""The most saving ranks a reader accepts."""
 ATTRIBUTE = "ucp_zarr"
 METADATA_FILE = "zarr.json"
+
+
+def parse_document(raw: bytes, where: str) -> Any:
+    """A metadata document's JSON; :class:`FormatError` for anything but strict JSON (no
+    ``NaN``/``Infinity`` literals, which this format never writes) of bounded nesting."""
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        return json.loads(raw, parse_constant=constant)
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"{where} is not valid JSON: {str(e)[:200]}") from None
 
 
 @dataclass(frozen=True)
@@ -147,7 +164,7 @@ class ArrayMeta:
         for name in ("shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs",
                      "storage_transformers", "extra_fields"):
             got, want = getattr(model, name), getattr(expected, name)
-            if got != want:
+            if not _same(got, want):
                 raise FormatError(
                     f"{where}: {name} is {got!r}, but an array of torch dtype {dtype.name} in this format "
                     f"has {want!r}; refusing to read what this library did not write"
@@ -157,6 +174,15 @@ class ArrayMeta:
         if math.prod(grid.chunks_per_shard) > MAX_CHUNKS_PER_SHARD:
             raise FormatError(f"{where}: {math.prod(grid.chunks_per_shard)} chunks per shard exceed {MAX_CHUNKS_PER_SHARD}")
         return meta
+
+
+def _same(got: Any, want: Any) -> bool:
+    """``got == want`` for fields zarr parsed from an untrusted document (which may hold an
+    array where a scalar belongs, or a NaN fill value where one is expected)."""
+    try:
+        return type(got) is type(want) and bool(got == want or (got != got and want != want))
+    except Exception:  # an ambiguous or failing comparison: not what this library writes
+        return False
 
 
 def _zarr_model(doc: Any, where: str) -> Any:
@@ -174,13 +200,49 @@ def _zarr_model(doc: Any, where: str) -> Any:
 _COMPONENT = re.compile(r"[A-Za-z0-9_%~\-][A-Za-z0-9_.%~\-]*")
 
 
+MAX_NAME_BYTES = 255
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_RANK = re.compile(r"0|[1-9][0-9]{0,8}")
+
+
 def check_array_path(path: Any, where: str) -> str:
     """An array path from the root index: ``<group>/<array>`` of escaped names (see
     ``statedict.array_path``), so that it can never point outside the checkpoint."""
     parts = path.split("/") if isinstance(path, str) else []
-    if len(parts) != 2 or not all(_COMPONENT.fullmatch(p) for p in parts):
-        raise FormatError(f"{where}: {path!r} is not an array path of this format (<group>/<array>)")
+    if len(parts) != 2 or not all(_COMPONENT.fullmatch(p) and len(p) <= MAX_NAME_BYTES for p in parts):
+        raise FormatError(f"{where}: {str(path)[:300]!r} is not an array path of this format (<group>/<array>)")
     return path
+
+
+def check_document_path(path: Any, where: str) -> str:
+    """A member of the root's ``documents``: ``<group>/zarr.json`` or
+    ``<group>/<array>/zarr.json`` of escaped names."""
+    parts = path.split("/") if isinstance(path, str) else []
+    if not (2 <= len(parts) <= 3 and parts[-1] == METADATA_FILE) or not all(
+        _COMPONENT.fullmatch(p) and len(p) <= MAX_NAME_BYTES for p in parts[:-1]
+    ):
+        raise FormatError(f"{where}: {str(path)[:300]!r} is not a document path of this format")
+    return path
+
+
+def _check_digest(digest: Any, where: str) -> str:
+    if not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):
+        raise FormatError(f"{where}: {str(digest)[:100]!r} is not a digest (sha256:<64 hex digits>)")
+    return digest
+
+
+def _check_rank(r: Any, world_size: int, where: str) -> int:
+    if not (isinstance(r, str) and _RANK.fullmatch(r) and int(r) < world_size):
+        raise FormatError(f"{where}: {str(r)[:50]!r} is not a rank of the {world_size} saving ranks")
+    return int(r)
+
+
+def _check_key(key: Any, where: str) -> str:
+    try:
+        key.encode("utf-8")
+    except (AttributeError, UnicodeEncodeError):
+        raise FormatError(f"{where}: key {key!r} is not valid Unicode text") from None
+    return key
 
 
 @dataclass(frozen=True)
@@ -224,15 +286,20 @@ class TensorEntry:
         return self.ranks[rank]
 
     @classmethod
-    def from_json(cls, d: Any, where: str) -> "TensorEntry":
+    def from_json(cls, d: Any, where: str, world_size: int = 1) -> "TensorEntry":
         ranks = None
         if "ranks" in d:
-            ranks = {int(r): ArrayRef(check_array_path(a["path"], where), str(a["digest"])) for r, a in d["ranks"].items()}
+            ranks = {
+                _check_rank(r, world_size, where): ArrayRef(check_array_path(a["path"], where), _check_digest(a["digest"], where))
+                for r, a in d["ranks"].items()
+            }
+            if not ranks:
+                raise ValueError("per-rank state without any rank's copy")
         shape = tuple(d["shape"])
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
             raise ValueError(f"shape {list(shape)} is not a list of non-negative integers")
         stored_dtype_by_name(d["dtype"])
-        return cls(check_array_path(d["path"], where), shape, d["dtype"], str(d["digest"]), ranks)
+        return cls(check_array_path(d["path"], where), shape, d["dtype"], _check_digest(d["digest"], where), ranks)
 
 
 @dataclass(frozen=True)
@@ -295,22 +362,53 @@ class CheckpointMeta:
             signature = attrs.get("signature")
             if signature is not None and not isinstance(signature, dict):
                 raise TypeError("signature must be an object")
-            return cls(
-                tensors={str(k): TensorEntry.from_json(t, where) for k, t in attrs["tensors"].items()},
-                values=dict(attrs["values"]),
+            world_size = attrs["world_size"]
+            if not (type(world_size) is int and 1 <= world_size <= MAX_WORLD_SIZE):
+                raise ValueError(f"world_size {world_size!r} is not an integer in [1, {MAX_WORLD_SIZE}]")
+            meta = cls(
+                tensors={_check_key(k, where): TensorEntry.from_json(t, where, world_size) for k, t in attrs["tensors"].items()},
+                values={_check_key(k, where): v for k, v in attrs["values"].items()},
                 created=str(attrs["created"]),
                 library=str(attrs["library"]),
                 save_id=save_id,
-                world_size=int(attrs["world_size"]),
+                world_size=world_size,
                 layout=dict(attrs["layout"]),
-                rank_values={str(k): {int(r): v for r, v in per.items()} for k, per in attrs["rank_values"].items()},
-                documents={str(k): str(v) for k, v in attrs["documents"].items()},
+                rank_values={
+                    _check_key(k, where): {_check_rank(r, world_size, where): v for r, v in per.items()}
+                    for k, per in attrs["rank_values"].items()
+                },
+                documents={check_document_path(k, where): _check_digest(v, where) for k, v in attrs["documents"].items()},
                 signature=signature,
             )
+            meta._check_values(where)
+            meta._check_paths(where)
+            return meta
         except FormatError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise FormatError(f"malformed checkpoint metadata {where}: {e!r}") from e
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
+            raise FormatError(f"malformed checkpoint metadata {where}: {str(e)[:300]}") from e
+
+    def _check_values(self, where: str) -> None:
+        """Every value decodes (``statedict.from_json`` raises FormatError otherwise)."""
+        for k, v in self.values.items():
+            from_json(v, k)
+        for k, per in self.rank_values.items():
+            for r, v in per.items():
+                from_json(v, f"{k} (rank {r})")
+        overlap = set(self.values) & set(self.rank_values) | set(self.tensors) & (set(self.values) | set(self.rank_values))
+        if overlap:
+            raise FormatError(f"{where}: keys {sorted(overlap)[:10]} are listed twice (tensor, value, per-rank value)")
+
+    def _check_paths(self, where: str) -> None:
+        """No two index entries (per-rank copies included) name one array."""
+        owner: dict[str, str] = {}
+        for key, t in self.tensors.items():
+            paths = {t.path} | {a.path for a in (t.ranks or {}).values()}
+            if t.ranks is not None and t.path != t.ranks[min(t.ranks)].path:
+                raise FormatError(f"{where}: tensor {key!r}: path {t.path!r} is not its lowest rank's copy")
+            for p in paths:
+                if owner.setdefault(p, key) != key:
+                    raise FormatError(f"{where}: tensors {owner[p]!r} and {key!r} both name the array {p!r}")
 
 
 def group_zarr_json() -> dict[str, Any]:

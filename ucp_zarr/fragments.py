@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .errors import LayoutError, NotJSONableError
+from .errors import DtypeMismatchError, LayoutError, NotJSONableError
 from .layout import Box
 from .layout.flat import box_flat_start, flat_range_boxes
 from .layout.placements import DimSplit, local_runs, runs_to_boxes
@@ -137,13 +137,37 @@ def is_fragment_value(value: Any) -> bool:
     return isinstance(value, (torch.Tensor, Shard, FlatShard))
 
 
+def check_tensor(key: str, t: Any) -> torch.Tensor:
+    """``t`` if it is a dense tensor with data (strided, not nested or quantized, not on the
+    meta device), else :class:`LayoutError` / :class:`DtypeMismatchError` naming ``key``."""
+    if not isinstance(t, torch.Tensor):
+        raise LayoutError(f"tensor {key!r}: the local part is a {type(t).__name__}, not a torch.Tensor")
+    if t.is_nested or t.layout != torch.strided:
+        kind = "a nested" if t.is_nested else f"a {t.layout}"
+        raise LayoutError(f"tensor {key!r} is {kind} tensor; only dense (strided) tensors can be checkpointed")
+    if t.device.type == "meta":
+        raise LayoutError(f"tensor {key!r} is on the meta device: it holds no data to save or load into")
+    if t.is_quantized:
+        raise DtypeMismatchError(f"tensor {key!r} is quantized ({t.dtype}); save its integer representation instead")
+    return t
+
+
+def _check_geometry(key: str, global_shape: tuple[int, ...], offset: tuple[int, ...] = ()) -> None:
+    if any(n < 0 for n in global_shape) or any(o < 0 for o in offset):
+        raise LayoutError(
+            f"tensor {key!r}: negative global shape {list(global_shape)} or offset {list(offset)}"
+        )
+
+
 def to_fragment(key: str, value: Any) -> Fragment:
     """Normalise a state-dict value (DTensor, Shard, FlatShard or tensor) to a Fragment."""
     if is_dtensor(value):
+        check_tensor(key, value.to_local())
         shape, pieces = dtensor_pieces(value, key)
         return Fragment(key, shape, value.dtype, pieces, device=value.device)
     if isinstance(value, Shard):
-        local = value.local
+        local = check_tensor(key, value.local)
+        _check_geometry(key, value.global_shape, value.global_offset)
         if len(value.global_offset) != len(value.global_shape) or local.dim() != len(value.global_shape):
             raise LayoutError(
                 f"tensor {key!r}: Shard with local shape {list(local.shape)}, global shape "
@@ -154,7 +178,8 @@ def to_fragment(key: str, value: Any) -> Fragment:
             raise LayoutError(f"tensor {key!r}: Shard {box} lies outside the global shape {list(value.global_shape)}")
         return Fragment(key, value.global_shape, local.dtype, [(box, local)] if box.numel else [], device=local.device)
     if isinstance(value, FlatShard):
-        local = value.local
+        local = check_tensor(key, value.local)
+        _check_geometry(key, value.global_shape)
         if local.dim() != 1:
             raise LayoutError(f"tensor {key!r}: FlatShard.local must be 1-D, got shape {list(local.shape)}")
         start, stop = value.flat_offset, value.flat_offset + local.numel()
@@ -168,6 +193,7 @@ def to_fragment(key: str, value: Any) -> Fragment:
             pieces.append((box, local[lo : lo + box.numel].view(box.shape)))
         return Fragment(key, value.global_shape, local.dtype, pieces, flat=(start, stop), device=local.device)
     if isinstance(value, torch.Tensor):
+        check_tensor(key, value)
         shape = tuple(value.shape)
         pieces = [(Box.whole(shape), value)] if math.prod(shape) else []
         return Fragment(key, shape, value.dtype, pieces, plain=True, device=value.device)

@@ -54,6 +54,9 @@ def check_signature(attrs: dict[str, Any], key: bytes, where: str) -> None:
     if not isinstance(sig, dict) or sig.get("alg") != SIGNATURE_ALG or not isinstance(sig.get("value"), str):
         raise AuthenticationError(f"{where} is not signed, but a key was given: refusing an unauthenticated checkpoint")
     body = {k: v for k, v in attrs.items() if k != "signature"}
-    mac = hmac.new(key, canonical(body), hashlib.sha256).hexdigest()
+    try:
+        mac = hmac.new(key, canonical(body), hashlib.sha256).hexdigest()
+    except (ValueError, RecursionError):  # not canonical JSON (NaN, say): never signed by this library
+        raise AuthenticationError(f"{where}: the commit record is not canonical JSON, so its signature cannot verify") from None
     if not hmac.compare_digest(mac, sig["value"]):
         raise AuthenticationError(f"{where}: the signature does not verify with this key (changed, or another key)")

@@ -9,6 +9,7 @@ any other leaf must be JSON-able and is stored in the root document.
 from __future__ import annotations
 
 import base64
+import hashlib
 import math
 import re
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from .errors import NotJSONableError
+from .errors import FormatError, LayoutError, NotJSONableError
 
 Path = tuple[Any, ...]
 """The original keys and list indices from the state dict's root to a leaf."""
@@ -33,35 +34,80 @@ def is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
+MAX_DEPTH = 100
+"""How deeply a state dict (and a JSON value inside it) may nest: far beyond any real one,
+and well within what a JSON reader parses without running out of stack."""
+
+
 def iter_leaves(state_dict: Mapping[str, Any]) -> Iterator[Leaf]:
-    """The leaves of a nested state dict with their DCP-style flattened keys."""
+    """The leaves of a nested state dict with their DCP-style flattened keys.
 
-    def walk(path: Path, value: Any) -> Iterator[Leaf]:
-        if isinstance(value, Mapping):
-            for k, v in value.items():
-                yield from walk(path + (k,), v)
-        elif isinstance(value, list) and not _is_terminal(value):
-            for i, v in enumerate(value):
-                yield from walk(path + (i,), v)
+    Raises :class:`LayoutError` when two entries flatten to one key (``{"a.b": x, "a":
+    {"b": y}}``, or keys ``1`` and ``"1"``) and :class:`NotJSONableError` for a state dict
+    that contains itself or nests deeper than :data:`MAX_DEPTH`."""
+
+    def walk(path: Path, value: Any, inside: tuple[int, ...]) -> Iterator[Leaf]:
+        if isinstance(value, Mapping) or (isinstance(value, list) and not _is_terminal(value, len(path))):
+            _check_nesting(path, value, inside)
+            inside = inside + (id(value),)
+            items = value.items() if isinstance(value, Mapping) else enumerate(value)
+            for k, v in items:
+                yield from walk(path + (k,), v, inside)
         else:
-            yield Leaf(".".join(str(p) for p in path), path, value)
+            key = ".".join(str(p) for p in path)
+            _check_text(key, key)
+            yield Leaf(key, path, value)
 
-    seen: set[str] = set()
+    seen: dict[str, Path] = {}
     for k, v in state_dict.items():
-        for leaf in walk((k,), v):
+        for leaf in walk((k,), v, (id(state_dict),)):
             if leaf.key in seen:
-                raise ValueError(f"two entries of the state dict flatten to the key {leaf.key!r}")
-            seen.add(leaf.key)
+                raise LayoutError(
+                    f"two entries of the state dict flatten to the key {leaf.key!r}: {_spell(seen[leaf.key])} "
+                    f"and {_spell(leaf.path)}"
+                )
+            seen[leaf.key] = leaf.path
             yield leaf
 
 
-def _is_terminal(value: list) -> bool:
-    for v in value:
-        if isinstance(v, Mapping) or is_tensor(v):
-            return False
-        if isinstance(v, list) and not _is_terminal(v):
-            return False
+def _spell(path: Path) -> str:
+    return "".join(f"[{p!r}]" for p in path)
+
+
+def _check_nesting(path: Path, value: Any, inside: tuple[int, ...]) -> None:
+    where = ".".join(str(p) for p in path)
+    if id(value) in inside:
+        raise NotJSONableError(f"the state dict contains itself at key {where!r}")
+    if len(inside) > MAX_DEPTH:
+        raise NotJSONableError(f"the state dict nests deeper than {MAX_DEPTH} levels at key {where[:200]!r}...")
+
+
+def _is_terminal(value: list, depth: int) -> bool:
+    """A list that holds no tensor and no mapping at any depth (a JSON leaf)."""
+    stack, seen = [(value, depth)], set()
+    while stack:
+        lst, d = stack.pop()
+        if id(lst) in seen or d > MAX_DEPTH:
+            return False  # a cycle or a runaway nesting: let the walk report it
+        seen.add(id(lst))
+        for v in lst:
+            if isinstance(v, Mapping) or is_tensor(v):
+                return False
+            if isinstance(v, list):
+                stack.append((v, d + 1))
     return True
+
+
+def _check_text(text: str, key: str) -> None:
+    """Strings are stored as UTF-8: refuse one that is not valid Unicode (lone or paired
+    surrogates), which could not be stored or would come back as another string."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise NotJSONableError(
+            f"key {key.encode('utf-8', 'backslashreplace').decode()!r}: {text.encode('utf-8', 'backslashreplace').decode()!r}"
+            " holds surrogate code points and is not valid Unicode"
+        ) from None
 
 
 def set_leaf(state_dict: Any, path: Path, value: Any) -> None:
@@ -89,9 +135,19 @@ def to_json(value: Any, key: str) -> Any:
     * ``str``-keyed mappings: JSON objects (as ``dict``); a key starting with ``$`` gets one
       more ``$``, so that a user's key never reads as one of the tags above.
 
-    Raises :class:`NotJSONableError` naming ``key`` for anything else (objects, dtypes).
+    Raises :class:`NotJSONableError` naming ``key`` for anything else (objects, dtypes,
+    strings that are not valid Unicode, values nested deeper than :data:`MAX_DEPTH`).
     """
-    if value is None or isinstance(value, (bool, str)):
+    return _to_json(value, key, 0)
+
+
+def _to_json(value: Any, key: str, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise NotJSONableError(f"value at key {key[:200]!r}... nests deeper than {MAX_DEPTH} levels (or contains itself)")
+    if isinstance(value, str):
+        _check_text(value, key)
+        return value
+    if value is None or isinstance(value, bool):
         return value
     if isinstance(value, (bytes, bytearray)):
         return {"$bytes": base64.b64encode(value).decode()}
@@ -102,17 +158,18 @@ def to_json(value: Any, key: str) -> Any:
             return float(value)
         return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     if hasattr(value, "item") and hasattr(value, "dtype") and getattr(value, "ndim", 1) == 0:
-        return to_json(value.item(), key)  # numpy scalars
+        return _to_json(value.item(), key, depth)  # numpy scalars
     if isinstance(value, list):
-        return [to_json(v, f"{key}.{i}") for i, v in enumerate(value)]
+        return [_to_json(v, f"{key}.{i}", depth + 1) for i, v in enumerate(value)]
     if isinstance(value, tuple):
-        return {"$tuple": [to_json(v, f"{key}.{i}") for i, v in enumerate(value)]}
+        return {"$tuple": [_to_json(v, f"{key}.{i}", depth + 1) for i, v in enumerate(value)]}
     if isinstance(value, Mapping):
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
                 raise NotJSONableError(f"key {key!r}: mapping key {k!r} is not a string")
-            out["$" + k if k.startswith("$") else k] = to_json(v, f"{key}.{k}")
+            _check_text(k, key)
+            out["$" + k if k.startswith("$") else k] = _to_json(v, f"{key}.{k}", depth + 1)
         return out
     raise NotJSONableError(
         f"value at key {key!r} of type {type(value).__name__} is neither a tensor nor JSON-able "
@@ -120,33 +177,66 @@ def to_json(value: Any, key: str) -> Any:
     )
 
 
-def from_json(value: Any) -> Any:
-    """Inverse of :func:`to_json`."""
+def from_json(value: Any, key: str = "") -> Any:
+    """Inverse of :func:`to_json`. Raises :class:`FormatError` naming ``key`` for data that
+    :func:`to_json` never produces (an unknown or malformed ``$`` tag, a value nested deeper
+    than :data:`MAX_DEPTH`)."""
+    return _from_json(value, key, 0)
+
+
+def _from_json(value: Any, key: str, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise FormatError(f"value {key[:200]!r}... nests deeper than {MAX_DEPTH} levels")
     if isinstance(value, list):
-        return [from_json(v) for v in value]
+        return [_from_json(v, f"{key}.{i}", depth + 1) for i, v in enumerate(value)]
     if isinstance(value, dict):
-        if set(value) == {"$float"}:
-            return _NONFINITE[value["$float"]]
-        if set(value) == {"$bytes"}:
-            return base64.b64decode(value["$bytes"])
-        if set(value) == {"$tuple"}:
-            return tuple(from_json(v) for v in value["$tuple"])
-        return {k[1:] if k.startswith("$$") else k: from_json(v) for k, v in value.items()}
-    return value
+        tag = next(iter(value), None)
+        if isinstance(tag, str) and tag.startswith("$") and not tag.startswith("$$"):
+            return _from_tag(value, key, depth)
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str) or (k.startswith("$") and not k.startswith("$$")):
+                raise FormatError(f"value {key!r}: member {k!r} is neither a key nor a tag of this format")
+            out[k[1:] if k.startswith("$") else k] = _from_json(v, f"{key}.{k}", depth + 1)
+        return out
+    if value is None or isinstance(value, (bool, int, str)) or (isinstance(value, float) and math.isfinite(value)):
+        return value
+    raise FormatError(f"value {key!r}: {value!r} is not a value this format stores")
+
+
+def _from_tag(value: dict[str, Any], key: str, depth: int) -> Any:
+    tag, body = next(iter(value.items())) if len(value) == 1 else (None, None)
+    if tag == "$float" and body in _NONFINITE:
+        return _NONFINITE[body]
+    if tag == "$bytes" and isinstance(body, str):
+        try:
+            return base64.b64decode(body, validate=True)
+        except ValueError:
+            pass
+    if tag == "$tuple" and isinstance(body, list):
+        return tuple(_from_json(v, f"{key}.{i}", depth + 1) for i, v in enumerate(body))
+    raise FormatError(f"value {key!r}: {str(value)[:200]} is not a valid tagged value of this format")
 
 
 # --- array paths ---------------------------------------------------------------------------
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+MAX_NAME = 200
+"""The longest node name made (file systems allow 255 bytes, and ``~n`` may be appended)."""
 
 
 def _escape(name: str) -> str:
     """A safe node name: characters outside ``[A-Za-z0-9_.-]`` percent-encoded (each UTF-8
     byte as ``%XX``), and a leading ``.`` or ``_`` too when the name would otherwise be
-    hidden, reserved by Zarr (``__``), or ``zarr.json``."""
+    hidden, reserved by Zarr (``__``), or ``zarr.json``. A name longer than
+    :data:`MAX_NAME` keeps its first 160 characters and gets ``~`` and 32 hex digits of the
+    SHA-256 of the whole escaped name appended."""
     name = _SAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode()), name)
     if name.startswith(("__", ".")) or name in ("", "zarr.json"):
         name = f"%{ord(name[0]):02X}{name[1:]}" if name else "%00"
+    if len(name) > MAX_NAME:
+        head = re.sub(r"%[0-9A-F]?$", "", name[:160])
+        name = f"{head}~{hashlib.sha256(name.encode()).hexdigest()[:32]}"
     return name
 
 
@@ -160,8 +250,9 @@ def array_path(key: str) -> str:
     * ``<top>.<fqn>`` -> ``<fqn>/<top>`` (``model.layers.0.w`` -> ``layers.0.w/model``)
     * ``<top>`` -> ``<top>/<top>``
 
-    Characters outside ``[A-Za-z0-9_.-]`` are percent-encoded. The root document maps every
-    key to its path, so readers never need to invert this rule.
+    Characters outside ``[A-Za-z0-9_.-]`` are percent-encoded and long names shortened
+    (see :func:`_escape`). The root document maps every key to its path, so readers never
+    need to invert this rule.
     """
     parts = key.split(".")
     if len(parts) >= 4 and parts[1] == "state":
@@ -175,7 +266,7 @@ def array_path(key: str) -> str:
 
 def assign_array_paths(keys: list[str]) -> dict[str, str]:
     """:func:`array_path` for each key, made unique: a later key whose path is taken gets
-    ``~2``, ``~3``, ... appended (``~`` never appears in an escaped name)."""
+    ``~2``, ``~3``, ... appended."""
     out: dict[str, str] = {}
     taken: set[str] = set()
     for key in keys:

@@ -13,6 +13,7 @@ import logging
 import os
 import posixpath
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import fsspec
+
+from .errors import FormatError, NotACheckpointError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -142,7 +145,12 @@ class LocalStore(Store):
         with self._dirs_lock:
             if d in self._dirs:
                 return
-        os.makedirs(d, exist_ok=True)
+        try:
+            os.makedirs(d, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise NotACheckpointError(
+                f"cannot create the directory {d}: a file is in the way (a checkpoint path must be a directory)"
+            ) from None
         with self._dirs_lock:
             while d.startswith(self.root) and d not in self._dirs:
                 self._dirs.add(d)
@@ -203,13 +211,14 @@ class LocalStore(Store):
         return total
 
     def read(self, key: str) -> bytes:
-        with open(self._path(key), "rb") as f:
+        fd = _open_regular(self._path(key))
+        with os.fdopen(fd, "rb") as f:
             data = f.read()
         self.stats.add_read(len(data))
         return data
 
     def read_tail(self, key: str, nbytes: int) -> bytes:
-        fd = os.open(self._path(key), os.O_RDONLY)
+        fd = _open_regular(self._path(key))
         try:
             size = os.fstat(fd).st_size
             if size < nbytes:
@@ -222,7 +231,7 @@ class LocalStore(Store):
 
     def readv(self, key: str, requests: Sequence[ReadRequest]) -> None:
         path = self._path(key)
-        fd = os.open(path, os.O_RDONLY)
+        fd = _open_regular(path)
         total = calls = 0
         try:
             for offset, bufs in requests:
@@ -280,6 +289,30 @@ class LocalStore(Store):
         for d in dirs:
             if os.path.isdir(d):
                 _fsync_dir(d)
+
+
+def _open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file ``path``. :class:`FileNotFoundError` where
+    nothing can be (a parent is a file, a name is too long); :class:`FormatError` for a
+    directory, FIFO, device or socket, which never blocks (``O_NONBLOCK``) or streams
+    without end."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except NotADirectoryError:
+        raise FileNotFoundError(errno.ENOENT, "a parent is a file, not a directory", path) from None
+    except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            raise FileNotFoundError(errno.ENOENT, "name too long", path) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise FormatError(f"{path} is {kind} where a file belongs")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _tmp_name(path: str) -> str:

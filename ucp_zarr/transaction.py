@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import threading
 import time
@@ -43,7 +44,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from .errors import CheckpointExistsError, IncompleteCheckpointError, NotACheckpointError, OwnershipError
+from .errors import CheckpointExistsError, FormatError, IncompleteCheckpointError, NotACheckpointError, OwnershipError
 from .format import METADATA_FILE
 from .storage import Store
 from .version import __version__
@@ -55,6 +56,9 @@ REPLACE_RECORD = ".ucp_zarr_replace"
 INTERNAL_PREFIX = ".ucp_zarr_"
 """Top-level objects of the protocol (marker, heartbeats, takeovers, replace record)."""
 STAGING_INFIX = ".ucp_zarr-"
+_SAVE_ID = re.compile(r"[0-9a-f]{32}")
+UNREADABLE_SAVE_ID = "0" * 32
+"""The save id given to an owner record that cannot be read (a dead owner's)."""
 
 DEFAULT_LEASE_S = 120.0
 """How long a save on another host counts as alive after its last heartbeat."""
@@ -93,15 +97,19 @@ class Owner:
     def from_bytes(cls, raw: bytes, where: str) -> "Owner":
         try:
             d = json.loads(raw)
-            return cls(
+            owner = cls(
                 str(d["save_id"]), str(d["host"]), str(d["boot_id"]), int(d["pid"]),
                 None if d.get("pid_start") is None else int(d["pid_start"]),
-                float(d["started"]), float(d["lease_s"]), str(d.get("library", "")), d.get("staged"),
+                float(d["started"]), float(d["lease_s"]), str(d.get("library", "")),
+                None if d.get("staged") is None else str(d["staged"]),
             )
-        except (ValueError, KeyError, TypeError):
+            if not _SAVE_ID.fullmatch(owner.save_id):  # (save ids name protocol files)
+                raise ValueError(f"save_id {owner.save_id[:40]!r} is not 32 hex digits")
+            return owner
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
             # garbage (or, on a file system without hard links, a record whose creator died
             # between creating and writing it): nobody can prove it alive
-            return cls(f"unreadable:{where}", "", "", -1, None, 0.0, 0.0)
+            return cls(UNREADABLE_SAVE_ID, f"(unreadable record {where})", "", -1, None, 0.0, 0.0)
 
     def describe(self) -> str:
         return (
@@ -189,7 +197,7 @@ def last_heartbeat(store: Store, save_id: str) -> float | None:
     try:
         beat = json.loads(store.read(HEARTBEAT + save_id))
         return -math.inf if beat.get("aborted") else float(beat["renewed"])
-    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
+    except (FileNotFoundError, FormatError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
 
 
@@ -201,6 +209,16 @@ def staging_name(store: Store, save_id: str) -> str:
     return f".{store.name}{STAGING_INFIX}{save_id}"
 
 
+def staged_store(store: Store, record: Owner) -> Store | None:
+    """The committed staging copy a replace record names, or None. Only the staging sibling
+    of the record's own save counts (``.<name>.ucp_zarr-<save id>``): a record naming any
+    other directory is garbage, never followed."""
+    if not (_SAVE_ID.fullmatch(record.save_id) and record.staged == staging_name(store, record.save_id)):
+        return None
+    staged = store.sibling(record.staged)
+    return staged if staged.exists(METADATA_FILE) else None
+
+
 def committed_store(store: Store) -> Store:
     """The store holding the committed checkpoint at ``store``: the store itself, or, while
     an overwrite is being put in place, its complete staging copy. Raises
@@ -208,9 +226,9 @@ def committed_store(store: Store) -> Store:
     if store.exists(METADATA_FILE):
         return store
     record = read_owner(store, REPLACE_RECORD)
-    if record is not None and record.staged:
-        staged = store.sibling(record.staged)
-        if staged.exists(METADATA_FILE):
+    if record is not None:
+        staged = staged_store(store, record)
+        if staged is not None:
             return staged
     if record is not None or store.exists(MARKER):
         raise IncompleteCheckpointError(
@@ -390,8 +408,11 @@ class Transaction:
             return
         if self._alive(self.store, record):
             raise OwnershipError(f"{self.store.url} is being replaced by {record.describe()}")
-        if record.staged:
-            roll_forward(self.store, self.store.sibling(record.staged))
+        staged = staged_store(self.store, record)
+        if staged is not None:
+            roll_forward(self.store, staged)
+        else:  # it names no committed staging copy of its own save: garbage
+            self.store.delete(REPLACE_RECORD)
 
     def _replace(self) -> None:
         record = Owner.this_process(self.save_id, self.lease_s, staged=self.staged)
