@@ -21,7 +21,9 @@ from .errors import (
     SaveError,
     ShapeMismatchError,
 )
-from .fragments import FlatShard, PerRank, Shard
+from .fragments import FlatShard, PerRank, Placed, Shard
+from .place import place
+from .rules import RuleError, Rules
 from .saver import SaveResult
 from .version import __version__
 
@@ -45,6 +47,9 @@ __all__ = [
     "OwnershipError",
     "PerRank",
     "PerRankStateError",
+    "Placed",
+    "RuleError",
+    "Rules",
     "SaveError",
     "SaveResult",
     "Shard",
@@ -55,6 +60,7 @@ __all__ = [
     "__version__",
     "load",
     "open",
+    "place",
     "save",
     "wait_for_pending_save",
 ]

@@ -12,9 +12,17 @@ import torch
 from .checkpoint import Checkpoint, open_store_checkpoint
 from .distributed import Comm
 from .dtypes import is_lossless_cast, stored_dtype_by_name
-from .errors import CheckpointError, DtypeMismatchError, KeyMismatchError, PerRankStateError, ShapeMismatchError
-from .fragments import Fragment, PerRank, is_fragment_value, to_fragment
+from .errors import (
+    CheckpointError,
+    DtypeMismatchError,
+    KeyMismatchError,
+    LayoutError,
+    PerRankStateError,
+    ShapeMismatchError,
+)
+from .fragments import Fragment, PerRank, Placed, is_fragment_value, to_fragment
 from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
+from .rules import same_meaning
 from .saver import SaveOptions, SaveResult, collect, prepare
 from .statedict import from_json, iter_leaves, set_leaf
 from .storage import open_store
@@ -132,6 +140,7 @@ def load(
     strict: bool = True,
     allow_new_ranks: bool = False,
     allow_lossy_cast: bool = False,
+    allow_other_rules: bool = False,
     hmac_key: bytes | None = None,
     process_group: Any = None,
     storage_options: dict[str, Any] | None = None,
@@ -152,27 +161,48 @@ def load(
     restore, unless ``allow_new_ranks`` (then it keeps its current values, as it always
     does without ``strict``). Everything is checked before anything is read.
     ``hmac_key`` refuses a checkpoint that is unsigned or was changed after signing.
+
+    A state dict placed by rules (:func:`ucp_zarr.place`) is filled in place from the
+    consolidated tensors, whatever layout saved them; padding rows get zeros. Loading with
+    rules that give a tensor another consolidated form (other fused sub-parameter sizes,
+    another vocabulary size) raises :class:`~ucp_zarr.LayoutError` unless
+    ``allow_other_rules``. With ``strict``, a placed load on several ranks checks the keys
+    against the union of every rank's (a collective: every rank of ``process_group`` calls
+    ``load``).
     """
-    rank = Comm(process_group).rank
+    comm = Comm(process_group)
+    rank = comm.rank
     ck = open_store_checkpoint(open_store(path, storage_options), hmac_key)
     leaves = {leaf.key: leaf for leaf in iter_leaves(state_dict)}
+    # a tensor placed by rules is read from its consolidated key
+    stored_key = {k: leaf.value.key if isinstance(leaf.value, Placed) else k for k, leaf in leaves.items()}
     meta = ck.meta
     saved_values = set(meta.values) | set(meta.rank_values)
     saved = list(meta.tensors) + list(meta.values) + list(meta.rank_values)
-    missing = [k for k in leaves if k not in meta.tensors and k not in saved_values]
-    unexpected = [k for k in saved if k not in leaves]
+    missing = [k for k, s in stored_key.items() if s not in meta.tensors and s not in saved_values]
+    held = set(stored_key.values())
+    if strict and comm.active and any(isinstance(leaf.value, Placed) for leaf in leaves.values()):
+        # placed state dicts hold different keys on different ranks (pipeline stages, experts)
+        held = set().union(*comm.all_gather(held))
+    unexpected = [k for k in saved if k not in held]
     if strict and (missing or unexpected):
         raise KeyMismatchError(missing, unexpected)
 
     reads: list[tuple[str, Fragment, bool]] = []
     unrestorable: list[str] = []
-    for key, leaf in leaves.items():
+    for leaf_key, leaf in leaves.items():
+        key = stored_key[leaf_key]
         value = leaf.value.value if isinstance(leaf.value, PerRank) else leaf.value
         if key in meta.tensors:
             entry = meta.tensors[key]
             if not is_fragment_value(value):
                 raise DtypeMismatchError(f"key {key!r}: the checkpoint holds a tensor, the state dict a {type(value).__name__}")
             frag = to_fragment(key, value)
+            if not allow_other_rules and not same_meaning(entry.rule, frag.meaning):
+                raise LayoutError(
+                    f"tensor {key!r} was saved as {entry.rule} and the rules loading it ({frag.rule!r}) make it "
+                    f"{frag.meaning}: another consolidated form (pass allow_other_rules=True to load it anyway)"
+                )
             if frag.shape != entry.shape:
                 raise ShapeMismatchError(
                     f"tensor {key!r}: checkpoint shape {list(entry.shape)}, state dict shape {list(frag.shape)}"
@@ -213,6 +243,8 @@ def load(
 
 
 def _read_fragment(ck: Checkpoint, key: str, frag: Fragment, per_rank: bool, rank: int, lossy: bool) -> None:
-    for box, view in frag.pieces:
-        with torch.no_grad():
+    with torch.no_grad():
+        for box, view in frag.pieces:
             ck.read(key, box, out=view, rank=rank if per_rank else None, allow_lossy_cast=lossy)
+        for pad in frag.pad:  # padding (of a padded vocabulary) has no saved counterpart
+            pad.zero_()

@@ -268,11 +268,16 @@ class TensorEntry:
     dtype: str
     digest: str = ""
     ranks: dict[int, ArrayRef] | None = None
+    rule: dict[str, Any] | None = None
+    """For a tensor placed by rules: what its consolidated tensor is (the rule's kind,
+    sub-parameter sizes and dim, unpadded vocabulary size)."""
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"path": self.path, "shape": list(self.shape), "dtype": self.dtype, "digest": self.digest}
         if self.ranks is not None:
             d["ranks"] = {str(r): a.to_json() for r, a in sorted(self.ranks.items())}
+        if self.rule is not None:
+            d["rule"] = self.rule
         return d
 
     @property
@@ -299,7 +304,10 @@ class TensorEntry:
         if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
             raise ValueError(f"shape {list(shape)} is not a list of non-negative integers")
         stored_dtype_by_name(d["dtype"])
-        return cls(check_array_path(d["path"], where), shape, d["dtype"], _check_digest(d["digest"], where), ranks)
+        rule = d.get("rule")
+        if rule is not None and not (isinstance(rule, dict) and isinstance(rule.get("kind"), str)):
+            raise ValueError(f"rule {str(rule)[:100]} is not a rule description")
+        return cls(check_array_path(d["path"], where), shape, d["dtype"], _check_digest(d["digest"], where), ranks, rule)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,10 @@ A state-dict tensor value may be
 * a ``DTensor`` with any placements (FSDP2, TP, FSDP2 + TP, uneven shards);
 * :class:`Shard`: a Megatron-style slab at ``global_offset`` of ``global_shape``;
 * :class:`FlatShard`: a 1-D fragment of the row-major flattened global tensor starting at
-  element ``flat_offset`` (ZeRO-1/2/3, distributed optimizers), cutting rows anywhere;
+  element ``flat_offset`` (ZeRO-1/2/3, distributed optimizers), cutting rows anywhere; or
+  of a slab of it (Megatron's distributed optimizer: a flat range of a TP-local slab);
+* :class:`Placed`: a local tensor mapped onto a consolidated tensor by pieces, as
+  :func:`ucp_zarr.place` makes from rules (fused sub-parameters, padding, renamed keys);
 * a plain tensor: the whole tensor, identical on every rank;
 * :class:`PerRank` of a plain tensor: this rank's own copy (per-rank state).
 
@@ -24,6 +27,8 @@ import torch
 from .errors import DtypeMismatchError, LayoutError, NotJSONableError
 from .layout import Box
 from .layout.flat import box_flat_start, flat_range_boxes
+from .layout.pieces import Piece, PieceError, check_pieces, flat_range
+from .layout.pieces import whole as whole_pieces
 from .layout.placements import DimSplit, local_runs, runs_to_boxes
 
 
@@ -46,16 +51,55 @@ class Shard:
 @dataclass
 class FlatShard:
     """``local`` (1-D) holds elements ``[flat_offset, flat_offset + local.numel())`` of the
-    row-major flattened tensor of ``global_shape``."""
+    row-major flattened tensor of ``global_shape``; or, with ``slab_offset`` and
+    ``slab_shape``, of the flattened slab (box) of the global tensor at ``slab_offset``
+    (Megatron's ``global_offset``/``local_shape``/``flattened_range``)."""
 
     local: torch.Tensor
     global_shape: tuple[int, ...]
     flat_offset: int
     replica_id: int = 0
+    slab_offset: tuple[int, ...] | None = None
+    slab_shape: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         self.global_shape = tuple(int(n) for n in self.global_shape)
         self.flat_offset = int(self.flat_offset)
+        if (self.slab_offset is None) != (self.slab_shape is None):
+            raise LayoutError("FlatShard: give both slab_offset and slab_shape, or neither")
+        if self.slab_offset is not None and self.slab_shape is not None:
+            self.slab_offset = tuple(int(o) for o in self.slab_offset)
+            self.slab_shape = tuple(int(n) for n in self.slab_shape)
+
+
+@dataclass
+class Placed:
+    """``local`` placed on the consolidated tensor ``key`` of ``global_shape``: each piece
+    maps a region of ``local`` to a box of it (see :mod:`ucp_zarr.layout.pieces`). Made by
+    :func:`ucp_zarr.place`; save writes the pieces, load fills them in place and zeroes the
+    ``pad`` regions (padding that has no consolidated counterpart)."""
+
+    local: torch.Tensor
+    key: str
+    global_shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    pad: tuple[Piece, ...] = ()
+    replicated: bool = False
+    """Equal on every rank that holds it (checked at save): TP-replicated parameters."""
+    average: bool = False
+    """Its replicas may differ: the mean over the ranks holding it is saved."""
+    meaning: dict[str, Any] | None = None
+    """What the consolidated tensor is (the rule's kind, sub-parameter sizes, vocabulary
+    size): stored per tensor, compared at load."""
+    rule: str = ""
+    """The pattern that chose the rule (for messages)."""
+    rules: dict[str, Any] | None = None
+    """The rules (``Rules.to_dict()``) that placed it, stored with the checkpoint."""
+    used: frozenset[str] = frozenset()
+    """Patterns that matched a parameter on this rank (the save checks none is unused)."""
+    stored: bool = True
+    """False for a copy another rank stores (a pipeline-replicated parameter beyond the
+    first stage, and its optimizer state): saved from there, loaded here."""
 
 
 @dataclass
@@ -82,6 +126,12 @@ class Fragment:
     per_rank: bool = False
     """A plain tensor wrapped in :class:`PerRank`."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    average: bool = False
+    """Replicas are averaged at save (:attr:`Placed.average`)."""
+    meaning: dict[str, Any] | None = None
+    rule: str = ""
+    pad: list[torch.Tensor] = field(default_factory=list)
+    """Local regions that are padding: zeroed at load."""
 
     @property
     def nbytes(self) -> int:
@@ -134,7 +184,19 @@ def dtensor_pieces(dt: Any, key: str) -> tuple[tuple[int, ...], list[tuple[Box, 
 
 
 def is_fragment_value(value: Any) -> bool:
-    return isinstance(value, (torch.Tensor, Shard, FlatShard))
+    return isinstance(value, (torch.Tensor, Shard, FlatShard, Placed))
+
+
+def piece_view(local: torch.Tensor, p: Piece, key: str) -> torch.Tensor:
+    """The view of ``local`` that piece ``p`` names (never a copy: load fills it in place)."""
+    base = local
+    if p.base is not None:
+        start, shape = p.base
+        if not local.is_contiguous():
+            raise LayoutError(f"tensor {key!r}: a flat piece needs a contiguous local tensor")
+        base = local.reshape(-1)[start : start + math.prod(shape)].view(shape)
+    step = p.step or (1,) * p.src.ndim
+    return base[tuple(slice(o, o + (n - 1) * s + 1, s) for o, n, s in zip(p.src.offset, p.src.shape, step))]
 
 
 def check_tensor(key: str, t: Any) -> torch.Tensor:
@@ -177,9 +239,24 @@ def to_fragment(key: str, value: Any) -> Fragment:
         if not Box.whole(value.global_shape).contains(box):
             raise LayoutError(f"tensor {key!r}: Shard {box} lies outside the global shape {list(value.global_shape)}")
         return Fragment(key, value.global_shape, local.dtype, [(box, local)] if box.numel else [], device=local.device)
+    if isinstance(value, Placed):
+        local = check_tensor(key, value.local)
+        try:
+            check_pieces(value.pieces, tuple(local.shape), value.global_shape, value.pad)
+        except PieceError as e:
+            raise LayoutError(f"tensor {value.key!r}: {e}") from None
+        pieces = [(p.dst, piece_view(local, p, value.key)) for p in value.pieces if p.dst.numel]
+        whole = len(pieces) == 1 and pieces[0][0] == Box.whole(value.global_shape) or not math.prod(value.global_shape)
+        return Fragment(
+            value.key, value.global_shape, local.dtype, pieces, plain=(value.replicated or value.average) and whole,
+            device=local.device, average=value.average, meaning=value.meaning, rule=value.rule,
+            pad=[piece_view(local, p, value.key) for p in value.pad],
+        )
     if isinstance(value, FlatShard):
         local = check_tensor(key, value.local)
         _check_geometry(key, value.global_shape)
+        if value.slab_shape is not None:
+            return _slab_fragment(key, value, local)
         if local.dim() != 1:
             raise LayoutError(f"tensor {key!r}: FlatShard.local must be 1-D, got shape {list(local.shape)}")
         start, stop = value.flat_offset, value.flat_offset + local.numel()
@@ -198,3 +275,19 @@ def to_fragment(key: str, value: Any) -> Fragment:
         pieces = [(Box.whole(shape), value)] if math.prod(shape) else []
         return Fragment(key, shape, value.dtype, pieces, plain=True, device=value.device)
     raise NotJSONableError(f"tensor {key!r}: unsupported value of type {type(value).__name__}")
+
+
+def _slab_fragment(key: str, value: FlatShard, local: torch.Tensor) -> Fragment:
+    assert value.slab_offset is not None and value.slab_shape is not None
+    _check_geometry(key, value.slab_shape, value.slab_offset)
+    slab = Box(value.slab_offset, value.slab_shape)
+    if len(value.slab_offset) != len(value.global_shape) or not Box.whole(value.global_shape).contains(slab):
+        raise LayoutError(f"tensor {key!r}: slab {slab} lies outside the global shape {list(value.global_shape)}")
+    if local.dim() != 1:
+        raise LayoutError(f"tensor {key!r}: FlatShard.local must be 1-D, got shape {list(local.shape)}")
+    start, stop = value.flat_offset, value.flat_offset + local.numel()
+    if not 0 <= start <= stop <= slab.numel:
+        raise LayoutError(f"tensor {key!r}: FlatShard [{start}, {stop}) is outside its slab of {slab.numel} elements")
+    pieces = flat_range(value.slab_shape, whole_pieces(value.slab_shape, slab.offset), start, stop)
+    views = [(p.dst, piece_view(local, p, key)) for p in pieces]
+    return Fragment(key, value.global_shape, local.dtype, views, device=local.device)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,10 @@ class FragmentInfo:
     """A fingerprint of a plain tensor's bytes: replicas must agree."""
     per_rank: bool = False
     """Wrapped in :class:`~ucp_zarr.PerRank`: this rank's own copy, stored per rank."""
+    meaning: str | None = None
+    """What the consolidated tensor is, by the rule that placed it (canonical JSON)."""
+    rule: str = ""
+    """The rule pattern that placed it (for messages)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,8 @@ class SavePlan:
     """Per-rank tensors: key -> {rank: array key in ``arrays``}."""
     doc_writers: dict[str, int]
     """zarr.json path -> the rank that writes it."""
+    meanings: dict[str, str] = field(default_factory=dict)
+    """key -> what its consolidated tensor is, for tensors placed by rules (canonical JSON)."""
 
     @property
     def groups(self) -> list[str]:
@@ -123,7 +129,8 @@ def plan_save(
         records = _region_records(held, regions, writers)
         arrays[akey] = (path, ArrayMeta(f0.key, sd, grid, tuple(records), rank=rank))
     doc_writers = _spread_documents(arrays, shards, len(infos))
-    return SavePlan(arrays, shards, per_rank, doc_writers)
+    meanings = {k: held[0][1].meaning for k, held in by_key.items() if held[0][1].meaning is not None}
+    return SavePlan(arrays, shards, per_rank, doc_writers, meanings)
 
 
 def _check_consistent(key: str, held: list[tuple[int, FragmentInfo]]) -> None:
@@ -133,6 +140,11 @@ def _check_consistent(key: str, held: list[tuple[int, FragmentInfo]]) -> None:
             raise LayoutError(
                 f"tensor {key!r}: rank {r0} has global shape {list(f0.shape)} {f0.dtype}, "
                 f"rank {r} has {list(f.shape)} {f.dtype}"
+            )
+        if f.meaning != f0.meaning:
+            raise LayoutError(
+                f"tensor {key!r}: rank {r0} placed it as {f0.meaning} (rule {f0.rule!r}), rank {r} as "
+                f"{f.meaning} (rule {f.rule!r})"
             )
         if f.per_rank != f0.per_rank:
             wrapped = sorted(q for q, g in held if g.per_rank)
@@ -150,6 +162,12 @@ def _check_replicas(key: str, held: list[tuple[int, FragmentInfo]]) -> None:
         groups[d].append(r)
     if len(groups) > 1:
         shown = " vs ".join(f"ranks {rs}" for rs in sorted(groups.values()))
+        rule = held[0][1].rule
+        if rule:
+            raise LayoutError(
+                f"parameter {key!r} is replicated by rule {rule!r}, so every rank holding it must hold the same "
+                f"value, but its copies differ ({shown} hold different values)"
+            )
         raise LayoutError(
             f"tensor {key!r} is a plain tensor, so every rank must hold the same value, but its "
             f"copies differ ({shown} hold different values). Wrap per-rank state (RNG states, "

@@ -33,7 +33,7 @@ from .distributed import Comm, describe, raise_failures
 from .errors import LayoutError
 from .exchange import Exchange, build_exchange, check_sizes
 from .format import METADATA_FILE, ArrayRef, CheckpointMeta, TensorEntry, group_zarr_json
-from .fragments import Fragment, PerRank, is_fragment_value, to_fragment
+from .fragments import Fragment, PerRank, Placed, is_fragment_value, to_fragment
 from .integrity import array_digest, document_digest, sign
 from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from .planner import FragmentInfo, SavePlan, ShardTask, plan_save
@@ -82,17 +82,28 @@ class Collected:
     values: dict[str, Any]
     per_rank_values: frozenset[str] = frozenset()
     """Keys of values wrapped in :class:`~ucp_zarr.PerRank`."""
+    rules: dict[str, Any] | None = None
+    """The rules that placed this state dict (``Rules.to_dict()``), if any."""
+    used: frozenset[str] = frozenset()
+    """The rule patterns that matched a parameter on this rank."""
 
 
 def collect(state_dict: Mapping[str, Any]) -> Collected:
-    """A state dict's tensors as fragments and its other leaves as JSON, by flattened key."""
+    """A state dict's tensors as fragments and its other leaves as JSON, by flattened key
+    (a :class:`~ucp_zarr.Placed` tensor under its consolidated key; two placed on one key,
+    such as tied weights, are merged)."""
     fragments: dict[str, Fragment] = {}
     values: dict[str, Any] = {}
     per_rank: set[str] = set()
+    rules: dict[str, Any] | None = None
+    used: set[str] = set()
     for leaf in iter_leaves(state_dict):
         value, wrapped = leaf.value, isinstance(leaf.value, PerRank)
         if wrapped:
             value = value.value
+        if isinstance(value, Placed) and not value.stored:
+            used |= value.used
+            continue
         if is_fragment_value(value):
             frag = to_fragment(leaf.key, value)
             if wrapped and not frag.plain:
@@ -101,12 +112,44 @@ def collect(state_dict: Mapping[str, Any]) -> Collected:
                     "plain tensor (or a JSON value) that each rank holds whole"
                 )
             frag.per_rank = wrapped
-            fragments[leaf.key] = frag
+            if isinstance(value, Placed):
+                if rules is not None and value.rules != rules:
+                    raise LayoutError(f"tensor {leaf.key!r} was placed by other rules than the rest of the state dict")
+                rules = value.rules
+                used |= value.used
+            if frag.key in fragments:
+                _merge(fragments[frag.key], frag, leaf.key)
+            else:
+                fragments[frag.key] = frag
         else:
             values[leaf.key] = to_json(value, leaf.key)
             if wrapped:
                 per_rank.add(leaf.key)
-    return Collected(fragments, values, frozenset(per_rank))
+    clash = sorted(set(fragments) & set(values))
+    if clash:
+        raise LayoutError(f"keys {clash} are both a placed tensor and a value")
+    return Collected(fragments, values, frozenset(per_rank), rules, frozenset(used))
+
+
+def _merge(into: Fragment, other: Fragment, leaf_key: str) -> None:
+    """Two local tensors placed on one consolidated tensor (tied weights): the same boxes
+    must hold the same values; other boxes must not overlap."""
+    key = into.key
+    if (into.shape, into.dtype, into.meaning) != (other.shape, other.dtype, other.meaning):
+        raise LayoutError(
+            f"tensor {key!r}: {leaf_key!r} is placed on it as {list(other.shape)} {other.dtype}, another local "
+            f"tensor as {list(into.shape)} {into.dtype} (or by another kind of rule)"
+        )
+    held = dict(into.pieces)
+    for box, t in other.pieces:
+        if box in held:
+            if not torch.equal(held[box].detach().cpu(), t.detach().cpu()):
+                raise LayoutError(f"tensor {key!r}: {leaf_key!r} and another local tensor tied to it differ")
+            continue
+        if any((i := box.intersect(b)) is not None and not i.is_empty() for b in held):
+            raise LayoutError(f"tensor {key!r}: {leaf_key!r} overlaps another local tensor placed on it")
+        into.pieces.append((box, t))
+        held[box] = t
 
 
 class PreparedSave:
@@ -125,6 +168,7 @@ class PreparedSave:
         exchange: Exchange,
         values: tuple[dict[str, Any], dict[str, dict[int, Any]]],
         order: list[str],
+        rules: dict[str, Any] | None = None,
     ) -> None:
         self.store = store
         self.comm = comm
@@ -137,6 +181,7 @@ class PreparedSave:
         self.exchange = exchange
         self.values = values
         self.order = order
+        self.rules = rules
 
     def finish(self, comm: Comm | None = None) -> SaveResult:
         """Exchange boundary pieces, write this rank's documents and shards, commit (over
@@ -223,7 +268,10 @@ class PreparedSave:
         entries: dict[str, TensorEntry] = {}
         for akey, (path, meta) in plan.arrays.items():
             if meta.rank is None:
-                entries[akey] = TensorEntry(path, meta.shape, meta.dtype.name, refs[akey].digest)
+                rule = plan.meanings.get(akey)
+                entries[akey] = TensorEntry(
+                    path, meta.shape, meta.dtype.name, refs[akey].digest, rule=None if rule is None else json.loads(rule)
+                )
         for key, ranks in plan.per_rank.items():
             copies = {r: refs[a] for r, a in ranks.items()}
             first = copies[min(copies)]
@@ -238,6 +286,7 @@ class PreparedSave:
             library=f"ucp_zarr {__version__}",
             save_id=self.save_id,
             world_size=self.comm.world,
+            layout={} if self.rules is None else {"rules": self.rules},
             rank_values=rank_values,
             documents={k: document_digest(d) for k, d in documents(plan)},
         )
@@ -269,6 +318,37 @@ def dumps(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, indent=1, allow_nan=False).encode()
 
 
+def _agreed_rules(per_rank: list[tuple[dict[str, Any] | None, frozenset[str]]]) -> dict[str, Any] | None:
+    """The rules every rank placed its state dict by (the same on every rank that used
+    any); in strict mode, each of their patterns matched a parameter on some rank."""
+    given = [(r, rules) for r, (rules, _) in enumerate(per_rank) if rules is not None]
+    if not given:
+        return None
+    first = given[0][1]
+    for r, rules in given[1:]:
+        if rules != first:
+            raise LayoutError(f"ranks {given[0][0]} and {r} placed their state dicts by different rules")
+    from .place import check_used
+    from .rules import Rules
+
+    check_used(Rules.from_dict(first), [used for _, used in per_rank])
+    return first
+
+
+def _average(fragments: dict[str, Fragment], per_rank: list[dict[str, torch.Tensor]]) -> None:
+    """Replace each averaged fragment's tensor by the mean over the ranks that hold it
+    (accumulated in float64 in rank order: the same bits on every rank)."""
+    for key, frag in fragments.items():
+        if not frag.average or not frag.pieces:
+            continue
+        copies = [d[key] for d in per_rank if key in d]
+        total = torch.zeros(copies[0].shape, dtype=torch.float64)
+        for t in copies:
+            total += t.to(torch.float64)
+        box, _ = frag.pieces[0]
+        frag.pieces[0] = (box, (total / len(copies)).to(frag.dtype))
+
+
 def _infos(fragments: dict[str, Fragment]) -> list[FragmentInfo]:
     return [
         FragmentInfo(
@@ -278,8 +358,10 @@ def _infos(fragments: dict[str, Fragment]) -> list[FragmentInfo]:
             tuple(b for b, _ in f.pieces),
             f.flat,
             f.plain,
-            _fingerprint(f) if f.plain and not f.per_rank else None,
+            _fingerprint(f) if f.plain and not f.per_rank and not f.average else None,
             f.per_rank,
+            None if f.meaning is None else json.dumps(f.meaning, sort_keys=True),
+            f.rule,
         )
         for f in fragments.values()
     ]
@@ -350,14 +432,20 @@ def prepare(
     error: BaseException | None = None
     col = Collected({}, {})
     infos: list[FragmentInfo] = []
+    averaged: dict[str, torch.Tensor] = {}
     try:
         col = collected()
         infos = _infos(col.fragments)
+        averaged = {k: f.pieces[0][1].detach().cpu() for k, f in col.fragments.items() if f.average and f.pieces}
     except BaseException as e:
         error = e
-    gathered = comm.agree(error, "preparing the save", (infos, col.values, col.per_rank_values))
+    gathered = comm.agree(
+        error, "preparing the save", (infos, col.values, col.per_rank_values, col.rules, col.used, averaged)
+    )
 
     # 2. plan (the same on every rank: a layout error is raised by all) and claim
+    rules = _agreed_rules([(g[3], g[4]) for g in gathered])
+    _average(col.fragments, [g[5] for g in gathered])
     plan = plan_save([g[0] for g in gathered], chunk_bytes=options.chunk_bytes, shard_bytes=options.shard_bytes)
     values = _merge_values([(g[1], g[2]) for g in gathered])
     order = [f.key for g in gathered for f in g[0]]
@@ -394,4 +482,4 @@ def prepare(
             txn.abort()
         raise
     assert staging is not None
-    return PreparedSave(store, comm, options, plan, txn, save_id, staged, staging, exchange, values, order)
+    return PreparedSave(store, comm, options, plan, txn, save_id, staged, staging, exchange, values, order, rules)

@@ -1,0 +1,215 @@
+""":func:`place`: a rank's state dict of plain local tensors, placed on the consolidated
+tensors by :class:`~ucp_zarr.Rules`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+
+from .fragments import FlatShard, PerRank, Placed
+from .layout import pieces as P
+from .rules import ParamRule, RuleError, Rules
+from .statedict import Path, iter_leaves, set_leaf
+
+
+def place(
+    state_dict: Mapping[str, Any],
+    rules: Rules,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+) -> dict[str, Any]:
+    """A state dict of the same structure whose tensors are :class:`~ucp_zarr.Placed`
+    descriptions of their consolidated tensors; :func:`ucp_zarr.save` and
+    :func:`ucp_zarr.load` accept it (``load`` fills the original local tensors in place).
+
+    Parameter FQNs are read from the structure: a top-level key is an FQN
+    (``model.state_dict()`` itself); below a top-level mapping, the rest of the path is
+    (``{"model": model.state_dict()}``); optimizer state keyed by FQN
+    (``{"optim": {"state": {fqn: {"exp_avg": t}}}}``, as ``get_state_dict`` gives it) follows
+    its parameter's rule when it has the parameter's local shape, and stays whole (checked
+    equal across ranks) when it is a scalar such as ``step``. A :class:`~ucp_zarr.FlatShard`
+    whose ``global_shape`` is the parameter's local shape is a flat range of the local
+    parameter (a distributed optimizer's partition): it is composed with the rule.
+
+    Raises :class:`~ucp_zarr.rules.RuleError` naming the parameter and the rule when the
+    rules do not fit (ambiguous or, in strict mode with every parameter on this rank,
+    unused patterns; sizes that do not add up; a degree a head count cannot be split by).
+    """
+    for name, rank, size in (("tp", tp_rank, tp_size), ("pp", pp_rank, pp_size), ("ep", ep_rank, ep_size)):
+        if not (isinstance(size, int) and isinstance(rank, int) and 0 <= rank < size):
+            raise RuleError(f"{name}_rank {rank!r} is not a rank of {name}_size {size!r}")
+    placer = _Placer(rules, tp_rank, tp_size, pp_rank, pp_size, ep_rank, ep_size)
+    leaves = list(iter_leaves(state_dict))
+    params = {_fqn(leaf.path)[0]: leaf.value for leaf in leaves if not _is_optimizer_state(leaf.path)}
+    out = _copy_structure(state_dict)
+    placed_keys: dict[str, str] = {}
+    for leaf in leaves:
+        value = leaf.value
+        if isinstance(value, PerRank) or not isinstance(value, (torch.Tensor, FlatShard)):
+            continue
+        fqn, at = _fqn(leaf.path)
+        param = params.get(fqn)
+        param_shape = tuple(param.shape) if isinstance(param, torch.Tensor) else None
+        placed = placer.place(value, fqn, leaf.path, at, param_shape, _is_optimizer_state(leaf.path))
+        placed_keys[leaf.key] = placed.key
+        set_leaf(out, leaf.path, placed)
+    used = frozenset(placer.used)
+    rules_dict = rules.to_dict()
+    for leaf in iter_leaves(out):
+        if isinstance(leaf.value, Placed):
+            leaf.value.used = used
+            leaf.value.rules = rules_dict
+    if rules.strict and pp_size == 1 and ep_size == 1:
+        check_used(rules, [used])
+    return out
+
+
+def check_used(rules: Rules, used_by_rank: list[frozenset[str]]) -> None:
+    """In strict mode, every pattern must match some parameter on some rank."""
+    if not rules.strict:
+        return
+    used = frozenset().union(*used_by_rank)
+    unused = [p for p in rules.all_patterns() if p not in used]
+    if unused:
+        raise RuleError(f"rule patterns that match no parameter: {unused} (pass strict=False in the rules to allow it)")
+
+
+class _Placer:
+    def __init__(self, rules: Rules, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, ep_rank: int, ep_size: int):
+        self.rules = rules
+        self.tp = (tp_rank, tp_size)
+        self.pp = (pp_rank, pp_size)
+        self.ep = (ep_rank, ep_size)
+        self.used: set[str] = set()
+        self._names = set(rules.all_patterns())
+
+    def place(
+        self, value: torch.Tensor | FlatShard, fqn: str, path: Path, at: tuple[int, int], param_shape: tuple[int, ...] | None,
+        optimizer_state: bool,
+    ) -> Placed:
+        rules = self.rules
+        cfqn = rules.consolidated_name(fqn, pp_rank=self.pp[0], pp_size=self.pp[1], ep_rank=self.ep[0], ep_size=self.ep[1])
+        key = ".".join(str(p) for p in path[: at[0]] + (cfqn,) + path[at[1] :])
+        for pattern in self._names:
+            if rules.pattern_used(pattern, [fqn]):
+                self.used.add(pattern)
+        local = value.local if isinstance(value, FlatShard) else value
+        shape = tuple(value.global_shape) if isinstance(value, FlatShard) else tuple(local.shape)
+        if optimizer_state and param_shape is not None and shape != param_shape:
+            if local.numel() <= 1 and not isinstance(value, FlatShard):  # a scalar such as Adam's step
+                return Placed(local, key, tuple(local.shape), tuple(P.whole(local.shape)), replicated=True,
+                              meaning={"kind": "replicated"}, rule="(scalar optimizer state)",
+                              stored=self.pp[0] == 0 or not rules.is_pipeline_replicated(fqn))
+            raise RuleError(
+                f"optimizer state {'.'.join(map(str, path))!r} has shape {list(shape)}, not its parameter "
+                f"{fqn!r}'s {list(param_shape)}, and is not a scalar: give it a rule of its own"
+            )
+        rule, pattern = rules.match(fqn)
+        where = f"parameter {fqn!r} (rule {pattern!r})" if pattern else f"parameter {fqn!r} (default rule)"
+        try:
+            glob, pieces = self._compile(rule, shape)
+            pad: list[P.Piece] = []
+            vocab = rules.vocab_match(fqn)
+            if vocab is not None:
+                assert rules.vocab_size is not None
+                if glob[0] < rules.vocab_size:
+                    raise RuleError(
+                        f"{where}: {glob[0]} rows in the padded vocabulary, fewer than its {rules.vocab_size} entries"
+                    )
+                pieces, pad = P.clip(pieces, 0, rules.vocab_size)
+                glob = (rules.vocab_size,) + glob[1:]
+            if isinstance(value, FlatShard):
+                if value.slab_shape is not None:
+                    raise RuleError(f"{where}: a FlatShard given to place() is a flat range of the local tensor, no slab")
+                start, stop = value.flat_offset, value.flat_offset + local.numel()
+                if local.dim() != 1 or not 0 <= start <= stop <= math.prod(shape):
+                    raise RuleError(f"{where}: flat range [{start}, {stop}) of a local tensor of shape {list(shape)}")
+                pieces = P.flat_range(shape, pieces, start, stop)
+                pad = P.flat_range(shape, pad, start, stop)
+            P.check_pieces(pieces, tuple(local.shape), glob, pad)
+        except P.PieceError as e:
+            raise RuleError(f"{where}: {e}") from None
+        meaning = rule.meaning(rules.vocab_size if vocab is not None else None)
+        return Placed(
+            local, key, glob, tuple(pieces), tuple(pad), replicated=rule.kind == "replicated",
+            average=rule.kind == "average", meaning=meaning, rule=pattern or "(default)",
+            stored=self.pp[0] == 0 or not rules.is_pipeline_replicated(fqn),
+        )
+
+    def _compile(self, rule: ParamRule, shape: tuple[int, ...]) -> tuple[tuple[int, ...], list[P.Piece]]:
+        tp_rank, tp_size = self.tp
+        if rule.kind in ("replicated", "average"):
+            return shape, P.whole(shape)
+        if rule.kind == "split":
+            if not shape:
+                raise P.PieceError("a 0-d tensor cannot be split; make it replicated")
+            rank, size = self.ep if rule.axis == "ep" else self.tp
+            return P.split(shape, rule.dim, rank, size)
+        if rule.kind == "fused":
+            assert rule.sizes is not None
+            if rule.dim >= len(shape):
+                raise P.PieceError(f"cannot split dim {rule.dim} of a tensor of shape {list(shape)}")
+            if tp_size in rule.widths:
+                widths = [list(w) for w in rule.widths[tp_size]]
+                sizes = [sum(w) for w in widths]
+                given = [n for n in rule.sizes]
+                if len(given) != len(sizes) or any(g not in (-1, s) for g, s in zip(given, sizes)):
+                    raise P.PieceError(f"sub-parameter sizes {given} differ from the widths' sums {sizes}")
+            else:
+                sizes = _resolve_sizes(list(rule.sizes), shape[rule.dim] * tp_size)
+                widths = P.even_widths(sizes, tp_size)
+            glob, pieces = P.sub_params(shape, rule.dim, sizes, widths, tp_rank)
+            if rule.view is not None and (
+                len(rule.view) != len(glob) or any(v not in (-1, g) for v, g in zip(rule.view, glob))
+            ):
+                raise P.PieceError(f"the rule views the tensor as {list(rule.view)}, but it is {list(glob)} "
+                                   "(views that reshape a tensor are not supported)")
+            return glob, pieces
+        per_rank = rule.pieces.get(tp_size)
+        if per_rank is None:
+            raise P.PieceError(f"the pieces rule has no pieces for TP size {tp_size} (it has: {sorted(rule.pieces)})")
+        assert rule.shape is not None
+        return rule.shape, list(per_rank[tp_rank])
+
+
+def _resolve_sizes(sizes: list[int], total: int) -> list[int]:
+    """Sub-parameter sizes with ``-1`` placeholders resolved: the placeholders share what
+    the given sizes leave of ``total`` equally."""
+    known = sum(n for n in sizes if n != -1)
+    free = sizes.count(-1)
+    if any(n < -1 for n in sizes) or (free == 0 and known != total) or known > total:
+        raise P.PieceError(f"sub-parameter sizes {sizes} do not add up to the consolidated size {total}")
+    if free:
+        rest = total - known
+        if rest % free:
+            raise P.PieceError(f"sub-parameter sizes {sizes}: {rest} cannot be shared by {free} placeholders")
+        sizes = [rest // free if n == -1 else n for n in sizes]
+    return sizes
+
+
+def _is_optimizer_state(path: Path) -> bool:
+    return len(path) >= 4 and path[1] == "state"
+
+
+def _fqn(path: Path) -> tuple[str, tuple[int, int]]:
+    """The parameter FQN a leaf belongs to, and where it sits in the path (start, stop)."""
+    if _is_optimizer_state(path):
+        return str(path[2]), (2, 3)
+    if len(path) == 1:
+        return str(path[0]), (0, 1)
+    return ".".join(str(p) for p in path[1:]), (1, len(path))
+
+
+def _copy_structure(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _copy_structure(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_structure(v) for v in value]
+    return value
