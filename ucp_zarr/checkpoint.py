@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import html
 import itertools
+import json
 import math
 import os
 import threading
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
@@ -21,6 +22,9 @@ from .layout import Box
 from .statedict import from_json
 from .storage import Store, open_store
 from .transaction import committed_store
+
+if TYPE_CHECKING:
+    from .rules import Rules
 
 
 class Checkpoint:
@@ -78,6 +82,14 @@ class Checkpoint:
             "rank_values": {k: {r: from_json(v, k) for r, v in per.items()} for k, per in self.meta.rank_values.items()},
             "per_rank_tensors": sorted(k for k, e in self.meta.tensors.items() if e.ranks is not None),
         }
+
+    @property
+    def rules(self) -> "Rules | None":
+        """The rules the saving job placed its state dict by (:func:`ucp_zarr.place`), if any."""
+        from .rules import Rules
+
+        rules = self.meta.layout.get("rules")
+        return None if rules is None else Rules.from_dict(rules)
 
     # --- reading -------------------------------------------------------------------------
 
@@ -229,10 +241,14 @@ class Checkpoint:
             f"<ucp_zarr.Checkpoint {self.store.url}: {len(self)} tensors, {_human(self.nbytes())}, "
             f"step={self.metadata['step']!r}, world_size={self.meta.world_size}>"
         ]
+        rules = self.meta.layout.get("rules")
+        if rules is not None:
+            lines.append(f"  placed by rules: {len(rules.get('params', []))} parameter rule(s) (see .rules)")
         for group, items in self._groups().items():
             lines.append(f"  {group}/")
             for name, _, e in items:
-                lines.append(f"    {name:<16} {str(list(e.shape)):<16} {e.dtype}")
+                rule = "" if e.rule is None else "  " + json.dumps(e.rule, separators=(",", ":"))
+                lines.append(f"    {name:<16} {str(list(e.shape)):<16} {e.dtype}{rule}")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:

@@ -69,7 +69,12 @@ def rules_from_deepspeed(info: Mapping[str, Any], *, strict: bool = True) -> Rul
         params.append(ParamRule("fused", patterns("parameter_with_2_sub_params_cat_dim_0"), dim=0, sizes=(-1, -1)))
     widths = info.get("sub_param_shard_widths") or {}
     for entry in info.get("parameter_with_sub_params") or ():
-        params += _sub_params(entry, widths, version)
+        try:
+            params += _sub_params(entry, widths, version)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, RuleError):
+                raise
+            raise RuleError(f"malformed parameter_with_sub_params entry {entry!r}: {e!r}") from None
     if patterns("parameter_with_row_parallelism_patterns"):
         params.append(ParamRule("split", patterns("parameter_with_row_parallelism_patterns"), dim=1))
     vocab = patterns("vocabulary_parameter_patterns")

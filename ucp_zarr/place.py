@@ -137,11 +137,26 @@ class _Placer:
         except P.PieceError as e:
             raise RuleError(f"{where}: {e}") from None
         meaning = rule.meaning(rules.vocab_size if vocab is not None else None)
+        if rule.kind == "fused":  # the sizes as resolved for this tensor (placeholders filled in)
+            meaning["sizes"] = self._sizes(rule, shape)
         return Placed(
             local, key, glob, tuple(pieces), tuple(pad), replicated=rule.kind == "replicated",
             average=rule.kind == "average", meaning=meaning, rule=pattern or "(default)",
             stored=self.pp[0] == 0 or not rules.is_pipeline_replicated(fqn),
         )
+
+    def _sizes(self, rule: ParamRule, shape: tuple[int, ...]) -> list[int]:
+        """A fused rule's sub-parameter sizes for a local tensor of ``shape``: from the
+        widths given for this TP size, else the placeholders resolved for an even split."""
+        assert rule.sizes is not None
+        tp_size = self.tp[1]
+        if tp_size in rule.widths:
+            sizes = [sum(w) for w in rule.widths[tp_size]]
+            given = list(rule.sizes)
+            if len(given) != len(sizes) or any(g not in (-1, s) for g, s in zip(given, sizes)):
+                raise P.PieceError(f"sub-parameter sizes {given} differ from the widths' sums {sizes}")
+            return sizes
+        return _resolve_sizes(list(rule.sizes), shape[rule.dim] * tp_size)
 
     def _compile(self, rule: ParamRule, shape: tuple[int, ...]) -> tuple[tuple[int, ...], list[P.Piece]]:
         tp_rank, tp_size = self.tp
@@ -156,14 +171,10 @@ class _Placer:
             assert rule.sizes is not None
             if rule.dim >= len(shape):
                 raise P.PieceError(f"cannot split dim {rule.dim} of a tensor of shape {list(shape)}")
+            sizes = self._sizes(rule, shape)
             if tp_size in rule.widths:
                 widths = [list(w) for w in rule.widths[tp_size]]
-                sizes = [sum(w) for w in widths]
-                given = [n for n in rule.sizes]
-                if len(given) != len(sizes) or any(g not in (-1, s) for g, s in zip(given, sizes)):
-                    raise P.PieceError(f"sub-parameter sizes {given} differ from the widths' sums {sizes}")
             else:
-                sizes = _resolve_sizes(list(rule.sizes), shape[rule.dim] * tp_size)
                 widths = P.even_widths(sizes, tp_size)
             glob, pieces = P.sub_params(shape, rule.dim, sizes, widths, tp_rank)
             if rule.view is not None and (

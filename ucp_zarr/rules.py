@@ -125,6 +125,8 @@ class ParamRule:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ParamRule":
+        if not isinstance(d, Mapping):
+            raise RuleError(f"a parameter rule must be a mapping, not {d!r}")
         known = {"kind", "patterns", "dim", "sizes", "widths", "shape", "pieces", "axis", "view"}
         _no_unknown(d, known, f"rule {d.get('patterns')!r}")
         try:
@@ -142,10 +144,10 @@ class ParamRule:
                 axis=d.get("axis", "tp"),
                 view=None if d.get("view") is None else tuple(int(n) for n in d["view"]),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, RuleError):
                 raise
-            raise RuleError(f"malformed rule {dict(d)!r}: {e}") from None
+            raise RuleError(f"malformed rule {d!r}: {e}") from None
 
 
 def same_meaning(saved: Mapping[str, Any] | None, loading: Mapping[str, Any] | None) -> bool:
@@ -193,8 +195,18 @@ class Renumber:
         m = _compile(self.pattern).match(fqn)
         if m is None or size == 1:
             return fqn
+        local, offset = int(m.group(1)), self.offset(rank, size, what)
+        if self.count is not None:
+            limit: int | None = self.count // size
+        else:
+            assert self.offsets is not None
+            limit = self.offsets[rank + 1] - offset if rank + 1 < size else None
+        if limit is not None and local >= limit:
+            raise RuleError(
+                f"{what} {self.pattern!r}: {fqn!r} has local index {local}, but rank {rank} of {size} holds {limit}"
+            )
         start, stop = m.span(1)
-        return f"{fqn[:start]}{int(m.group(1)) + self.offset(rank, size, what)}{fqn[stop:]}"
+        return f"{fqn[:start]}{local + offset}{fqn[stop:]}"
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"pattern": self.pattern}
@@ -205,7 +217,13 @@ class Renumber:
         _no_unknown(d, {"pattern", "count", "num_layers", "num_experts", "offsets"}, what)
         count = d.get("count", d.get("num_layers", d.get("num_experts")))
         offsets = d.get("offsets")
-        return cls(str(d["pattern"]), None if count is None else int(count), None if offsets is None else tuple(offsets))
+        try:
+            return cls(str(d["pattern"]), None if count is None else int(count),
+                       None if offsets is None else tuple(_int(o) for o in offsets))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, RuleError):
+                raise
+            raise RuleError(f"malformed {what} rule {d!r}: {e!r}") from None
 
 
 @dataclass(frozen=True)
@@ -252,6 +270,8 @@ class Rules:
         if d.get("format", RULES_FORMAT) != RULES_FORMAT:
             raise RuleError(f"rules of format {d['format']!r}; this library reads {RULES_FORMAT!r}")
         vocab = d.get("vocab") or {}
+        if not isinstance(vocab, Mapping) or isinstance(d.get("params", ()), (str, Mapping)):
+            raise RuleError("rules: 'vocab' must be a mapping and 'params' a list of rules")
         _no_unknown(vocab, {"patterns", "size"}, "vocab")
         try:
             return cls(
@@ -265,7 +285,7 @@ class Rules:
                 default=d.get("default", "split"),
                 strict=bool(d.get("strict", True)),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, RuleError):
                 raise
             raise RuleError(f"malformed rules: {e!r}") from None
@@ -330,8 +350,9 @@ class Rules:
         """The parameter's name in the consolidated model: renamed, its layer renumbered
         for its pipeline stage and its expert for its expert-parallel rank."""
         for pattern, to in self.rename:
-            if _compile(pattern).fullmatch(fqn):
-                fqn = _compile(pattern).sub(to, fqn)
+            m = _compile(pattern).fullmatch(fqn)
+            if m is not None:
+                fqn = m.expand(to)
                 break
         if self.pipeline is not None:
             fqn = self.pipeline.apply(fqn, pp_rank, pp_size, "pipeline")
@@ -368,6 +389,12 @@ def _compile(pattern: str) -> re.Pattern[str]:
             raise RuleError(f"pattern {pattern!r} is not a regular expression: {e}") from None
         _COMPILED[pattern] = rx
     return rx
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise RuleError(f"{value!r} is not an integer")
+    return int(value)
 
 
 def _first(patterns: Iterable[str], fqn: str, kind: str) -> str | None:
