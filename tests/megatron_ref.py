@@ -94,6 +94,30 @@ def check_layout(cfg: GPTConfig, tp: int, pp: int) -> None:
         raise ValueError(f"pp={pp} does not divide num_layers={cfg.num_layers}")
 
 
+def rules_dict(cfg: GPTConfig, pp: int = 1) -> dict[str, Any]:
+    """These conventions in ucp_zarr's rule vocabulary (plain data: this module stays
+    independent of the library). The tied output layer exists only when ``pp > 1``."""
+    hd = cfg.head_dim
+    d: dict[str, Any] = {
+        "params": [
+            {"kind": "fused", "patterns": [r"decoder\.layers\.\d+\.self_attention\.linear_qkv\."], "dim": 0,
+             "sizes": [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd]},
+            {"kind": "fused", "patterns": [r"decoder\.layers\.\d+\.mlp\.linear_fc1\.weight"], "dim": 0, "sizes": [-1, -1]},
+            {"kind": "split", "dim": 1,
+             "patterns": [r"decoder\.layers\.\d+\.(self_attention\.linear_proj|mlp\.linear_fc2)\.weight"]},
+            {"kind": "replicated",
+             "patterns": [r".*layernorm\.", r"decoder\.layers\.\d+\.self_attention\.linear_proj\.bias"]},
+        ],
+        "vocab": {"patterns": [r"embedding\.word_embeddings\.weight"], "size": cfg.vocab_size},
+        "pipeline": {"pattern": r"decoder\.layers\.(\d+)\.", "num_layers": cfg.num_layers},
+    }
+    if pp > 1:
+        d["vocab"]["patterns"].append(r"output_layer\.weight")
+        d["rename"] = [{"pattern": r"output_layer\.weight", "to": EMBEDDING}]
+        d["pipeline_replicated"] = [r"output_layer\.weight"]
+    return d
+
+
 def local_layer_offset(cfg: GPTConfig, pp: int, pp_rank: int) -> int:
     """Global index of pipeline stage ``pp_rank``'s local layer 0."""
     return pp_rank * (cfg.num_layers // pp)

@@ -189,8 +189,8 @@ def test_durability_order_every_file_and_directory_is_fsynced_before_the_commit(
         events.append(("link", os.path.abspath(os.fspath(dst))))
 
     def rec_close(fd: int) -> None:
+        fds.pop(fd, None)  # before the fd can be reused by another thread's open
         real_close(fd)
-        fds.pop(fd, None)
 
     monkeypatch.setattr(os, "open", rec_open)
     monkeypatch.setattr(os, "fsync", rec_fsync)

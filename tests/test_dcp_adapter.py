@@ -20,14 +20,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _dist import run
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 import ucp_zarr
 from ucp_zarr.statedict import from_json, iter_leaves
-
-from _dist import run
 
 CHUNKS = dict(chunk_bytes=4096, shard_bytes=16384)
 """Small chunks and shards, so the larger tensors span many of them."""

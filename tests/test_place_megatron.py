@@ -32,24 +32,7 @@ STEP = 5.0
 
 def megatron_rules(cfg: M.GPTConfig, pp: int) -> Rules:
     """The rules of this model (the tied output layer exists only when PP > 1)."""
-    hd = cfg.head_dim
-    d: dict[str, Any] = {
-        "params": [
-            {"kind": "fused", "patterns": [r"decoder\.layers\.\d+\.self_attention\.linear_qkv\."], "dim": 0,
-             "sizes": [cfg.num_heads * hd, cfg.num_kv_heads * hd, cfg.num_kv_heads * hd]},
-            {"kind": "fused", "patterns": [r"decoder\.layers\.\d+\.mlp\.linear_fc1\.weight"], "dim": 0, "sizes": [-1, -1]},
-            {"kind": "split", "patterns": [r"decoder\.layers\.\d+\.(self_attention\.linear_proj|mlp\.linear_fc2)\.weight"],
-             "dim": 1},
-            {"kind": "replicated", "patterns": [r".*layernorm\.", r"decoder\.layers\.\d+\.self_attention\.linear_proj\.bias"]},
-        ],
-        "vocab": {"patterns": [r"embedding\.word_embeddings\.weight"], "size": cfg.vocab_size},
-        "pipeline": {"pattern": r"decoder\.layers\.(\d+)\.", "num_layers": cfg.num_layers},
-    }
-    if pp > 1:
-        d["vocab"]["patterns"].append(r"output_layer\.weight")
-        d["rename"] = [{"pattern": r"output_layer\.weight", "to": "embedding.word_embeddings.weight"}]
-        d["pipeline_replicated"] = [r"output_layer\.weight"]
-    return Rules.from_dict(d)
+    return Rules.from_dict(M.rules_dict(cfg, pp))
 
 
 def consolidated(seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:

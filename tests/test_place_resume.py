@@ -34,18 +34,7 @@ RTOL = 1e-5
 
 
 def rules() -> Rules:
-    hd = CFG.head_dim
-    return Rules.from_dict({
-        "params": [
-            {"kind": "fused", "patterns": [r"decoder\.layers\.\d+\.self_attention\.linear_qkv\."], "dim": 0,
-             "sizes": [CFG.num_heads * hd, CFG.num_kv_heads * hd, CFG.num_kv_heads * hd]},
-            {"kind": "fused", "patterns": [r"decoder\.layers\.\d+\.mlp\.linear_fc1\.weight"], "dim": 0, "sizes": [-1, -1]},
-            {"kind": "split", "patterns": [r"decoder\.layers\.\d+\.(self_attention\.linear_proj|mlp\.linear_fc2)\.weight"],
-             "dim": 1},
-            {"kind": "replicated", "patterns": [r".*layernorm\.", r"decoder\.layers\.\d+\.self_attention\.linear_proj\.bias"]},
-        ],
-        "vocab": {"patterns": [r"embedding\.word_embeddings\.weight"], "size": CFG.vocab_size},
-    })
+    return Rules.from_dict(M.rules_dict(CFG))
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

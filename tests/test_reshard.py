@@ -30,9 +30,6 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from torch import nn
-
-import ucp_zarr
 from _dist import run
 from _states import (
     SENTINEL,
@@ -48,6 +45,9 @@ from _states import (
     shard_of,
     shard_target,
 )
+from torch import nn
+
+import ucp_zarr
 
 # --- models ----------------------------------------------------------------------------------
 

@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from _faulty import FaultyStore, Log
 
 import ucp_zarr
-from _faulty import FaultyStore, Log
 from ucp_zarr.distributed import Comm
 from ucp_zarr.errors import LayoutError
 from ucp_zarr.exchange import check_sizes, planned_sizes

@@ -1,0 +1,61 @@
+"""What a placed save decides across ranks (real gloo jobs): averaged replicas store their
+mean, TP-replicated copies that differ are refused naming the rule and the ranks, and a
+pattern no rank uses is refused in strict mode when the ranks hold different parameters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import run
+
+import ucp_zarr
+from ucp_zarr import Rules, place
+
+RULES = {"params": [{"kind": "average", "patterns": [r"norm\.weight"]},
+                    {"kind": "replicated", "patterns": [r"norm\.bias"]}]}
+
+
+def _values(rank: int) -> dict[str, torch.Tensor]:
+    return {"norm.weight": torch.tensor([1.0, 2.0, 3.0]) + rank * torch.tensor([0.5, 1.0, -1.0]),
+            "norm.bias": torch.tensor([0.25, 0.5, 0.75]), "w": torch.full((2, 3), float(rank))}
+
+
+def _save_average(rank: int, world: int, path: str) -> None:
+    ucp_zarr.save(place(_values(rank), Rules.from_dict(RULES), tp_rank=rank, tp_size=world), path)
+
+
+def _save_differing_replicas(rank: int, world: int, path: str) -> None:
+    values = _values(rank)
+    values["norm.bias"] = values["norm.bias"] + rank  # TP-replicated, but drifted
+    with pytest.raises(ucp_zarr.LayoutError) as e:
+        ucp_zarr.save(place(values, Rules.from_dict(RULES), tp_rank=rank, tp_size=world), path)
+    assert "norm.bias" in str(e.value) and r"norm\\.bias" in str(e.value) and "ranks [0]" in str(e.value)
+
+
+def _save_unused_pattern(rank: int, world: int, path: str) -> None:
+    rules = Rules.from_dict({"params": [{"kind": "replicated", "patterns": [r"norm\.", r"nothing\.here"]}],
+                             "pipeline": {"pattern": r"layers\.(\d+)\.", "num_layers": 2}})
+    state = {"layers.0.norm.weight": torch.ones(3)} if rank == 0 else {"layers.0.w": torch.ones(2)}
+    placed = place(state, rules, pp_rank=rank, pp_size=world)  # (not checked here: other stages may use them)
+    with pytest.raises(ucp_zarr.RuleError, match=r"nothing\\\\.here"):
+        ucp_zarr.save(placed, path)
+
+
+def test_averaged_replicas_store_their_mean(tmp_path: Path) -> None:
+    run(3, _save_average, str(tmp_path / "ck"), timeout_s=60)
+    ck = ucp_zarr.open(tmp_path / "ck")
+    assert torch.equal(ck["norm.weight"][...], torch.tensor([1.5, 3.0, 2.0]))  # mean over the 3 ranks
+    assert torch.equal(ck["norm.bias"][...], torch.tensor([0.25, 0.5, 0.75]))
+    assert torch.equal(ck["w"][...], torch.tensor([[0.0] * 3, [0.0] * 3, [1.0] * 3, [1.0] * 3, [2.0] * 3, [2.0] * 3]))
+
+
+def test_replicated_copies_that_differ_are_refused(tmp_path: Path) -> None:
+    run(2, _save_differing_replicas, str(tmp_path / "ck"), timeout_s=60)
+    assert not (tmp_path / "ck" / "zarr.json").exists()
+
+
+def test_a_pattern_no_rank_uses_is_refused_at_save(tmp_path: Path) -> None:
+    run(2, _save_unused_pattern, str(tmp_path / "ck"), timeout_s=60)
+    assert not (tmp_path / "ck" / "zarr.json").exists()
