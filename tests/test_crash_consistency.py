@@ -66,7 +66,10 @@ def _run_job(ctx: Any, spec: dict[str, Any], timeout: float = 60) -> list[int | 
         time.sleep(0.01)
     for p in procs:
         if p.exitcode is None:
-            os.kill(p.pid, signal.SIGKILL)  # the launcher tears the job down
+            try:
+                os.kill(p.pid, signal.SIGKILL)  # the launcher tears the job down
+            except ProcessLookupError:  # it exited meanwhile
+                pass
         p.join()
     return [p.exitcode for p in procs]
 
