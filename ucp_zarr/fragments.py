@@ -26,7 +26,6 @@ import torch
 
 from .errors import DtypeMismatchError, LayoutError, NotJSONableError
 from .layout import Box
-from .layout.flat import box_flat_start, flat_range_boxes
 from .layout.pieces import Piece, PieceError, check_pieces, flat_range
 from .layout.pieces import whole as whole_pieces
 from .layout.placements import DimSplit, local_runs, runs_to_boxes
@@ -192,9 +191,10 @@ def piece_view(local: torch.Tensor, p: Piece, key: str) -> torch.Tensor:
     base = local
     if p.base is not None:
         start, shape = p.base
-        if not local.is_contiguous():
-            raise LayoutError(f"tensor {key!r}: a flat piece needs a contiguous local tensor")
-        base = local.reshape(-1)[start : start + math.prod(shape)].view(shape)
+        if local.dim() != 1 and not local.is_contiguous():
+            raise LayoutError(f"tensor {key!r}: a flat piece needs a 1-D or contiguous local tensor")
+        flat = local if local.dim() == 1 else local.reshape(-1)
+        base = flat[start : start + math.prod(shape)].view(shape)
     step = p.step or (1,) * p.src.ndim
     return base[tuple(slice(o, o + (n - 1) * s + 1, s) for o, n, s in zip(p.src.offset, p.src.shape, step))]
 
@@ -255,20 +255,7 @@ def to_fragment(key: str, value: Any) -> Fragment:
     if isinstance(value, FlatShard):
         local = check_tensor(key, value.local)
         _check_geometry(key, value.global_shape)
-        if value.slab_shape is not None:
-            return _slab_fragment(key, value, local)
-        if local.dim() != 1:
-            raise LayoutError(f"tensor {key!r}: FlatShard.local must be 1-D, got shape {list(local.shape)}")
-        start, stop = value.flat_offset, value.flat_offset + local.numel()
-        if not 0 <= start <= stop <= math.prod(value.global_shape):
-            raise LayoutError(
-                f"tensor {key!r}: FlatShard [{start}, {stop}) is outside {math.prod(value.global_shape)} elements"
-            )
-        pieces = []
-        for box in flat_range_boxes(value.global_shape, start, stop):
-            lo = box_flat_start(value.global_shape, box) - start
-            pieces.append((box, local[lo : lo + box.numel].view(box.shape)))
-        return Fragment(key, value.global_shape, local.dtype, pieces, flat=(start, stop), device=local.device)
+        return _flat_fragment(key, value, local)
     if isinstance(value, torch.Tensor):
         check_tensor(key, value)
         shape = tuple(value.shape)
@@ -277,17 +264,20 @@ def to_fragment(key: str, value: Any) -> Fragment:
     raise NotJSONableError(f"tensor {key!r}: unsupported value of type {type(value).__name__}")
 
 
-def _slab_fragment(key: str, value: FlatShard, local: torch.Tensor) -> Fragment:
-    assert value.slab_offset is not None and value.slab_shape is not None
-    _check_geometry(key, value.slab_shape, value.slab_offset)
-    slab = Box(value.slab_offset, value.slab_shape)
-    if len(value.slab_offset) != len(value.global_shape) or not Box.whole(value.global_shape).contains(slab):
-        raise LayoutError(f"tensor {key!r}: slab {slab} lies outside the global shape {list(value.global_shape)}")
+def _flat_fragment(key: str, value: FlatShard, local: torch.Tensor) -> Fragment:
+    """A :class:`FlatShard`: a flat range of the global tensor, or of its slab."""
     if local.dim() != 1:
         raise LayoutError(f"tensor {key!r}: FlatShard.local must be 1-D, got shape {list(local.shape)}")
+    slab, of = Box.whole(value.global_shape), ""
+    if value.slab_offset is not None and value.slab_shape is not None:
+        _check_geometry(key, value.slab_shape, value.slab_offset)
+        slab, of = Box(value.slab_offset, value.slab_shape), " of its slab"
+        if len(value.slab_offset) != len(value.global_shape) or not Box.whole(value.global_shape).contains(slab):
+            raise LayoutError(f"tensor {key!r}: slab {slab} lies outside the global shape {list(value.global_shape)}")
     start, stop = value.flat_offset, value.flat_offset + local.numel()
     if not 0 <= start <= stop <= slab.numel:
-        raise LayoutError(f"tensor {key!r}: FlatShard [{start}, {stop}) is outside its slab of {slab.numel} elements")
-    pieces = flat_range(value.slab_shape, whole_pieces(value.slab_shape, slab.offset), start, stop)
+        raise LayoutError(f"tensor {key!r}: FlatShard [{start}, {stop}) is outside{of} {slab.numel} elements")
+    pieces = flat_range(slab.shape, whole_pieces(slab.shape, slab.offset), start, stop)
     views = [(p.dst, piece_view(local, p, key)) for p in pieces]
-    return Fragment(key, value.global_shape, local.dtype, views, device=local.device)
+    flat = (start, stop) if value.slab_shape is None else None  # (recorded as a flat range of the tensor)
+    return Fragment(key, value.global_shape, local.dtype, views, flat=flat, device=local.device)
