@@ -49,7 +49,7 @@ def place(
     leaves = list(iter_leaves(state_dict))
     params = {_fqn(leaf.path)[0]: leaf.value for leaf in leaves if not _is_optimizer_state(leaf.path)}
     out = _copy_structure(state_dict)
-    placed_keys: dict[str, str] = {}
+    placed: list[Placed] = []
     for leaf in leaves:
         value = leaf.value
         if isinstance(value, PerRank) or not isinstance(value, (torch.Tensor, FlatShard)):
@@ -57,15 +57,13 @@ def place(
         fqn, at = _fqn(leaf.path)
         param = params.get(fqn)
         param_shape = tuple(param.shape) if isinstance(param, torch.Tensor) else None
-        placed = placer.place(value, fqn, leaf.path, at, param_shape, _is_optimizer_state(leaf.path))
-        placed_keys[leaf.key] = placed.key
-        set_leaf(out, leaf.path, placed)
+        placed.append(placer.place(value, fqn, leaf.path, at, param_shape, _is_optimizer_state(leaf.path)))
+        set_leaf(out, leaf.path, placed[-1])
     used = frozenset(placer.used)
     rules_dict = rules.to_dict()
-    for leaf in iter_leaves(out):
-        if isinstance(leaf.value, Placed):
-            leaf.value.used = used
-            leaf.value.rules = rules_dict
+    for p in placed:  # (known only once every leaf is placed)
+        p.used = used
+        p.rules = rules_dict
     if rules.strict and pp_size == 1 and ep_size == 1:
         check_used(rules, [used])
     return out
