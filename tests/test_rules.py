@@ -956,3 +956,20 @@ def test_save_open_load(tmp_path) -> None:
     ucp_zarr.load(target, tmp_path / "ck", allow_other_rules=True)
     for k in range(2):
         assert torch.equal(target[f"rank{k}"]["attn.qkv.weight"].local, shard(g["attn.qkv.weight"], hows(2, other)["attn.qkv.weight"], k, 2))
+
+
+def test_placed_save_does_not_import_dtensor(tmp_path) -> None:
+    """A trainer that never uses DTensor does not pay for importing it (~1 s) on save or
+    load: that import made placed saves 0.7x as fast as DTensor ones in bench_rules."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, ucp_zarr\n"
+        "rules = ucp_zarr.Rules.from_dict({'params': [{'kind': 'split', 'patterns': ['w']}]})\n"
+        "sd = {'w': torch.arange(8.0).reshape(4, 2)}\n"
+        f"ucp_zarr.save(ucp_zarr.place(sd, rules), {str(tmp_path / 'ck')!r})\n"
+        f"ucp_zarr.load(ucp_zarr.place(sd, rules), {str(tmp_path / 'ck')!r})\n"
+        "assert 'torch.distributed.tensor' not in sys.modules, 'DTensor was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -19,6 +19,7 @@ The same forms describe the target layout at load.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,11 +146,10 @@ class Fragment:
 
 
 def is_dtensor(value: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(value, DTensor)
+    """Whether ``value`` is a DTensor, without importing DTensor's module (about a second)
+    when nothing has: then nothing can be one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 def dtensor_pieces(dt: Any, key: str) -> tuple[tuple[int, ...], list[tuple[Box, torch.Tensor]]]:
