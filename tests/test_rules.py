@@ -973,3 +973,39 @@ def test_placed_save_does_not_import_dtensor(tmp_path) -> None:
         "assert 'torch.distributed.tensor' not in sys.modules, 'DTensor was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_uneven_split(tmp_path) -> None:
+    """A split rule with every rank's width (AutoTP's uneven shards: 14 rows over TP3 as 5, 5, 4;
+    a row-parallel 10 columns as 4, 3, 3) saves at TP3 and loads at TP2 (even) and TP4 (uneven)."""
+    rules = Rules.from_dict({"params": [
+        {"kind": "split", "patterns": [r"up\.weight"], "widths": {"3": [5, 5, 4], "4": [4, 4, 4, 2]}},
+        {"kind": "split", "dim": 1, "patterns": [r"down\.weight"], "widths": {"3": [4, 3, 3], "4": [3, 3, 2, 2]}},
+    ]})
+    assert Rules.from_dict(rules.to_dict()) == rules
+    assert rules.to_dict()["params"][0]["widths"] == {"3": [5, 5, 4], "4": [4, 4, 4, 2]}
+    g = {"up.weight": rnd(14, 6), "down.weight": rnd(6, 10)}
+
+    def local(tp: int, r: int) -> dict[str, torch.Tensor]:
+        rows, cols = {3: ([5, 5, 4], [4, 3, 3]), 4: ([4, 4, 4, 2], [3, 3, 2, 2]), 2: ([7, 7], [5, 5])}[tp]
+        return {"up.weight": g["up.weight"].split(rows)[r].clone(),
+                "down.weight": g["down.weight"].split(cols, dim=1)[r].clone()}
+
+    saved = [place(local(3, r), rules, tp_rank=r, tp_size=3) for r in range(3)]
+    for n in g:
+        assert torch.equal(assemble([s[n] for s in saved]), g[n]), n
+    ucp_zarr.save({f"rank{r}": s for r, s in enumerate(saved)}, tmp_path / "ck")
+    ck = ucp_zarr.open(tmp_path / "ck")
+    assert all(torch.equal(ck.read(n), t) for n, t in g.items())
+    for tp in (2, 4):
+        targets = [{n: torch.full_like(t, 7.0) for n, t in local(tp, r).items()} for r in range(tp)]
+        ucp_zarr.load({f"rank{r}": place(t, rules, tp_rank=r, tp_size=tp) for r, t in enumerate(targets)},
+                      tmp_path / "ck")
+        for r, t in enumerate(targets):
+            assert all(torch.equal(t[n], want) for n, want in local(tp, r).items()), (tp, r)
+    with pytest.raises(RuleError, match=r"rank 2 holds 5 along dim 0, but its sub-parameter widths \[4\]"):
+        place({"up.weight": rnd(5, 6)}, rules, tp_rank=2, tp_size=3)
+    with pytest.raises(RuleError, match="widths for size 3 must give 3 widths"):
+        Rules.from_dict({"params": [{"kind": "split", "patterns": ["w"], "widths": {"3": [7, 7]}}]})
+    with pytest.raises(RuleError, match="widths for size 2 must give 2 widths"):
+        Rules.from_dict({"params": [{"kind": "replicated", "patterns": ["w"], "widths": {"2": [7, 7]}}]})

@@ -164,6 +164,9 @@ class _Placer:
             if not shape:
                 raise P.PieceError("a 0-d tensor cannot be split; make it replicated")
             rank, size = self.ep if rule.axis == "ep" else self.tp
+            if size in rule.widths:  # uneven shards: the rule gives every rank's width
+                widths = list(rule.widths[size][0])
+                return P.sub_params(shape, rule.dim, [sum(widths)], [widths], rank)
             return P.split(shape, rule.dim, rank, size)
         if rule.kind == "fused":
             assert rule.sizes is not None

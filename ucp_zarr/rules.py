@@ -16,6 +16,7 @@ that matches no parameter of any rank is an error.
 The vocabulary (``Rules.from_dict``)::
 
     {"params": [{"kind": "split", "patterns": [...], "dim": 1},           # row-parallel
+                {"kind": "split", "patterns": [...], "widths": {"3": [5, 5, 4]}},  # uneven
                 {"kind": "fused", "patterns": [...], "dim": 0, "sizes": [4096, 1024, 1024],
                  "widths": {"3": [[...], [...], [...]]}},                # uneven shards
                 {"kind": "replicated", "patterns": [...]},                # equal on all TP ranks
@@ -63,7 +64,8 @@ class ParamRule:
     """``fused``: the consolidated size of each sub-parameter along ``dim`` (``-1``: inferred:
     all ``-1`` share the rest equally)."""
     widths: Mapping[int, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
-    """``fused`` with uneven shards: TP size -> per sub-parameter, each rank's width."""
+    """Uneven shards: TP size -> per sub-parameter, each rank's width (``split``: one
+    sub-parameter, the whole tensor; its size along ``axis``)."""
     shape: tuple[int, ...] | None = None
     """``pieces``: the consolidated shape."""
     pieces: Mapping[int, tuple[tuple[P.Piece, ...], ...]] = field(default_factory=dict)
@@ -87,6 +89,12 @@ class ParamRule:
             raise RuleError(f"pieces rule {list(self.patterns)} needs 'shape' and 'pieces'")
         if self.axis not in ("tp", "ep"):
             raise RuleError(f"rule {list(self.patterns)}: axis must be 'tp' or 'ep', not {self.axis!r}")
+        for n, ws in self.widths.items():
+            if self.kind not in ("split", "fused") or any(len(w) != n or min(w, default=0) < 0 for w in ws):
+                raise RuleError(f"rule {list(self.patterns)}: widths for size {n} must give {n} widths >= 0 "
+                                f"(per sub-parameter) to a split or fused rule, got {[list(w) for w in ws]}")
+            if self.kind == "split" and len(ws) != 1:
+                raise RuleError(f"split rule {list(self.patterns)}: widths for size {n} are one list of {n} widths")
         for tp, per_rank in self.pieces.items():
             if len(per_rank) != tp:
                 raise RuleError(f"pieces rule {list(self.patterns)}: {len(per_rank)} ranks' pieces for TP size {tp}")
@@ -113,7 +121,9 @@ class ParamRule:
             d["axis"] = self.axis
         if self.sizes is not None:
             d["sizes"] = list(self.sizes)
-        if self.widths:
+        if self.widths and self.kind == "split":
+            d["widths"] = {str(t): list(ws[0]) for t, ws in sorted(self.widths.items())}
+        elif self.widths:
             d["widths"] = {str(t): [list(w) for w in ws] for t, ws in sorted(self.widths.items())}
         if self.shape is not None:
             d["shape"] = list(self.shape)
@@ -135,7 +145,7 @@ class ParamRule:
                 patterns=_patterns(d["patterns"]),
                 dim=int(d.get("dim", 0)),
                 sizes=None if d.get("sizes") is None else tuple(int(n) for n in d["sizes"]),
-                widths={int(t): tuple(tuple(int(x) for x in w) for w in ws) for t, ws in d.get("widths", {}).items()},
+                widths={int(t): _widths(ws, d["kind"] != "fused") for t, ws in d.get("widths", {}).items()},
                 shape=None if d.get("shape") is None else tuple(int(n) for n in d["shape"]),
                 pieces={
                     int(t): tuple(tuple(P.Piece.from_json(p) for p in ps) for ps in per)
@@ -148,6 +158,13 @@ class ParamRule:
             if isinstance(e, RuleError):
                 raise
             raise RuleError(f"malformed rule {d!r}: {e}") from None
+
+
+def _widths(ws: Any, split: bool) -> tuple[tuple[int, ...], ...]:
+    """Widths as given in a dict: per sub-parameter a list of rank widths (``split``: one list)."""
+    if split:
+        return (tuple(int(x) for x in ws),)
+    return tuple(tuple(int(x) for x in w) for w in ws)
 
 
 def same_meaning(saved: Mapping[str, Any] | None, loading: Mapping[str, Any] | None) -> bool:
