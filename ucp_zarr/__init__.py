@@ -4,10 +4,12 @@ from typing import TYPE_CHECKING
 
 from .api import load, save, wait_for_pending_save
 from .checkpoint import Checkpoint, TensorView, open
+from .convert import convert, export
 from .errors import (
     AuthenticationError,
     CheckpointError,
     CheckpointExistsError,
+    ConversionError,
     CorruptChunkError,
     DtypeMismatchError,
     FormatError,
@@ -20,6 +22,7 @@ from .errors import (
     PerRankStateError,
     SaveError,
     ShapeMismatchError,
+    UntrustedInputError,
 )
 from .fragments import FlatShard, PerRank, Placed, Shard
 from .place import place
@@ -35,6 +38,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointExistsError",
+    "ConversionError",
     "CorruptChunkError",
     "DtypeMismatchError",
     "FlatShard",
@@ -55,9 +59,12 @@ __all__ = [
     "Shard",
     "ShapeMismatchError",
     "TensorView",
+    "UntrustedInputError",
     "ZarrStorageReader",
     "ZarrStorageWriter",
     "__version__",
+    "convert",
+    "export",
     "load",
     "open",
     "place",

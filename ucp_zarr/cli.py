@@ -1,4 +1,5 @@
-"""The ``ucp-zarr`` command: ``demo``, ``info PATH``, ``verify PATH [--key-file F]``."""
+"""The ``ucp-zarr`` command: ``demo``, ``info PATH``, ``verify PATH [--key-file F]``,
+``convert SRC DST [--from KIND]``, ``export SRC DST --to KIND``."""
 
 from __future__ import annotations
 
@@ -26,8 +27,23 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("path")
         s.add_argument("--storage-options", type=json.loads, default=None, help="JSON dict for fsspec")
         s.add_argument("--key-file", default=None, help="file holding the HMAC key the checkpoint was signed with")
+    c = sub.add_parser("convert", help="convert another system's checkpoint into a ucp_zarr checkpoint")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--from", dest="source", default=None, help="source kind (default: detected)")
+    c.add_argument("--trust", action="store_true", help="allow full unpickling of pickle-based files (runs their code)")
+    c.add_argument("--prefix", default="", help="prepended to the keys of flat sources (e.g. 'model.')")
+    c.add_argument("--overwrite", action="store_true")
+    c.add_argument("--workers", type=int, default=4)
+    e = sub.add_parser("export", help="export a ucp_zarr checkpoint into another format")
+    e.add_argument("src")
+    e.add_argument("dst")
+    e.add_argument("--to", required=True)
+    e.add_argument("--overwrite", action="store_true")
     args = p.parse_args(argv)
 
+    if args.cmd in ("convert", "export"):
+        return _convert(args)
     if args.cmd == "demo":
         from .examples.elastic_resume import run
 
@@ -54,6 +70,47 @@ def main(argv: list[str] | None = None) -> int:
     signed = "signature verified" if key is not None else ("signed, key not given" if ck.meta.authenticated else "unsigned")
     print(f"ok: {len(ck)} tensors, {n} bytes checked in {time.perf_counter() - t0:.2f} s ({signed})")
     return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .convert import convert, export
+
+    bar = _Progress()
+    t0 = time.perf_counter()
+    try:
+        if args.cmd == "convert":
+            convert(args.src, args.dst, source=args.source, trust=args.trust, prefix=args.prefix,
+                    overwrite=args.overwrite, max_workers=args.workers, progress=bar)
+        else:
+            export(args.src, args.dst, to=args.to, overwrite=args.overwrite, progress=bar)
+    except CheckpointError as e:
+        bar.end()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    bar.end()
+    print(f"{args.cmd}ed {args.src} -> {args.dst} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+class _Progress:
+    """A one-line progress bar on stderr (redrawn at most ten times a second)."""
+
+    def __init__(self) -> None:
+        self.last = 0.0
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last < 0.1 and done < total:
+            return
+        self.last, self.shown = now, True
+        frac = done / total if total else 1.0
+        bar = "#" * int(30 * frac)
+        print(f"\r[{bar:<30}] {frac:6.1%} {done / 2**20:,.0f}/{total / 2**20:,.0f} MiB", end="", file=sys.stderr)
+
+    def end(self) -> None:
+        if self.shown:
+            print(file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,11 @@ def describe(error: BaseException | None) -> tuple[str, str] | None:
 
 class Comm:
     """A process group, or a single process when ``group`` is None and torch.distributed
-    is not initialised."""
+    is not initialised, or when ``local`` (this process alone, as a converter writes)."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, *, local: bool = False) -> None:
         self.group = group
-        self.active = dist.is_available() and dist.is_initialized()
+        self.active = not local and dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.active else 0
         self.world = dist.get_world_size(group) if self.active else 1
 

@@ -106,6 +106,16 @@ class AuthenticationError(CorruptChunkError):
     the checkpoint is unsigned: data, metadata or values were changed."""
 
 
+class ConversionError(CheckpointError, ValueError):
+    """A foreign checkpoint cannot be converted (unknown kind, missing or truncated file,
+    inconsistent partitions); the message names the file."""
+
+
+class UntrustedInputError(ConversionError):
+    """A foreign file needs full unpickling (arbitrary code) to be read; pass ``trust=True``
+    (``--trust``) only for files from a source you trust."""
+
+
 _AGREED: dict[type, type] = {}
 
 

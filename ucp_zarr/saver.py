@@ -168,7 +168,7 @@ class PreparedSave:
         exchange: Exchange,
         values: tuple[dict[str, Any], dict[str, dict[int, Any]]],
         order: list[str],
-        rules: dict[str, Any] | None = None,
+        layout: dict[str, Any] | None = None,
     ) -> None:
         self.store = store
         self.comm = comm
@@ -181,7 +181,7 @@ class PreparedSave:
         self.exchange = exchange
         self.values = values
         self.order = order
-        self.rules = rules
+        self.layout = layout or {}
 
     def finish(self, comm: Comm | None = None) -> SaveResult:
         """Exchange boundary pieces, write this rank's documents and shards, commit (over
@@ -286,7 +286,7 @@ class PreparedSave:
             library=f"ucp_zarr {__version__}",
             save_id=self.save_id,
             world_size=self.comm.world,
-            layout={} if self.rules is None else {"rules": self.rules},
+            layout=self.layout,
             rank_values=rank_values,
             documents={k: document_digest(d) for k, d in documents(plan)},
         )
@@ -482,4 +482,5 @@ def prepare(
             txn.abort()
         raise
     assert staging is not None
-    return PreparedSave(store, comm, options, plan, txn, save_id, staged, staging, exchange, values, order, rules)
+    layout = {} if rules is None else {"rules": rules}
+    return PreparedSave(store, comm, options, plan, txn, save_id, staged, staging, exchange, values, order, layout)

@@ -1,0 +1,165 @@
+"""safetensors and torch.save files in and out, bit-exact for every dtype both formats hold;
+bad input named by file; nothing complete-looking left by a failed conversion or export."""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import ucp_zarr
+from ucp_zarr.errors import ConversionError, UntrustedInputError
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Random bits of ``dtype`` (every bit pattern a float can hold, NaNs included)."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    raw = torch.randint(0, 256, (max(1, torch.Size(shape).numel()) * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    return raw[: torch.Size(shape).numel() * dtype.itemsize].view(dtype).reshape(shape)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().reshape(-1).view(torch.uint8)
+
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def tensors() -> dict[str, torch.Tensor]:
+    out = {f"layers.{i}.{str(d).removeprefix('torch.')}": sample(d, (37, 5), i) for i, d in enumerate(DTYPES)}
+    return out | {"scalar": torch.tensor(3.5), "empty": torch.zeros(0, 4), "vec": sample(torch.float32, (1001,), 99)}
+
+
+def test_safetensors_round_trip_every_dtype(tmp_path: Path) -> None:
+    ts = tensors()
+    save_file(ts, tmp_path / "m.safetensors", metadata={"format": "pt", "origin": "test"})
+    ucp_zarr.convert(tmp_path / "m.safetensors", tmp_path / "ck", prefix="model.")
+    ck = ucp_zarr.open(tmp_path / "ck")
+    assert sorted(ck) == sorted("model." + k for k in ts)
+    assert all(same_bits(ck.read("model." + k), t) for k, t in ts.items())
+    assert ck.meta.values["__metadata__"] == {"format": "pt", "origin": "test"}
+    target = {"model": {k: torch.zeros_like(t) for k, t in ts.items()}, "__metadata__": None}
+    ucp_zarr.load(target, tmp_path / "ck")
+    assert all(same_bits(target["model"][k], t) for k, t in ts.items())
+
+    out = ucp_zarr.export(tmp_path / "ck", tmp_path / "st", to="safetensors", max_shard_bytes=1000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3  # sharded, with an index
+    back: dict[str, torch.Tensor] = {}
+    for f in sorted(set(index["weight_map"].values())):
+        back |= load_file(out / f)
+    assert sorted(back) == sorted(ck) and all(same_bits(back["model." + k], t) for k, t in ts.items())
+    # and in again, from the index: the same checkpoint
+    ucp_zarr.convert(out / "model.safetensors.index.json", tmp_path / "ck2")
+    ck2 = ucp_zarr.open(tmp_path / "ck2")
+    assert all(same_bits(ck2.read(k), ck.read(k)) for k in ck)
+
+
+def test_large_tensors_stream_in_shards(tmp_path: Path) -> None:
+    big = sample(torch.float32, (3000, 1000), 7)  # 12 MB in 1 MiB shards
+    save_file({"w": big}, tmp_path / "m.safetensors")
+    ucp_zarr.convert(tmp_path / "m.safetensors", tmp_path / "ck", shard_bytes=1 << 20)
+    ck = ucp_zarr.open(tmp_path / "ck")
+    assert ck.array_meta("w").grid.shard_counts[0] >= 8 and same_bits(ck.read("w"), big)
+    out = ucp_zarr.export(tmp_path / "ck", tmp_path / "st", to="safetensors")
+    assert same_bits(load_file(out / "model.safetensors")["w"], big)
+
+
+def test_torch_round_trip(tmp_path: Path) -> None:
+    ts = tensors()
+    sd = {"model": ts, "optim": {"state": {0: {"step": torch.tensor(4.0), "exp_avg": torch.ones(3)}},
+                                 "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}]},
+          "epoch": 3, "name": "run"}
+    torch.save(sd, tmp_path / "sd.pt")
+    ucp_zarr.convert(tmp_path / "sd.pt", tmp_path / "ck")
+    ck = ucp_zarr.open(tmp_path / "ck")
+    assert all(same_bits(ck.read("model." + k), t) for k, t in ts.items())
+    target = {"model": {k: torch.zeros_like(t) for k, t in ts.items()},
+              "optim": {"state": {0: {"step": torch.tensor(0.0), "exp_avg": torch.zeros(3)}},
+                        "param_groups": [{"lr": None, "betas": None, "params": None}]},
+              "epoch": None, "name": None}
+    ucp_zarr.load(target, tmp_path / "ck")
+    assert target["optim"]["param_groups"] == [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}]
+    assert (target["epoch"], target["name"], float(target["optim"]["state"][0]["step"])) == (3, "run", 4.0)
+    assert all(same_bits(target["model"][k], t) for k, t in ts.items())
+
+
+def test_pickled_objects_need_trust(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(2), "odd": collections.defaultdict(int, a=1)}, tmp_path / "sd.pt")
+    with pytest.raises(UntrustedInputError, match=r"sd\.pt.*trust=True"):
+        ucp_zarr.convert(tmp_path / "sd.pt", tmp_path / "ck")
+    assert not (tmp_path / "ck" / "zarr.json").exists()
+    ucp_zarr.convert(tmp_path / "sd.pt", tmp_path / "ck", trust=True)
+    assert ucp_zarr.open(tmp_path / "ck").meta.values["odd.a"] == 1
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "torch"])
+def test_truncated_files_are_named(tmp_path: Path, kind: str) -> None:
+    name = "m.safetensors" if kind == "safetensors" else "m.pt"
+    if kind == "safetensors":
+        save_file({"w": torch.randn(100, 100)}, tmp_path / name)
+    else:
+        torch.save({"w": torch.randn(100, 100)}, tmp_path / name)
+    raw = (tmp_path / name).read_bytes()
+    (tmp_path / name).write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ConversionError, match=name):
+        ucp_zarr.convert(tmp_path / name, tmp_path / "ck")
+    assert not (tmp_path / "ck" / "zarr.json").exists()
+
+
+def test_unknown_kinds_and_existing_outputs(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(ConversionError, match=r"notes\.txt: not a checkpoint kind"):
+        ucp_zarr.convert(tmp_path / "notes.txt", tmp_path / "ck")
+    with pytest.raises(ConversionError, match="unknown source kind 'orbax'"):
+        ucp_zarr.convert(tmp_path / "notes.txt", tmp_path / "ck", source="orbax")
+    save_file({"w": torch.ones(2)}, tmp_path / "m.safetensors")
+    ucp_zarr.convert(tmp_path / "m.safetensors", tmp_path / "ck")
+    with pytest.raises(ucp_zarr.CheckpointExistsError):
+        ucp_zarr.convert(tmp_path / "m.safetensors", tmp_path / "ck")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ConversionError, match="already exists"):
+        ucp_zarr.export(tmp_path / "ck", tmp_path / "out", to="safetensors")
+    with pytest.raises(ConversionError, match="unknown export format 'onnx'"):
+        ucp_zarr.export(tmp_path / "ck", tmp_path / "x", to="onnx")
+
+
+def test_an_interrupted_export_leaves_no_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    save_file({"a": torch.ones(2), "b": torch.ones(3)}, tmp_path / "m.safetensors")
+    ucp_zarr.convert(tmp_path / "m.safetensors", tmp_path / "ck")
+    from ucp_zarr.convert import safetensors as st
+
+    def broken(*args: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(st, "_write_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        ucp_zarr.export(tmp_path / "ck", tmp_path / "st", to="safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "m.safetensors"]
+
+
+def test_cli(tmp_path: Path) -> None:
+    save_file({"w": torch.arange(6.0)}, tmp_path / "m.safetensors")
+    cli = [sys.executable, "-m", "ucp_zarr.cli"]
+    r = subprocess.run(cli + ["convert", str(tmp_path / "m.safetensors"), str(tmp_path / "ck"), "--prefix", "model."],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(ucp_zarr.open(tmp_path / "ck").read("model.w"), torch.arange(6.0))
+    r = subprocess.run(cli + ["export", str(tmp_path / "ck"), str(tmp_path / "st"), "--to", "safetensors"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert torch.equal(load_file(tmp_path / "st" / "model.safetensors")["model.w"], torch.arange(6.0))
+    r = subprocess.run(cli + ["convert", str(tmp_path / "nothing.pt"), str(tmp_path / "ck3")], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "nothing.pt: no such file" in r.stderr

@@ -1,0 +1,128 @@
+"""Converters: other systems' checkpoints in (:func:`convert`) and out (:func:`export`).
+
+One module per foreign format. An importer turns a foreign checkpoint into
+:class:`~.base.Imported` (lazy tensor sources + JSON values) without reading tensor data;
+:func:`~ucp_zarr.writer.write_checkpoint` then streams it shard by shard into a new
+checkpoint, as one transaction. An exporter streams a checkpoint out tensor block by
+tensor block into a temporary folder renamed into place at the end. Neither holds a whole
+model in memory nor leaves a complete-looking output behind when interrupted.
+
+=================  ===============================  ===================================
+format             in (``source=``)                 out (``to=``)
+=================  ===============================  ===================================
+``safetensors``    one file, or shards + index      shards + index (``model.safetensors``)
+``torch``          a ``torch.save`` state dict      --
+=================  ===============================  ===================================
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from ..checkpoint import open as open_checkpoint
+from ..errors import ConversionError
+from ..saver import SaveOptions, SaveResult
+from ..storage import open_store
+from ..writer import CONVERT_SHARD_BYTES, total_bytes, write_checkpoint
+from .base import Imported
+
+SOURCES = {"safetensors": "safetensors", "torch": "torch_file"}
+"""``source=`` -> the module (in this package) whose ``read`` imports it."""
+TARGETS = {"safetensors": "safetensors"}
+"""``to=`` -> the module whose ``write`` exports to it."""
+
+
+def detect(src: str | os.PathLike[str]) -> str:
+    """The kind of the foreign checkpoint at ``src`` (see :data:`SOURCES`)."""
+    p = Path(src)
+    if p.is_file():
+        if p.name.endswith((".safetensors", ".safetensors.index.json")):
+            return "safetensors"
+        if p.suffix in (".pt", ".pth", ".bin", ".ckpt"):
+            return "torch"
+    elif p.is_dir():
+        if any(p.glob("*.safetensors")) or any(p.glob("*.safetensors.index.json")):
+            return "safetensors"
+    elif not p.exists():
+        raise ConversionError(f"{src}: no such file or folder")
+    raise ConversionError(f"{src}: not a checkpoint kind ucp_zarr recognises; say which with source= "
+                          f"(one of {sorted(SOURCES)})")
+
+
+def read_source(src: str | os.PathLike[str], source: str | None = None, **options: Any) -> Imported:
+    """Import ``src`` (of kind ``source``, detected when None) without reading tensor data."""
+    kind = source or detect(src)
+    if kind not in SOURCES:
+        raise ConversionError(f"unknown source kind {kind!r} (known: {sorted(SOURCES)})")
+    module = importlib.import_module(f".{SOURCES[kind]}", __name__)
+    return module.read(Path(src), **options)
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    source: str | None = None,
+    rules: Any = None,
+    trust: bool = False,
+    prefix: str = "",
+    overwrite: bool = False,
+    max_workers: int = 4,
+    shard_bytes: int = CONVERT_SHARD_BYTES,
+    storage_options: dict[str, Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> SaveResult:
+    """Convert the checkpoint at ``src`` (of kind ``source``, see :data:`SOURCES`;
+    detected when None) into a ucp_zarr checkpoint at ``dst``.
+
+    ``trust`` allows full unpickling of pickle-based sources that need it (it runs code
+    from the file); without it such a file raises
+    :class:`~ucp_zarr.errors.UntrustedInputError` naming it. ``prefix`` is prepended to
+    the keys of flat sources (``"model."`` makes a safetensors file loadable into
+    ``{"model": model.state_dict()}``). ``rules`` (a :class:`~ucp_zarr.Rules`) describe
+    tensor-parallel sources that carry no layout of their own. ``progress(done, total)``
+    is called with bytes as shards are read."""
+    imported = read_source(src, source, rules=rules, trust=trust, prefix=prefix)
+    options = SaveOptions(shard_bytes=shard_bytes, max_workers=max_workers, overwrite=overwrite)
+    report = None
+    if progress is not None:
+        total, done = total_bytes(imported.tensors), [0]
+
+        def report(n: int) -> None:
+            done[0] += n
+            progress(done[0], total)
+
+    return write_checkpoint(
+        open_store(dst, storage_options), imported.tensors, imported.values, options=options,
+        layout=imported.layout, progress=report,
+    )
+
+
+def export(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    to: str,
+    overwrite: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    **options: Any,
+) -> Path:
+    """Export the ucp_zarr checkpoint at ``src`` into the folder ``dst`` in format ``to``
+    (see :data:`TARGETS`); format options (``max_shard_bytes`` for safetensors) pass through."""
+    if to not in TARGETS:
+        raise ConversionError(f"unknown export format {to!r} (known: {sorted(TARGETS)})")
+    ck = open_checkpoint(src, storage_options=storage_options)
+    report = None
+    if progress is not None:
+        total, done = ck.nbytes(), [0]
+
+        def report(n: int) -> None:
+            done[0] += n
+            progress(done[0], total)
+
+    module = importlib.import_module(f".{TARGETS[to]}", __name__)
+    return module.write(ck, Path(dst), overwrite=overwrite, progress=report, **options)

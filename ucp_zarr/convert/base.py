@@ -1,0 +1,108 @@
+"""What every converter shares: the imported form, safe unpickling, atomic output folders."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from ..errors import ConversionError, UntrustedInputError
+from ..writer import TensorSource
+
+
+@dataclass
+class Imported:
+    """A foreign checkpoint as the writer takes it: consolidated tensors (flattened key ->
+    lazy source), JSON-able values, and what the root's ``layout`` records about it."""
+
+    tensors: dict[str, TensorSource] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    layout: dict[str, Any] = field(default_factory=dict)
+
+
+def torch_load(path: Path, *, trust: bool, allow: Iterable[Any] = (), mmap: bool = True) -> Any:
+    """``torch.load`` of a foreign file: ``weights_only`` (tensors, containers, primitives
+    and the ``allow``-listed globals only) unless ``trust``. Memory-mapped where the file
+    format allows, so tensors are read from disk only when used.
+
+    Raises :class:`UntrustedInputError` naming the file and the global it needs, and
+    :class:`ConversionError` for a truncated or unreadable file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConversionError(f"{path}: no such file")
+
+    def load(use_mmap: bool) -> Any:
+        if trust:
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=use_mmap)
+        with torch.serialization.safe_globals(list(allow)):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
+
+    try:
+        try:
+            return load(mmap)
+        except RuntimeError as e:
+            if mmap and "mmap" in str(e):  # the legacy (non-zip) format cannot be memory-mapped
+                return load(False)
+            raise
+    except pickle.UnpicklingError as e:
+        if trust:
+            raise ConversionError(f"{path}: cannot be unpickled: {e}") from None
+        raise UntrustedInputError(
+            f"{path} holds Python objects that a weights-only load refuses ({_first_line(e)}); reading it "
+            "runs code from the file: pass trust=True (--trust) only if you trust where it came from"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise ConversionError(f"{path}: unreadable or truncated torch file: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+@contextmanager
+def atomic_folder(dst: Path, *, overwrite: bool) -> Iterator[Path]:
+    """A temporary sibling of ``dst`` to write into, renamed to ``dst`` when the block
+    succeeds: an interrupted export leaves no complete-looking ``dst`` (only a
+    ``.<name>.partial-*`` sibling, removed on failure). An existing ``dst`` is refused
+    unless ``overwrite`` (then it is replaced only after the new folder is complete)."""
+    dst = Path(dst)
+    if dst.exists() and not overwrite:
+        raise ConversionError(f"{dst} already exists; pass overwrite=True to replace it")
+    tmp = dst.parent / f".{dst.name}.partial-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        if dst.exists():
+            old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:12]}"
+            os.replace(dst, old)
+            os.replace(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
