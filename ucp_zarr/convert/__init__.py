@@ -10,6 +10,9 @@ model in memory nor leaves a complete-looking output behind when interrupted.
 =================  ===============================  ===================================
 format             in (``source=``)                 out (``to=``)
 =================  ===============================  ===================================
+``deepspeed``      a ZeRO-1/2/3 checkpoint folder   --
+``ds-universal``   ``ds_to_universal`` output       a folder ``load_universal`` reads
+``dcp``            any ``dcp.save`` folder          a folder ``dcp.load`` reads
 ``safetensors``    one file, or shards + index      shards + index (``model.safetensors``)
 ``torch``          a ``torch.save`` state dict      --
 =================  ===============================  ===================================
@@ -29,9 +32,10 @@ from ..storage import open_store
 from ..writer import CONVERT_SHARD_BYTES, total_bytes, write_checkpoint
 from .base import Imported
 
-SOURCES = {"safetensors": "safetensors", "torch": "torch_file"}
+SOURCES = {"deepspeed": "deepspeed", "ds-universal": "ds_universal", "dcp": "dcp", "safetensors": "safetensors",
+           "torch": "torch_file"}
 """``source=`` -> the module (in this package) whose ``read`` imports it."""
-TARGETS = {"safetensors": "safetensors"}
+TARGETS = {"ds-universal": "ds_universal", "dcp": "dcp", "safetensors": "safetensors"}
 """``to=`` -> the module whose ``write`` exports to it."""
 
 
@@ -44,6 +48,12 @@ def detect(src: str | os.PathLike[str]) -> str:
         if p.suffix in (".pt", ".pth", ".bin", ".ckpt"):
             return "torch"
     elif p.is_dir():
+        if (p / ".metadata").is_file():
+            return "dcp"
+        if (p / "zero").is_dir() and any(p.glob("mp_rank_*_model_states.pt")):
+            return "ds-universal"
+        if (p / "latest").is_file() or any(p.glob("*model_states.pt")):
+            return "deepspeed"
         if any(p.glob("*.safetensors")) or any(p.glob("*.safetensors.index.json")):
             return "safetensors"
     elif not p.exists():
