@@ -27,21 +27,70 @@ class Imported:
     layout: dict[str, Any] = field(default_factory=dict)
 
 
-def torch_load(path: Path, *, trust: bool, allow: Iterable[Any] = (), mmap: bool = True) -> Any:
-    """``torch.load`` of a foreign file: ``weights_only`` (tensors, containers, primitives
-    and the ``allow``-listed globals only) unless ``trust``. Memory-mapped where the file
-    format allows, so tensors are read from disk only when used.
+class Opaque:
+    """A foreign Python object read without running its code: the class it names, and the
+    arguments and state its pickle holds (DeepSpeed's loss scaler, a named tuple, an enum).
+
+    :func:`torch_load` makes one subclass per allowed class name, so that torch's
+    weights-only unpickler accepts the name and builds this record instead of the class."""
+
+    cls = ""
+    args: tuple[Any, ...]
+    state: Any
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Opaque":
+        self = object.__new__(cls)
+        self.args, self.state = args, None
+        return self
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"Opaque({self.cls}, args={self.args!r}, state={self.state!r})"
+
+    def to_value(self) -> Any:
+        """As JSON-able data: ``{"class": ..., "args": [...], "state": ...}``."""
+        return {"class": self.cls, "args": [plain(a) for a in self.args], "state": plain(self.state)}
+
+
+def plain(v: Any) -> Any:
+    """``v`` with :class:`Opaque` records as dicts and small tensors as lists (for JSON)."""
+    if isinstance(v, Opaque):
+        return v.to_value()
+    if isinstance(v, dict):
+        return {str(k): plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [plain(x) for x in v]
+    if isinstance(v, torch.Tensor):
+        return v.tolist() if v.numel() <= 64 else f"<tensor {list(v.shape)} {v.dtype}>"
+    return v
+
+
+def _opaque_class(qual: str) -> type:
+    module, _, name = qual.rpartition(".")
+    return type(name, (Opaque,), {"__module__": module, "__qualname__": name, "cls": qual})
+
+
+def torch_load(path: Path, *, trust: bool, opaque: Iterable[str] = (), mmap: bool = True) -> Any:
+    """``torch.load`` of a foreign file without running code from it, unless ``trust``.
+
+    Untrusted, torch's weights-only unpickler rebuilds tensors, containers and primitives,
+    and the classes named in ``opaque`` (``"module.Name"``) as :class:`Opaque` records
+    (nothing is imported, none of their code runs); any other global is refused.
+    Memory-mapped where the file format allows, so tensors are read only when used.
 
     Raises :class:`UntrustedInputError` naming the file and the global it needs, and
-    :class:`ConversionError` for a truncated or unreadable file."""
+    :class:`ConversionError` for a missing, truncated or unreadable file."""
     path = Path(path)
     if not path.is_file():
         raise ConversionError(f"{path}: no such file")
+    stubs = [_opaque_class(q) for q in opaque]
 
     def load(use_mmap: bool) -> Any:
         if trust:
             return torch.load(path, map_location="cpu", weights_only=False, mmap=use_mmap)
-        with torch.serialization.safe_globals(list(allow)):
+        with torch.serialization.safe_globals(stubs):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=use_mmap)
 
     try:
