@@ -7,41 +7,69 @@ checkpoint written by either. No pickle is ever written: there is no ``.metadata
 no ``.distcp`` file; DCP's :class:`~torch.distributed.checkpoint.metadata.Metadata` is
 rebuilt from the checkpoint's JSON index when loading.
 
+They are drop-ins for DCP's ``FileSystemWriter`` / ``FileSystemReader``: code written for
+those works unchanged with these in their place (that of ``format_utils.torch_save_to_dcp``
+and ``dcp_to_torch_save``, which hard-code DCP's plug-ins, and
+``_load_state_dict_from_keys`` included):
+
+* saving again to a ``checkpoint_id`` replaces the checkpoint there (``overwrite=True`` by
+  default, as DCP's writer), crash-safely: a reader finds the old or the new checkpoint,
+  complete, at every point, never a mix; ``overwrite=False`` refuses instead;
+* the checkpoint may share its directory with other files (a ``config.json``, the
+  ``torch.save`` file ``torch_save_to_dcp`` converts, ...): a save, an overwrite, a failed
+  save and the takeover of a crashed save's leftovers touch only the checkpoint's own
+  objects (see :func:`_own_key`), never the other files;
+* DCP's ``planner_data`` (how ``DefaultSavePlanner`` flattened the nested state dict: flat
+  key -> object path) is kept as JSON in the commit record and handed back by
+  ``read_metadata``, so DCP's metadata-only loaders rebuild the nested structure;
+* ``io.BytesIO`` values (DCP's type for opaque blobs) are stored as bytes and come back as
+  a ``BytesIO`` with the same content (at position 0); ``ucp_zarr.load`` gives the bytes.
+
 How the DCP steps map onto ucp_zarr
 -----------------------------------
 Save (every rank runs ``write_data`` at the same time; DCP has already deduplicated
 replicated items, so a replicated tensor is held by one rank of the plan only):
 
+* rank 0 (DCP's coordinator) takes ``planner_data`` from the ``Metadata`` its
+  ``DefaultSavePlanner`` made (what ``FileSystemWriter`` pickles), or else from the plans
+  ``prepare_global_plan`` saw, merged as ``DefaultSavePlanner`` merges them;
 * tensor items (``TENSOR``/``SHARD``) become this rank's :class:`~ucp_zarr.fragments.Fragment`
   pieces: ``item.index.fqn`` is the key, ``item.tensor_data.size`` the global shape,
   ``item.tensor_data.chunk`` the global box of ``planner.resolve_data(item)``;
 * ``BYTE_IO`` items are stored as JSON values (never pickled): the original object is taken
-  from the planner's flattened state dict, not from the pickled bytes DCP would write;
+  from the planner's flattened state dict, not from the pickled bytes DCP would write; a
+  ``BytesIO`` is stored as its bytes, and the ranks agree on which keys were ``BytesIO``
+  (one small all-gather, which also fails every rank at once if one could not collect);
 * ``ucp_zarr.saver.prepare(...).finish()`` then validates the global layout, writes every
-  shard exactly once and commits, collectively over the writer's process group.
+  shard exactly once and commits, collectively over the writer's process group, with
+  ``{"dcp": {...}}`` (schema/FORMAT.md, section 3) in the root's ``layout``.
 
 So the checkpoint is complete and committed when ``write_data`` returns on every rank;
 ``finish`` (coordinator only) has nothing left to do.
 
 Load: ``read_metadata`` describes every tensor as a ``TensorStorageMetadata`` whose chunks
-are the shards of its array, and every JSON value as ``BytesStorageMetadata``. ``read_data``
-reads each requested box with :meth:`Checkpoint.read` (only the chunks overlapping it) into
-the planner's destination; JSON values are handed to ``planner.load_bytes`` as a
-``torch.save`` of the decoded value (bytes made here from JSON, so nothing untrusted is ever
-unpickled).
+are the shards of its array, every JSON value as ``BytesStorageMetadata``, and returns the
+stored ``planner_data`` (None for a checkpoint written by ``ucp_zarr.save``, whose nesting is
+not recorded). ``read_data`` reads each requested box with :meth:`Checkpoint.read` (only the
+chunks overlapping it) into the planner's destination; JSON values are handed to
+``planner.load_bytes`` as a ``torch.save`` of the decoded value (bytes made here from JSON,
+so nothing read from storage is ever unpickled).
 
 Limits
 ------
 * The writer is collective over ``process_group`` (default: the default group), which must
-  be the group ``dcp.save`` uses; ``use_collectives=False`` is refused. ``no_dist=True``
-  while torch.distributed is initialised cannot be detected on rank 0 and is not supported.
+  be the group ``dcp.save`` uses, with DCP's coordinator its rank 0 (``dcp.save``'s
+  default); ``use_collectives=False`` is refused. ``no_dist=True`` while torch.distributed
+  is initialised cannot be detected on rank 0 and is not supported.
 * For ``dcp.async_save``, give the writer (and ``dcp.async_save``) a dedicated gloo group so
   that the background collectives never interleave with training's, as DCP recommends.
-* Like DCP's own writer, it replaces a committed checkpoint at the path (``overwrite=True``
-  by default; the replacement is crash-safe); it refuses a directory of unrelated files.
-* Non-tensor values must be JSON-able (see :func:`ucp_zarr.statedict.to_json`).
-* DCP's ``planner_data`` (the nesting of the flattened keys) is not stored; a reader's
-  ``Metadata.planner_data`` is None, so DCP's metadata-only loaders rebuild a flat dict.
+* Non-tensor values must be JSON-able (see :func:`ucp_zarr.statedict.to_json`), or a
+  ``BytesIO`` leaf; a ``BytesIO`` nested inside a value is refused.
+* ``planner_data`` is stored when it is a flatten mapping as ``DefaultSavePlanner`` makes it
+  (str key -> path of str and int whose ``.``-join is the key); other planner data is not.
+* Other files beside the checkpoint are left alone by this writer; ``ucp_zarr.save(...,
+  overwrite=True)`` (and a plain save finishing a crashed overwrite) treat every object under
+  the path as the checkpoint's, so use this writer for checkpoints that share a directory.
 """
 
 from __future__ import annotations
@@ -50,7 +78,9 @@ import io
 import json
 import math
 import os
+import re
 import uuid
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future as _PyFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -81,12 +111,15 @@ from torch.futures import Future
 from ..checkpoint import Checkpoint, open_store_checkpoint
 from ..distributed import Comm
 from ..dtypes import stored_dtype_by_name
+from ..errors import FormatError
+from ..format import CheckpointMeta
 from ..fragments import Fragment
 from ..layout import Box
 from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ..saver import Collected, SaveOptions, prepare
 from ..statedict import from_json, to_json
-from ..storage import open_store
+from ..storage import Buffer, ReadRequest, Store, open_store
+from ..transaction import is_internal
 
 __all__ = ["ZarrStorageReader", "ZarrStorageWriter"]
 
@@ -124,14 +157,90 @@ def _done(value: Any) -> Future:
     return fut
 
 
+# --- a checkpoint beside other files ----------------------------------------------------------
+
+_NAME = r"[A-Za-z0-9_%~\-][A-Za-z0-9_.%~\-]*"
+"""An escaped group or array name (schema/FORMAT.md, section 1; as ``format._COMPONENT``)."""
+_OWN_KEY = re.compile(
+    rf"(?:zarr\.json|{_NAME}/zarr\.json|{_NAME}/{_NAME}/(?:zarr\.json|c(?:/[0-9]+)*))(?:\.tmp-[0-9a-f]{{32}})?"
+)
+
+
+def _own_key(key: str) -> bool:
+    """Whether ``key`` (relative to the checkpoint path) names an object of the format: the
+    root ``zarr.json``, a protocol file (``.ucp_zarr_*``), a group or array ``zarr.json``
+    (``<group>/zarr.json``, ``<group>/<array>/zarr.json``), a shard (``<group>/<array>/c/i/j``,
+    ``c`` for a 0-d array), or a store's temporary name for one of them. Anything else
+    (``config.json``, ``model.pt``, ``tokenizer/vocab.json``, DCP's ``.metadata``) is another
+    file sharing the directory."""
+    return is_internal(key) or _OWN_KEY.fullmatch(key) is not None
+
+
+class _BesideOtherFiles(Store):
+    """The checkpoint at a path that may hold other files: the save transaction sees only
+    the checkpoint's own objects (:func:`_own_key`), so claiming the path, aborting, taking
+    over a dead save's leftovers and putting an overwrite in place (which delete what
+    :meth:`list` shows) never touch the other files. Staging siblings are plain stores."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.stats = inner.stats
+
+    def write(self, key: str, buffers: Iterable[Buffer | bytes]) -> int:
+        return self.inner.write(key, buffers)
+
+    def write_atomic(self, key: str, data: bytes) -> None:
+        self.inner.write_atomic(key, data)
+
+    def create_exclusive(self, key: str, data: bytes) -> None:
+        self.inner.create_exclusive(key, data)
+
+    def read(self, key: str) -> bytes:
+        return self.inner.read(key)
+
+    def read_tail(self, key: str, nbytes: int) -> bytes:
+        return self.inner.read_tail(key, nbytes)
+
+    def readv(self, key: str, requests: Sequence[ReadRequest]) -> None:
+        self.inner.readv(key, requests)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def list(self) -> list[str]:
+        return [k for k in self.inner.list() if _own_key(k)]
+
+    def delete(self, key: str) -> None:
+        if not _own_key(key):  # the transaction only deletes what list() shows
+            raise ValueError(f"refusing to delete {self.url}/{key}: it is not part of the checkpoint")
+        self.inner.delete(key)
+
+    def remove(self) -> None:
+        """Delete the checkpoint's objects; the directory and the other files stay."""
+        for key in self.list():
+            self.inner.delete(key)
+
+    def sibling(self, name: str) -> Store:
+        return self.inner.sibling(name)
+
+    def adopt(self, src: Store, key: str) -> None:
+        self.inner.adopt(src, key)
+
+    def sync(self) -> None:
+        self.inner.sync()
+
+
 class ZarrStorageWriter(_CheckpointPath, StorageWriter):
     """A DCP ``StorageWriter`` that writes the ucp_zarr universal format at ``path``
-    (a local path or fsspec URL).
+    (a local path or fsspec URL), a drop-in for DCP's ``FileSystemWriter``.
 
     ``chunk_bytes``, ``shard_bytes``, ``max_workers``, ``overwrite_incomplete`` and
     ``hmac_key`` are those of ``ucp_zarr.save``. ``overwrite`` defaults to True, as DCP's
     own writer overwrites: a committed checkpoint at ``path`` is replaced, crash-safely
-    (the old or the new one is complete and findable at every point).
+    (the old or the new one is complete and findable at every point); with
+    ``overwrite=False`` a save onto a committed checkpoint raises
+    :class:`~ucp_zarr.CheckpointExistsError`. Other files in the directory are left alone.
     ``process_group`` must be the group ``dcp.save`` runs on (default: the default group,
     or a single process when torch.distributed is not initialised).
     """
@@ -167,6 +276,7 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.result: Any = None
         """This rank's :class:`~ucp_zarr.saver.SaveResult` of the last save."""
+        self._planner_data: dict[str, tuple[str | int, ...]] | None = None
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -174,6 +284,7 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not kwargs.get("use_collectives", True):
             raise ValueError("ZarrStorageWriter saves collectively; dcp.save(use_collectives=False) is not supported")
+        self._planner_data = None  # (DCP resets a writer only when given a checkpoint_id)
         comm = Comm(self.process_group)
         rank = kwargs.get("rank")
         if rank is not None and comm.active and rank != comm.rank:
@@ -182,56 +293,127 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
                 f"{comm.rank}: pass the same process_group to both (no_dist=True is not supported "
                 "while torch.distributed is initialised)"
             )
+        if comm.active and bool(is_coordinator) != (comm.rank == 0):
+            raise ValueError(
+                f"dcp.save's coordinator must be rank 0 of ZarrStorageWriter's process group "
+                f"(this process is rank {comm.rank}, coordinator: {bool(is_coordinator)})"
+            )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Keep the merged ``planner_data`` (coordinator only), as ``DefaultSavePlanner``
+        merges it into DCP's ``Metadata``, for the commit record (used when the planner does
+        not hold that ``Metadata`` itself)."""
+        self._planner_data = _merged_planner_data([p.planner_data for p in plans])
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's part of the checkpoint and commit it, collectively."""
-        results: list[WriteResult] = []
+        comm = Comm(self.process_group)
         store: Any = None
-        store_error: BaseException | None = None
+        fragments: dict[str, Fragment] = {}
+        values: dict[str, Any] = {}
+        blobs: list[str] = []
+        results: list[WriteResult] = []
+        planner_data = self._planner_data
+        error: BaseException | None = None
         try:
-            store = open_store(self.path, self.storage_options)
-        except Exception as e:  # raised from collected(), so that every rank learns of it
-            store_error = e
-
-        def collected() -> Collected:
-            if store_error is not None:
-                raise store_error
-            fragments, values = _plan_to_state(plan, planner)
-            for item in plan.items:
-                if item.type == WriteItemType.BYTE_IO:
-                    size = len(json.dumps(values[item.index.fqn]))
-                else:
-                    td = item.tensor_data
-                    assert td is not None
-                    size = math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
-                results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=None))
-            return Collected(fragments, values)
-
-        self.result = prepare(collected, store, Comm(self.process_group), self.options, copy=False).finish()
+            store = _BesideOtherFiles(open_store(self.path, self.storage_options))
+            fragments, values, blobs = _plan_to_state(plan, planner)
+            results = _write_results(plan, values)
+            metadata = getattr(planner, "metadata", None)
+            if comm.rank == 0 and isinstance(metadata, Metadata):
+                # the coordinator's DefaultSavePlanner holds DCP's Metadata of this save: its
+                # planner_data is what FileSystemWriter would pickle (with plan caching, the
+                # plans prepare_global_plan saw may be empty deltas)
+                planner_data = _merged_planner_data([metadata.planner_data])
+        except BaseException as e:  # every rank learns of it in the agreement below
+            error = e
+        # which keys hold a BytesIO (each value was written by one rank, after DCP's dedup)
+        gathered = comm.agree(error, "preparing the save", blobs)
+        # what the commit record keeps for DCP; only rank 0 (DCP's coordinator) writes it
+        dcp_layout = _dcp_layout(planner_data, sorted({k for ks in gathered for k in ks}))
+        prepared = prepare(lambda: Collected(fragments, values), store, comm, self.options, copy=False)
+        if dcp_layout:
+            prepared.layout = {**prepared.layout, "dcp": dcp_layout}
+        self.result = prepared.finish()
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Nothing to do: ``write_data`` already committed the checkpoint on all ranks (the
         commit record is written only after every rank's data is durable), and DCP's
-        ``Metadata`` is not stored because the reader rebuilds it from the JSON index.
+        ``Metadata`` is not stored because the reader rebuilds it from the JSON index (its
+        ``planner_data`` was stored by ``write_data``).
         Like DCP's own writer, it stamps ``metadata.storage_meta`` (returned by ``dcp.save``)."""
         metadata.storage_meta = self.storage_meta()
 
 
-def _plan_to_state(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str, Fragment], dict[str, Any]]:
-    """This rank's fragments (tensor items) and JSON values (``BYTE_IO`` items) of ``plan``."""
+DCP_LAYOUT_FORMAT = "ucp_zarr.dcp/1"
+"""``layout.dcp.format`` of the commit record (schema/FORMAT.md, section 3)."""
+
+
+def _merged_planner_data(per_plan: list[Any]) -> dict[str, tuple[str | int, ...]] | None:
+    """Every plan's ``planner_data`` merged as ``DefaultSavePlanner`` merges it (the first
+    plan naming a key wins), when each is a flatten mapping (flat key -> object path whose
+    ``.``-join is the key); otherwise None (other planners' data is not stored)."""
+    merged: dict[str, tuple[str | int, ...]] = {}
+    for data in per_plan:
+        if not isinstance(data, Mapping):
+            return None
+        for key, path in data.items():
+            if not (isinstance(key, str) and isinstance(path, (tuple, list)) and _is_object_path(key, path)):
+                return None
+            merged.setdefault(key, tuple(path))
+    return merged
+
+
+def _is_object_path(key: str, path: Sequence[Any]) -> bool:
+    return (
+        len(path) > 0
+        and all(isinstance(p, str) or (type(p) is int and p >= 0) for p in path)
+        and ".".join(map(str, path)) == key
+    )
+
+
+def _dcp_layout(planner_data: dict[str, tuple[str | int, ...]] | None, blobs: list[str]) -> dict[str, Any]:
+    """The ``layout.dcp`` member of the commit record, or {} when there is nothing to keep."""
+    out: dict[str, Any] = {}
+    if planner_data:
+        out["planner_data"] = {k: list(p) for k, p in planner_data.items()}
+    if blobs:
+        out["bytes_io"] = blobs
+    return {"format": DCP_LAYOUT_FORMAT, **out} if out else {}
+
+
+def _write_results(plan: SavePlan, values: dict[str, Any]) -> list[WriteResult]:
+    results = []
+    for item in plan.items:
+        if item.type == WriteItemType.BYTE_IO:
+            size = len(json.dumps(values[item.index.fqn]))
+        else:
+            td = item.tensor_data
+            assert td is not None
+            size = math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
+        results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=None))
+    return results
+
+
+def _plan_to_state(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str, Fragment], dict[str, Any], list[str]]:
+    """This rank's fragments (tensor items), JSON values (``BYTE_IO`` items) and the keys of
+    the values that were ``BytesIO`` (stored as their bytes) of ``plan``."""
     fragments: dict[str, Fragment] = {}
     values: dict[str, Any] = {}
+    blobs: list[str] = []
     for item in plan.items:
         fqn = item.index.fqn
         if item.type == WriteItemType.BYTE_IO:
-            values[fqn] = to_json(_original_value(planner, item), fqn)
+            value = _original_value(planner, item)
+            if isinstance(value, io.BytesIO):
+                value = value.getvalue()  # (leaves the caller's position alone)
+                blobs.append(fqn)
+            values[fqn] = to_json(value, fqn)
             continue
         td = item.tensor_data
         if td is None:
@@ -260,7 +442,7 @@ def _plan_to_state(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str, Frag
             )
         if box.numel:
             frag.pieces.append((box, tensor))
-    return fragments, values
+    return fragments, values, blobs
 
 
 def _original_value(planner: SavePlanner, item: WriteItem) -> Any:
@@ -281,7 +463,8 @@ def _original_value(planner: SavePlanner, item: WriteItem) -> Any:
 
 class ZarrStorageReader(_CheckpointPath, StorageReader):
     """A DCP ``StorageReader`` for a checkpoint in the ucp_zarr universal format at
-    ``path``, written by ``ucp_zarr.save`` or by :class:`ZarrStorageWriter`.
+    ``path``, written by ``ucp_zarr.save`` or by :class:`ZarrStorageWriter`; a drop-in for
+    DCP's ``FileSystemReader``.
 
     Each rank reads only the chunks overlapping what its state dict holds, using up to
     ``max_workers`` threads. Per-rank state saved by ``ucp_zarr.save`` is read from the copy
@@ -306,18 +489,21 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
         self.load_id = uuid.uuid4().hex
         self.rank: int | None = None
         self._ck: Checkpoint | None = None
+        self._blobs: frozenset[str] = frozenset()
 
     def _checkpoint(self) -> Checkpoint:
         if self._ck is None:
             self._ck = open_store_checkpoint(open_store(self.path, self.storage_options))
         return self._ck
 
-    def read_metadata(self) -> Metadata:
-        """DCP's view of the checkpoint, from its JSON index and its arrays' zarr.json.
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's view of the checkpoint, from its JSON index and its arrays' zarr.json, with
+        the ``planner_data`` stored by :class:`ZarrStorageWriter` (None if none was).
 
         Every load starts here, so the checkpoint is (re)opened here: a reader may be reused."""
         self._ck = None
         ck = self._checkpoint()
+        planner_data, self._blobs = _read_dcp_layout(ck.meta, ck.store.url)
         tensors = ck.meta.tensors
 
         def describe(key: str) -> TensorStorageMetadata:
@@ -337,8 +523,12 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
         md: dict[str, Any] = dict(described)
         for key in list(ck.meta.values) + list(ck.meta.rank_values):
             md.setdefault(key, BytesStorageMetadata())
+        if planner_data:  # the saved state dict's order, as DCP's metadata keeps it
+            position = {k: i for i, k in enumerate(planner_data)}
+            md = dict(sorted(md.items(), key=lambda kv: position.get(kv[0], len(position))))
         return Metadata(
             state_dict_metadata=md,
+            planner_data=planner_data,
             storage_meta=StorageMeta(checkpoint_id=self.path, load_id=self.load_id),
         )
 
@@ -376,7 +566,7 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
                     if item.type == LoadItemType.BYTE_IO:
                         value = _saved_value(ck, fqn, rank)
                         if value is not _MISSING:
-                            planner.load_bytes(item, _as_bytes(value))
+                            planner.load_bytes(item, _as_bytes(value, fqn in self._blobs))
                         continue
                     entry = ck.meta.tensors.get(fqn)
                     if entry is None:
@@ -417,12 +607,64 @@ def _saved_value(ck: Checkpoint, fqn: str, rank: int) -> Any:
     return per_rank.get(rank, _MISSING)
 
 
-def _as_bytes(value: Any) -> io.BytesIO:
-    """What ``planner.load_bytes`` expects: a ``torch.save`` of the decoded JSON value."""
+def _as_bytes(value: Any, blob: bool) -> io.BytesIO:
+    """What ``planner.load_bytes`` expects: a ``torch.save`` of the decoded JSON value (of a
+    ``BytesIO`` holding the stored bytes when the saved value was one)."""
+    obj = from_json(value)
+    if blob:
+        obj = io.BytesIO(obj)
     buf = io.BytesIO()
-    torch.save(from_json(value), buf)
+    torch.save(obj, buf)
     buf.seek(0)
     return buf
+
+
+MAX_EXTRA_LIST_SLOTS = 1 << 16
+"""How many list slots ``planner_data`` may make DCP allocate beyond one per key (lists of
+a state dict are descended only when they hold tensors or mappings, so each slot but those
+of empty mappings holds at least one key)."""
+
+
+def _read_dcp_layout(meta: CheckpointMeta, url: str) -> tuple[dict[str, tuple[str | int, ...]] | None, frozenset[str]]:
+    """``planner_data`` and the keys of ``BytesIO`` values from the root's ``layout.dcp``;
+    :class:`FormatError` for anything :class:`ZarrStorageWriter` does not write (checked
+    here because DCP's loaders build containers from these paths)."""
+    raw = meta.layout.get("dcp")
+    if raw is None:
+        return None, frozenset()
+    where = f"{url}/zarr.json: layout.dcp"
+    if not isinstance(raw, dict) or raw.get("format") != DCP_LAYOUT_FORMAT:
+        fmt = raw.get("format") if isinstance(raw, dict) else None
+        raise FormatError(f"{where} has format {str(fmt)[:100]!r}; this library reads {DCP_LAYOUT_FORMAT!r}")
+    planner_data: dict[str, tuple[str | int, ...]] | None = None
+    if "planner_data" in raw:
+        stored = raw["planner_data"]
+        if not isinstance(stored, dict):
+            raise FormatError(f"{where}.planner_data is not an object")
+        planner_data = {}
+        slots: dict[tuple[str | int, ...], int] = {}
+        for key, path in stored.items():
+            if not (isinstance(path, list) and _is_object_path(key, path)):
+                raise FormatError(
+                    f"{where}.planner_data[{key[:200]!r}] is {str(path)[:200]}, not a path of names and "
+                    "non-negative indices that joins to the key"
+                )
+            for i, p in enumerate(path):
+                if type(p) is int:
+                    slots[tuple(path[:i])] = max(slots.get(tuple(path[:i]), 0), p + 1)
+            planner_data[key] = tuple(path)
+        if sum(slots.values()) > len(stored) + MAX_EXTRA_LIST_SLOTS:
+            raise FormatError(f"{where}.planner_data: its list indices would make {sum(slots.values())} list slots")
+    blobs = raw.get("bytes_io", [])
+    if not isinstance(blobs, list):
+        raise FormatError(f"{where}.bytes_io is not a list")
+    for key in blobs:
+        if not isinstance(key, str):
+            raise FormatError(f"{where}.bytes_io holds {str(key)[:200]}, not a key")
+        stored_values = [meta.values[key]] if key in meta.values else list(meta.rank_values.get(key, {}).values())
+        if not stored_values or not all(isinstance(from_json(v, key), bytes) for v in stored_values):
+            raise FormatError(f"{where}.bytes_io names {str(key)[:200]!r}, which is not a bytes value")
+    return planner_data, frozenset(blobs)
 
 
 def _read_into(ck: Checkpoint, fqn: str, box: Box, target: torch.Tensor, rank: int | None) -> None:
