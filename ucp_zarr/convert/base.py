@@ -64,6 +64,9 @@ def plain(v: Any) -> Any:
         return [plain(x) for x in v]
     if isinstance(v, torch.Tensor):
         return v.tolist() if v.numel() <= 64 else f"<tensor {list(v.shape)} {v.dtype}>"
+    if hasattr(v, "__dict__") and not isinstance(v, type):  # an object of a trusted file: the same record
+        cls = type(v)
+        return {"class": f"{cls.__module__}.{cls.__qualname__}", "args": [], "state": plain(vars(v))}
     return v
 
 
