@@ -39,7 +39,15 @@ import torch
 
 from ..errors import ConversionError
 from ..layout import Box
-from ..layout.zero import FlatPiece, ZeroLayoutError, pieces_in, zero3_pieces, zero12_pieces
+from ..layout.zero import (
+    FlatPiece,
+    ZeroLayoutError,
+    pieces_in,
+    zero3_pieces,
+    zero12_group_numel,
+    zero12_partition_size,
+    zero12_pieces,
+)
 from ..writer import InMemory
 from .base import Imported, Opaque, plain, torch_load
 
@@ -66,7 +74,12 @@ def read(src: Path, *, trust: bool = False, rules: Any = None, **_: Any) -> Impo
     optim_files = _rank_files(folder, "optim_states")
     first = _load(optim_files[0], trust)
     osd = _get(first, "optimizer_state_dict", optim_files[0])
-    stage = int(_scalar(_get(osd, "zero_stage", optim_files[0])))
+    if "zero_stage" in osd:
+        stage = int(_scalar(osd["zero_stage"]))
+    elif "single_partition_of_fp32_groups" in osd:  # ZeRO-1's BF16_Optimizer records no stage
+        stage = 1
+    else:
+        raise ConversionError(f"{optim_files[0]}: no 'zero_stage' entry: not a DeepSpeed ZeRO optimizer file")
     world = _world(osd, optim_files[0])
     if len(optim_files) != world:
         raise ConversionError(
@@ -165,31 +178,27 @@ def _world(osd: dict[str, Any], f: Path) -> int:
 def _zero12(out: Imported, folder: Path, optims: list[Any], files: list[Path], model: dict[str, Any],
             shapes: list[dict[str, tuple[int, ...]]]) -> None:
     osds = [_get(o, "optimizer_state_dict", f) for o, f in zip(optims, files)]
-    mappings = []
-    for osd, f in zip(osds, files):
-        groups = _get(osd, "param_slice_mappings", f)
-        mappings.append([{n: tuple(_fields(a)) for n, a in g.items()} for g in groups])
+    world = len(files)
+    paddings = osds[0].get("param_alignment_paddings")
     try:
-        pieces = zero12_pieces(mappings, shapes)
+        pieces = zero12_pieces(shapes, world, paddings)
     except ZeroLayoutError as e:
         raise ConversionError(f"{folder}: {e}") from None
-    masters = [[t for t in _get(osd, "single_partition_of_fp32_groups", f)] for osd, f in zip(osds, files)]
+    masters = [list(_get(osd, "single_partition_of_fp32_groups", f)) for osd, f in zip(osds, files)]
+    for g, group in enumerate(shapes):
+        numel = zero12_group_numel(group, paddings[g] if paddings else None)
+        size = zero12_partition_size(numel, world)
+        for r, (parts, f) in enumerate(zip(masters, files)):
+            held = max(0, min(size, numel - r * size))
+            if g >= len(parts) or parts[g].numel() not in (held, size):
+                raise ConversionError(
+                    f"{f}: its fp32 partition of group {g} has {parts[g].numel() if g < len(parts) else 'no'} elements; "
+                    f"{world} ranks sharing {numel} hold {size} each: the files are not one checkpoint's partitions"
+                )
     base = [_get(osd, "base_optimizer_state", f) for osd, f in zip(osds, files)]
     states = [_group_states(b, f) for b, f in zip(base, files)]
     module = _get(model, "module", folder)
     _add_params(out, shapes, pieces, masters, states, files, module_of=lambda n: module.get(n))
-
-
-def _fields(addr: Any) -> tuple[int, int]:
-    """DeepSpeed's ``fragment_address(numel, start)``."""
-    if isinstance(addr, Opaque):
-        fields = addr.state if isinstance(addr.state, dict) else dict(zip(("numel", "start"), addr.args))
-    else:
-        fields = {"numel": getattr(addr, "numel", None), "start": getattr(addr, "start", None)}
-    try:
-        return int(fields["numel"]), int(fields["start"])
-    except (KeyError, TypeError, ValueError):
-        raise ConversionError(f"a parameter slice mapping is not a fragment address (numel, start): {addr!r}") from None
 
 
 def _group_states(base: Any, f: Path) -> list[dict[str, Any]]:

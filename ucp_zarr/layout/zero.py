@@ -2,13 +2,12 @@
 each parameter (pure; read from a DeepSpeed checkpoint's metadata, no tensor data).
 
 * **ZeRO-1/2**: each parameter group is one flat vector (parameters in order, each
-  possibly followed by alignment padding) cut into one equal partition per rank. Rank
-  ``r`` records, per group, ``name -> (numel, start)``: the part of the parameter its
-  partition holds and where it starts in the partition. A parameter's parts, in rank
-  order, are consecutive ranges of the parameter.
+  possibly followed by alignment padding), padded to a multiple of ``2 * world`` and cut
+  into one equal partition per rank. A parameter's parts, in rank order, are consecutive
+  ranges of the parameter.
 * **ZeRO-3**: every parameter is padded to a multiple of the world size and cut into
-  equal parts; rank ``r`` holds part ``r`` of each parameter of a group, one after the
-  other, in its group's flat buffer.
+  equal parts; rank ``r`` holds part ``r`` of each parameter of a (sub-)group, one after
+  the other, in its flat buffer of that group.
 """
 
 from __future__ import annotations
@@ -34,42 +33,46 @@ class FlatPiece:
     numel: int
 
 
+def zero12_group_numel(shapes: Mapping[str, Sequence[int]], paddings: Sequence[int] | None = None) -> int:
+    """ZeRO-1/2: the elements of a group's flat vector before the end padding (parameters
+    in flat order, each followed by its alignment padding)."""
+    pads = list(paddings or [0] * len(shapes))
+    return sum(math.prod(s) for s in shapes.values()) + sum(pads[: max(0, len(shapes) - 1)])
+
+
+def zero12_partition_size(numel: int, world: int) -> int:
+    """ZeRO-1/2: each rank's partition of a group of ``numel`` elements (DeepSpeed pads the
+    group to a multiple of ``2 * world`` and splits it equally)."""
+    align = 2 * world
+    return -(-numel // align) * align // world
+
+
 def zero12_pieces(
-    mappings: Sequence[Sequence[Mapping[str, tuple[int, int]]]], shapes: Sequence[Mapping[str, Sequence[int]]]
+    shapes: Sequence[Mapping[str, Sequence[int]]], world: int, paddings: Sequence[Sequence[int]] | None = None
 ) -> dict[str, list[FlatPiece]]:
-    """ZeRO-1/2: ``mappings[rank][group][name] = (numel, start)`` and the parameter shapes
-    per group -> every parameter's pieces, in parameter order. Checks that each
-    parameter's pieces add up to it and that no two pieces of a rank's group overlap."""
+    """ZeRO-1/2: the parameter shapes per group (in flat order) and alignment paddings ->
+    every parameter's pieces. Rank ``r`` holds elements ``[r * S, (r + 1) * S)`` of each
+    group's flat vector (:func:`zero12_partition_size`). Derived from the shapes, as
+    ``zero_to_fp32`` does: DeepSpeed's recorded ``param_slice_mappings`` are wrong when it
+    orders gradients round-robin."""
+    if world < 1:
+        raise ZeroLayoutError(f"world size {world}")
     out: dict[str, list[FlatPiece]] = {}
-    for g, group_shapes in enumerate(shapes):
-        spans: dict[int, list[tuple[int, int, str]]] = {}
-        for name, shape in group_shapes.items():
-            pieces, at = [], 0
-            for rank, groups in enumerate(mappings):
-                if g >= len(groups):
-                    raise ZeroLayoutError(f"rank {rank} has {len(groups)} parameter groups, rank 0 has {len(shapes)}")
-                if name not in groups[g]:
-                    continue
-                numel, start = (int(x) for x in groups[g][name])
-                if numel < 0 or start < 0:
-                    raise ZeroLayoutError(f"parameter {name!r}: rank {rank} maps {numel} elements at {start}")
-                if numel:
-                    pieces.append(FlatPiece(rank, g, start, at, numel))
-                    spans.setdefault(rank, []).append((start, start + numel, name))
-                at += numel
-            total = math.prod(shape)
-            if at != total:
-                ranks = [p.rank for p in pieces]
-                raise ZeroLayoutError(
-                    f"parameter {name!r} (group {g}, shape {list(shape)}) has {total} elements, but ranks {ranks} "
-                    f"hold {at} of it: the optimizer files are not one checkpoint's partitions"
-                )
+    for g, group in enumerate(shapes):
+        pads = list(paddings[g]) if paddings is not None and g < len(paddings) else [0] * len(group)
+        if len(pads) != len(group):
+            raise ZeroLayoutError(f"group {g}: {len(pads)} alignment paddings for {len(group)} parameters")
+        size = zero12_partition_size(zero12_group_numel(group, pads), world)
+        at = 0
+        for (name, shape), pad in zip(group.items(), pads):
+            numel = math.prod(shape)
+            pieces = []
+            for rank in range(world):
+                lo, hi = max(at, rank * size), min(at + numel, (rank + 1) * size)
+                if hi > lo:
+                    pieces.append(FlatPiece(rank, g, lo - rank * size, lo - at, hi - lo))
             out[name] = pieces
-        for rank, ranges in spans.items():
-            ranges.sort()
-            for (a0, a1, n0), (b0, b1, n1) in zip(ranges, ranges[1:]):
-                if b0 < a1:
-                    raise ZeroLayoutError(f"rank {rank}, group {g}: parameters {n0!r} and {n1!r} overlap in its partition")
+            at += numel + pad
     return out
 
 
