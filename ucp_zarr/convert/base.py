@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap as mmap_module
 import os
 import pickle
 import shutil
@@ -9,7 +12,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -76,12 +79,20 @@ def _opaque_class(qual: str) -> type:
 
 
 def torch_load(path: Path, *, trust: bool, opaque: Iterable[str] = (), mmap: bool = True) -> Any:
-    """``torch.load`` of a foreign file without running code from it, unless ``trust``.
+    """``torch.load`` of a foreign file without running code from it, unless ``trust``
+    (see :func:`torch_load_mapped`)."""
+    return torch_load_mapped(path, trust=trust, opaque=opaque, mmap=mmap)[0]
+
+
+def torch_load_mapped(path: Path, *, trust: bool, opaque: Iterable[str] = (), mmap: bool = True) -> tuple[Any, bool]:
+    """``torch.load`` of a foreign file without running code from it, unless ``trust``;
+    returns the object and whether its tensors are memory-mapped from the file.
 
     Untrusted, torch's weights-only unpickler rebuilds tensors, containers and primitives,
     and the classes named in ``opaque`` (``"module.Name"``) as :class:`Opaque` records
     (nothing is imported, none of their code runs); any other global is refused.
-    Memory-mapped where the file format allows, so tensors are read only when used.
+    Memory-mapped where the file format allows, so tensors are read only when used (and
+    their pages can be dropped after use, :func:`release_pages`).
 
     Raises :class:`UntrustedInputError` naming the file and the global it needs, and
     :class:`ConversionError` for a missing, truncated or unreadable file."""
@@ -98,10 +109,10 @@ def torch_load(path: Path, *, trust: bool, opaque: Iterable[str] = (), mmap: boo
 
     try:
         try:
-            return load(mmap)
+            return load(mmap), mmap
         except RuntimeError as e:
             if mmap and "mmap" in str(e):  # the legacy (non-zip) format cannot be memory-mapped
-                return load(False)
+                return load(False), False
             raise
     except pickle.UnpicklingError as e:
         if trust:
@@ -112,6 +123,32 @@ def torch_load(path: Path, *, trust: bool, opaque: Iterable[str] = (), mmap: boo
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise ConversionError(f"{path}: unreadable or truncated torch file: {_first_line(e)}") from None
+
+
+_MADV_DONTNEED = 4
+
+
+@functools.lru_cache(maxsize=1)
+def _madvise() -> Callable[..., int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+def release_pages(t: torch.Tensor) -> None:
+    """Drop the resident pages of ``t``, a slice of a tensor memory-mapped read-only from a
+    file by :func:`torch_load_mapped` (never call it on other memory): they are read again
+    from the file if needed, so streaming a checkpoint does not grow the resident memory by
+    its size. A no-op off Linux."""
+    madvise = _madvise()
+    if madvise is None or t.numel() == 0:
+        return
+    page = mmap_module.PAGESIZE
+    lo = (t.data_ptr() + page - 1) // page * page  # whole pages inside the slice only
+    hi = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if hi > lo:
+        madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
 
 
 def _first_line(e: BaseException) -> str:

@@ -27,9 +27,7 @@ Keys of the result (loadable into ``{"model": model.state_dict(), "optim": ...}`
 
 from __future__ import annotations
 
-import ctypes
 import math
-import mmap
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +47,7 @@ from ..layout.zero import (
     zero12_pieces,
 )
 from ..writer import InMemory
-from .base import Imported, Opaque, plain, torch_load
+from .base import Imported, Opaque, plain, release_pages, torch_load_mapped
 
 OPAQUE = (
     "deepspeed.runtime.fp16.loss_scaler.LossScaler",
@@ -148,7 +146,10 @@ def _check_rank_numbers(files: list[Path]) -> None:
 
 
 def _load(f: Path, trust: bool) -> Any:
-    obj = torch_load(f, trust=trust, opaque=OPAQUE)
+    """A DeepSpeed file, its tensors memory-mapped (the sources below drop their pages once copied)."""
+    obj, mapped = torch_load_mapped(f, trust=trust, opaque=OPAQUE)
+    if not mapped:
+        raise ConversionError(f"{f}: in torch's legacy (pre-1.6) file format, which cannot be memory-mapped")
     if not isinstance(obj, dict):
         raise ConversionError(f"{f}: holds a {type(obj).__name__}, not a DeepSpeed checkpoint dict")
     return obj
@@ -259,7 +260,7 @@ def _add_params(
             master = FlatParam(shape, torch.float32, ps, lambda r, gg: masters[r][gg], f"fp32 master of {name!r}")
             held = module_of(name)
             if held is not None and held.numel() == math.prod(shape):
-                out.tensors[f"model.{name}"] = InMemory(held.reshape(shape))
+                out.tensors[f"model.{name}"] = Mapped(held.reshape(shape))
                 if held.dtype != torch.float32:
                     out.tensors[f"optim.state.{name}.fp32"] = master
             else:
@@ -315,24 +316,25 @@ def _other_state(out: Imported, model: dict[str, Any], osd: dict[str, Any], shap
     module = model.get("module") or {}
     for name in model.get("buffer_names") or []:
         if isinstance(module.get(name), torch.Tensor):
-            out.tensors[f"model.{name}"] = InMemory(module[name])
+            out.tensors[f"model.{name}"] = Mapped(module[name])
     for name, t in (model.get("frozen_param_fragments") or {}).items():
         shape = tuple((model.get("frozen_param_shapes") or {}).get(name, ()))
         if f"model.{name}" not in out.tensors and isinstance(t, torch.Tensor) and t.numel() == math.prod(shape):
-            out.tensors[f"model.{name}"] = InMemory(t.reshape(shape))
+            out.tensors[f"model.{name}"] = Mapped(t.reshape(shape))
     for tied, source in (model.get("shared_params") or {}).items():
         if f"model.{source}" in out.tensors:
             out.tensors[f"model.{tied}"] = out.tensors[f"model.{source}"]
     known = {n for g in shapes for n in g} | set(model.get("frozen_param_shapes") or {}) | set(model.get("shared_params") or {})
     for name, t in module.items():  # the rest of the module (ZeRO-1 keeps frozen parameters only here)
         if f"model.{name}" not in out.tensors and isinstance(t, torch.Tensor) and not (name in known and t.numel() == 0):
-            out.tensors[f"model.{name}"] = InMemory(t)
+            out.tensors[f"model.{name}"] = Mapped(t)
     groups = _param_groups(osd)
-    if groups is not None:
+    if groups is not None:  # "params" index the flat (sub-)groups, whose parameters param_shapes lists
         names = [list(g) for g in shapes]
         out.values["optim.param_groups"] = [
-            {k: plain(v) for k, v in grp.items() if k != "params"} | {"params": names[i] if i < len(names) else []}
-            for i, grp in enumerate(groups)
+            {k: plain(v) for k, v in grp.items() if k != "params"}
+            | {"params": [n for i in grp.get("params", []) if isinstance(i, int) and i < len(names) for n in names[i]]}
+            for grp in groups
         ]
     out.values["lr_scheduler"] = plain(model.get("lr_scheduler"))
     for key, v in model.items():
@@ -385,8 +387,32 @@ class FlatParam:
             if src.dtype != self.dtype:
                 raise ConversionError(f"{self.what}: rank {p.rank} holds {src.dtype}, rank 0 {self.dtype}")
             out[a - start : b - start] = src
-            _release(src)
+            release_pages(src)
         return out.reshape(rows.shape), rows
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """A whole tensor memory-mapped from a file: a box is read as a copy of the rows
+    covering it, and the file's pages are dropped once copied (resident memory stays at
+    a few shards, not the file's size)."""
+
+    tensor: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    def read(self, box: Box) -> tuple[torch.Tensor, Box]:
+        rows = _rows(self.shape, box)
+        src = self.tensor[rows.slices()] if self.shape else self.tensor
+        out = src.clone()
+        release_pages(src)
+        return out, rows
 
 
 @dataclass(frozen=True)
@@ -411,26 +437,3 @@ def _rows(shape: tuple[int, ...], box: Box) -> Box:
     if not shape:
         return Box((), ())
     return Box((box.offset[0],) + (0,) * (len(shape) - 1), (box.shape[0],) + tuple(shape[1:]))
-
-
-_PAGE = mmap.PAGESIZE
-_MADV_DONTNEED = 4
-_libc = None
-
-
-def _release(t: torch.Tensor) -> None:
-    """Drop the resident pages of a memory-mapped tensor slice once copied (they are read
-    again from the file if needed), so converting a checkpoint does not grow the resident
-    memory by its size. A no-op off Linux or for tensors in ordinary memory."""
-    global _libc
-    storage = t.untyped_storage()
-    if storage.filename is None or t.numel() == 0:  # not memory-mapped from a file
-        return
-    try:
-        _libc = _libc or ctypes.CDLL(None, use_errno=True)
-        lo = (t.data_ptr() + _PAGE - 1) // _PAGE * _PAGE  # whole pages inside the slice only
-        hi = (t.data_ptr() + t.numel() * t.element_size()) // _PAGE * _PAGE
-        if hi > lo:
-            _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
-    except (OSError, AttributeError):
-        pass
