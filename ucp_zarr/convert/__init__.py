@@ -50,7 +50,7 @@ def detect(src: str | os.PathLike[str]) -> str:
     elif p.is_dir():
         if (p / ".metadata").is_file():
             return "dcp"
-        if (p / "zero").is_dir() and any(p.glob("mp_rank_*_model_states.pt")):
+        if (p / "latest_universal").is_file() or ((p / "zero").is_dir() and any(p.glob("*model_states.pt"))):
             return "ds-universal"
         if (p / "latest").is_file() or any(p.glob("*model_states.pt")):
             return "deepspeed"

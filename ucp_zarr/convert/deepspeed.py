@@ -341,7 +341,8 @@ def _other_state(out: Imported, model: dict[str, Any], osd: dict[str, Any], shap
         if key not in ENGINE_KEYS:
             out.values[f"client_state.{key}"] = plain(v)
     for key in ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size", "ds_config",
-                "ds_version", "checkpoint_parallel_dimensions"):
+                "ds_version", "checkpoint_parallel_dimensions", "buffer_names", "frozen_param_shapes", "shared_params",
+                "universal_checkpoint_info"):
         if key in model:
             out.values[f"deepspeed.{key}"] = plain(model[key])
     for key in _OPTIMIZER_SCALARS:
