@@ -46,10 +46,12 @@ ADAM = [v for v in VARIANTS if v != "z2-sgd"]  # ds_to_universal knows only Adam
 # on 2 ranks. The gradient of a step is reduced over 3 (or 1) ranks instead of 2, so it is
 # summed in another order: in fp32 the first update differs by an ulp here and there, which
 # moves the next loss by about one fp32 ulp of the loss (2.4e-7 at 2.7; observed: 1.6e-7 on
-# 3 ranks, 2.4e-7 on 1). In bf16 ZeRO-2 reduces bf16 gradients, and a weight rounded to bf16
-# differently moves the loss by ~1e-5 (observed: 2.9e-5 on 3 ranks, 2.4e-7 on 1). DeepSpeed's
-# own ds_to_universal output, resumed the same way, gives bit-identical losses to ours.
-TOL = {"fp32": 1e-6, "bf16": 1e-4}
+# 3 ranks, 2.4e-7 on 1). In bf16 ZeRO-2 reduces bf16 gradients: a gradient element rounded
+# differently flips its weight by one bf16 ulp (2^-8 relative), which moves this loss (2.7) by
+# up to ~1e-3 (observed: 2.9e-5 and 8.2e-4 on 3 ranks in two fixture builds, 2.4e-7 on 1).
+# The exact check is the other one: DeepSpeed's own ds_to_universal output, resumed the same
+# way, gives bit-identical losses to ours.
+TOL = {"fp32": 1e-6, "bf16": 2e-3}
 
 
 @pytest.fixture(scope="session", autouse=True)
