@@ -1,6 +1,8 @@
 """DeepSpeed ZeRO-1/2/3 checkpoints in: every parameter, fp32 master and optimizer state in
 its real shape, streamed from the ranks' flat partitions (no temporary copy, no merge
-worker holding a whole parameter).
+worker holding a whole parameter). With tensor parallelism (``mp_rank_XX`` files: AutoTP,
+Megatron-DeepSpeed), each TP rank's tensors are placed on the consolidated ones by the
+``universal_checkpoint_info`` the checkpoint holds, or by ``rules`` given by the caller.
 
 ``src`` is the folder holding ``latest`` (its tag is followed) or a ``global_stepN``
 folder. Files are read weights-only: DeepSpeed's own classes in them (loss scaler, ZeRO
@@ -37,6 +39,7 @@ import torch
 
 from ..errors import ConversionError
 from ..layout import Box
+from ..layout.pieces import Piece
 from ..layout.zero import (
     FlatPiece,
     ZeroLayoutError,
@@ -68,8 +71,27 @@ _OPTIMIZER_SCALARS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_gra
 
 
 def read(src: Path, *, trust: bool = False, rules: Any = None, **_: Any) -> Imported:
+    """A DeepSpeed ZeRO checkpoint folder; with tensor parallelism (``mp_rank_XX`` files),
+    each TP rank's parameters are placed on the consolidated ones by ``rules`` (a
+    :class:`~ucp_zarr.Rules`), by default those of the ``universal_checkpoint_info`` the
+    checkpoint holds (DeepSpeed AutoTP, Megatron-DeepSpeed)."""
     folder = step_folder(Path(src))
     optim_files = _rank_files(folder, "optim_states")
+    model_files = _rank_files(folder, "model_states")
+    tps = sorted({_mp(f) for f in optim_files})
+    if tps != list(range(len(tps))):
+        raise ConversionError(f"{folder}: optimizer files of tensor-parallel ranks {tps}: some are missing")
+    parts = [_read_tp(folder, [f for f in optim_files if _mp(f) == t], [f for f in model_files if _mp(f) == t], trust)
+             for t in tps]
+    if len(parts) == 1 and rules is None:
+        return parts[0]
+    return _consolidate(folder, parts, rules)
+
+
+def _read_tp(folder: Path, optim_files: list[Path], model_files: list[Path], trust: bool) -> Imported:
+    """The state of one tensor-parallel rank's data-parallel group (all of it without TP)."""
+    if not model_files:
+        raise ConversionError(f"{folder}: no model-states file beside {optim_files[0].name}")
     first = _load(optim_files[0], trust)
     osd = _get(first, "optimizer_state_dict", optim_files[0])
     if "zero_stage" in osd:
@@ -86,15 +108,7 @@ def read(src: Path, *, trust: bool = False, rules: Any = None, **_: Any) -> Impo
         )
     _check_rank_numbers(optim_files)
     optims = [first] + [_load(f, trust) for f in optim_files[1:]]
-    model_files = _rank_files(folder, "model_states")
     model = _load(model_files[0], trust)
-    if int(model.get("mp_world_size", 1) or 1) > 1 or len({_mp(f) for f in optim_files}) > 1:
-        raise ConversionError(
-            f"{folder}: tensor-parallel DeepSpeed checkpoints (mp_world_size {model.get('mp_world_size')}) are not "
-            "supported by this converter yet; convert a data-parallel-only checkpoint"
-        )
-    if rules is not None:
-        raise ConversionError("rules apply to tensor-parallel DeepSpeed checkpoints, which this converter does not read yet")
     out = Imported(layout={"source": {"format": "deepspeed", "folder": folder.name, "zero_stage": stage, "world": world}})
     shapes = [{n: tuple(s) for n, s in g.items()} for g in _get(model, "param_shapes", model_files[0])]
     if stage <= 2:
@@ -103,6 +117,64 @@ def read(src: Path, *, trust: bool = False, rules: Any = None, **_: Any) -> Impo
         models = [model] + [_load(f, trust) for f in model_files[1:]]
         _zero3(out, optims, optim_files, models, shapes)
     _other_state(out, model, osd, shapes)
+    return out
+
+
+def _consolidate(folder: Path, parts: list[Imported], rules: Any) -> Imported:
+    """The consolidated tensors of tensor-parallel ranks' states, placed by ``rules``."""
+    from ..place import place
+    from ..rules import RuleError, Rules
+
+    tp_size = len(parts)
+    if rules is None:
+        info = parts[0].values.get("deepspeed.universal_checkpoint_info")
+        if not isinstance(info, dict):
+            raise ConversionError(
+                f"{folder}: a tensor-parallel checkpoint ({tp_size} mp_rank files) that records no "
+                "universal_checkpoint_info: pass rules= (ucp_zarr.Rules) saying how its tensors are split"
+            )
+        rules = Rules.from_deepspeed(info)
+    buffers = set(parts[0].values.get("deepspeed.buffer_names") or [])
+    out = Imported(values=dict(parts[0].values), layout=dict(parts[0].layout))
+    out.layout["source"] = dict(out.layout["source"], tp=tp_size)
+    out.layout["rules"] = rules.to_dict()
+    merged: dict[str, list[tuple[Any, Any]]] = {}
+    for t, part in enumerate(parts):
+        state: dict[str, Any] = {"model": {}, "optim": {"state": {}}}
+        sources: dict[tuple[str, ...], Any] = {}
+        for key, source in part.tensors.items():
+            meta = torch.empty(source.shape, dtype=source.dtype, device="meta")
+            if key.startswith("model.") and key[6:] in buffers:  # buffers: whole on every rank
+                if t == 0:
+                    out.tensors[key] = source
+                continue
+            if key.startswith("model."):
+                path: tuple[str, ...] = ("model", key[6:])
+                state["model"][key[6:]] = meta
+            elif key.startswith("optim.state."):
+                name, state_key = key[len("optim.state."):].rsplit(".", 1)
+                path = ("optim", "state", name, state_key)
+                state["optim"]["state"].setdefault(name, {})[state_key] = meta
+            else:
+                raise ConversionError(f"{folder}: cannot place tensor {key!r} of tensor-parallel rank {t}")
+            sources[path] = source
+        try:
+            placed = place(state, rules, tp_rank=t, tp_size=tp_size)
+        except RuleError as e:
+            raise ConversionError(f"{folder}, tensor-parallel rank {t}: {e}") from None
+        for path, source in sources.items():
+            node = placed
+            for k in path:
+                node = node[k]
+            merged.setdefault(node.key, []).append((node, source))
+    for key, held in merged.items():
+        first = held[0][0]
+        if first.average:
+            raise ConversionError(f"{folder}: tensor {key!r} is averaged over tensor-parallel ranks, which the converter does not do")
+        if first.replicated:
+            out.tensors[key] = held[0][1]  # (TP rank 0's copy)
+        else:
+            out.tensors[key] = Placed(first.global_shape, first.local.dtype, [(p.pieces, src) for p, src in held], key)
     return out
 
 
@@ -413,6 +485,36 @@ class Mapped:
         src = self.tensor[rows.slices()] if self.shape else self.tensor
         out = src.clone()
         release_pages(src)
+        return out, rows
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A consolidated tensor assembled from the tensor-parallel ranks' local tensors
+    (``[(pieces, local source), ...]``, pieces as :func:`ucp_zarr.place` computes them)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    parts: Sequence[tuple[Sequence[Piece], Any]]
+    what: str
+
+    def read(self, box: Box) -> tuple[torch.Tensor, Box]:
+        rows = _rows(self.shape, box)
+        out = torch.empty(rows.shape, dtype=self.dtype)
+        covered = 0
+        for pieces, source in self.parts:
+            for p in pieces:
+                inter = p.dst.intersect(rows)
+                if inter is None or inter.is_empty():
+                    continue
+                if p.step is not None or p.base is not None:
+                    raise ConversionError(f"tensor {self.what!r}: strided pieces are not supported by the converter")
+                local = Box(tuple(s + i - d for s, i, d in zip(p.src.offset, inter.offset, p.dst.offset)), inter.shape)
+                t, held = source.read(local)
+                out[inter.relative_to(rows).slices()] = t[local.relative_to(held).slices()]
+                covered += inter.numel
+        if covered != rows.numel:
+            raise ConversionError(f"tensor {self.what!r}: the tensor-parallel ranks cover {covered} of {rows.numel} elements")
         return out, rows
 
 

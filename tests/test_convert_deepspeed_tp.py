@@ -1,0 +1,117 @@
+"""Tensor-parallel DeepSpeed checkpoints (AutoTP on a Hugging Face Llama, TP=2 x DP=2, written
+by DeepSpeed itself on 4 gloo processes) converted with ``ucp_zarr.convert``: the TP ranks'
+partitions are placed on the consolidated tensors by the ``universal_checkpoint_info`` the
+checkpoint holds (row-parallel projections, TP-replicated norms and embedding, a vocabulary-
+parallel head), and every fp32 master and Adam moment equals DeepSpeed's own
+``ds_to_universal`` output bit for bit."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import ucp_zarr
+from ucp_zarr.errors import ConversionError
+
+pytest.importorskip("transformers")
+
+TRAIN = textwrap.dedent('''
+    import collections, sys, torch
+    import deepspeed, deepspeed.ops
+    deepspeed.ops.__compatible_ops__ = collections.defaultdict(bool)  # no shm_comm JIT build
+    deepspeed.init_distributed(dist_backend="gloo")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    out, stage, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = LlamaForCausalLM(config)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+           "tensor_parallel": {"autotp_size": 2}, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    for step in range(2):
+        x = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(step))
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(out)
+''')
+VARIANTS = [(1, "fp32"), (2, "bf16")]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], tuple[Path, Path]]:
+    """(stage, dtype) -> (DeepSpeed checkpoint folder, DeepSpeed's ds_to_universal output)."""
+    work = tmp_path_factory.mktemp("autotp")
+    (work / "train.py").write_text(TRAIN)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    out = {}
+    for stage, dtype in VARIANTS:
+        ck = work / f"z{stage}-{dtype}"
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={_port()}",
+                        str(work / "train.py"), str(ck), str(stage), dtype],
+                       check=True, env=env, timeout=600, capture_output=True)
+        step = ck / (ck / "latest").read_text().strip()
+        uni = work / f"uni-z{stage}-{dtype}"
+        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(step),
+                        "--output_folder", str(uni), "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                       check=True, env=env, timeout=600, capture_output=True)
+        out[(stage, dtype)] = (ck, uni)
+    return out
+
+
+@pytest.mark.parametrize("stage, dtype", VARIANTS, ids=[f"z{s}-{d}" for s, d in VARIANTS])
+def test_tp_checkpoint_equals_deepspeeds_universal_output(checkpoints, tmp_path: Path, stage: int, dtype: str) -> None:
+    src, uni = checkpoints[(stage, dtype)]
+    assert len(list((src / (src / "latest").read_text().strip()).glob("mp_rank_01_model_states.pt"))) == 1
+    ucp_zarr.convert(src, tmp_path / "ck")
+    ck = ucp_zarr.open(tmp_path / "ck")
+    assert ck.meta.tensors["model.model.layers.0.self_attn.q_proj.weight"].shape == (32, 32)  # 16 rows per TP rank
+    assert ck.meta.tensors["model.model.layers.0.self_attn.o_proj.weight"].shape == (32, 32)  # row-parallel
+    assert ck.meta.tensors["model.lm_head.weight"].shape == (100, 32)  # vocabulary-parallel
+    assert ck.meta.tensors["model.model.norm.weight"].shape == (32,)  # TP-replicated
+    assert ck.meta.layout["source"]["tp"] == 2 and ck.meta.layout["rules"]["format"] == "ucp_zarr.rules/1"
+    compared = 0
+    for folder in sorted((uni / "zero").iterdir()):
+        if not folder.is_dir():
+            continue
+        for f in folder.glob("*.pt"):
+            if f.stem == "step":
+                continue
+            v = torch.load(f, weights_only=False)
+            want = v["param"] if isinstance(v, dict) else v
+            key = f"optim.state.{folder.name}.{f.stem}"
+            if f.stem == "fp32" and key not in ck:
+                key = f"model.{folder.name}"
+            got = ck.read(key)
+            assert got.shape == want.shape and torch.equal(got, want), key
+            compared += 1
+    assert compared >= 3 * 19  # fp32 + two moments of every trainable parameter
+    if dtype == "bf16":  # the module's weights are the masters rounded
+        for name in ("model.layers.1.mlp.down_proj.weight", "lm_head.weight"):
+            assert torch.equal(ck.read(f"model.{name}"), ck.read(f"optim.state.{name}.fp32").to(torch.bfloat16))
+
+
+def test_rules_that_do_not_fit_are_named(checkpoints, tmp_path: Path) -> None:
+    src, _ = checkpoints[(1, "fp32")]
+    rules = ucp_zarr.Rules.from_dict({"params": [{"kind": "fused", "patterns": [r".*q_proj\.weight"], "sizes": [7, -1]}],
+                                      "strict": False})
+    with pytest.raises(ConversionError, match=r"tensor-parallel rank 0: .*q_proj"):
+        ucp_zarr.convert(src, tmp_path / "ck", rules=rules)
+    assert not (tmp_path / "ck" / "zarr.json").exists()
