@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from typing import Any, Callable
 
 import torch
@@ -28,6 +29,12 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # A finished rank leaves without the interpreter's teardown, where gloo's native threads
+    # were seen to abort a finished process under load (exit -6, "terminate called without an
+    # active exception"); a failure above still exits through the normal path, with its traceback.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(world: int, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> None:

@@ -787,6 +787,15 @@ def _resume(task: dict[str, Any], rank: int, world: int) -> None:
     dist.barrier()
 
 
+def exit_cleanly() -> None:
+    """End a worker that finished its work: flush and leave without the interpreter's
+    teardown, where gloo's native threads were seen to abort a finished process
+    ("terminate called without an active exception", exit -6) under load."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _worker(job_file: str) -> None:
     job = json.loads(Path(job_file).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -806,6 +815,7 @@ def _worker(job_file: str) -> None:
                 raise ValueError(task["kind"])
     finally:
         dist.destroy_process_group()
+    exit_cleanly()
 
 
 if __name__ == "__main__":

@@ -372,6 +372,7 @@ def _worker(job_file: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    D.exit_cleanly()
 
 
 if __name__ == "__main__":
