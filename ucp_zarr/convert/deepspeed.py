@@ -174,7 +174,7 @@ def _consolidate(folder: Path, parts: list[Imported], rules: Any) -> Imported:
         if first.replicated:
             out.tensors[key] = held[0][1]  # (TP rank 0's copy)
         else:
-            out.tensors[key] = Placed(first.global_shape, first.local.dtype, [(p.pieces, src) for p, src in held], key)
+            out.tensors[key] = Consolidated(first.global_shape, first.local.dtype, [(p.pieces, src) for p, src in held], key)
     return out
 
 
@@ -489,7 +489,7 @@ class Mapped:
 
 
 @dataclass(frozen=True)
-class Placed:
+class Consolidated:
     """A consolidated tensor assembled from the tensor-parallel ranks' local tensors
     (``[(pieces, local source), ...]``, pieces as :func:`ucp_zarr.place` computes them)."""
 
