@@ -334,7 +334,7 @@ def prebuild(variants: Iterable[dict[str, Any]], *, timeout_s: float = 600) -> d
                     tasks = [{"kind": "train", "variant": v, "out": str(work / variant_name(v)), "oracles": True,
                               "oracle_root": str(cache_root() / "oracles")} for v in chunk]
                     t0 = time.perf_counter()
-                    _launch(world, tasks, work, timeout_s=timeout_s)
+                    launch(world, tasks, work, timeout_s=timeout_s)
                     spent[f"w{world}:" + ",".join(variant_name(v) for v in chunk)] = time.perf_counter() - t0
                     for v in chunk:
                         _publish(work / variant_name(v), _entry(v))
@@ -390,7 +390,7 @@ def make_checkpoint(out_dir: str | os.PathLike, *, stage: int, dtype: str, world
         out_dir.mkdir(parents=True, exist_ok=True)
         logs = Path(tempfile.mkdtemp(prefix="ds-logs-"))
         try:
-            _launch(world, [{"kind": "train", "variant": v, "out": str(out_dir), "oracles": False}], logs)
+            launch(world, [{"kind": "train", "variant": v, "out": str(out_dir), "oracles": False}], logs)
         finally:
             shutil.rmtree(logs, ignore_errors=True)
     return out_dir / "checkpoint"
@@ -481,7 +481,7 @@ def resume(ckpt_dir: str | os.PathLike, *, stage: int, dtype: str, world: int = 
                 param_alignment=param_alignment)
     work = Path(tempfile.mkdtemp(prefix="ds-resume-"))
     try:
-        _launch(world, [{"kind": "resume", "variant": v, "load": str(ckpt_dir), "tag": tag, "steps": steps,
+        launch(world, [{"kind": "resume", "variant": v, "load": str(ckpt_dir), "tag": tag, "steps": steps,
                          "load_universal": load_universal, "out": str(work / "losses.json")}], work,
                 timeout_s=timeout_s)
         return json.loads((work / "losses.json").read_text())
@@ -523,9 +523,10 @@ def _tail(path: Path, n: int = 4000) -> str:
         return "<no log>"
 
 
-def _launch(world: int, tasks: list[dict[str, Any]], work: Path, timeout_s: float = 600) -> None:
-    """Run ``tasks`` on ``world`` fresh processes (one gloo group); raise with the logs on any failure.
-    Every process is its own session: on failure or timeout all of them (and their children) are killed."""
+def launch(world: int, tasks: list[dict[str, Any]], work: Path, timeout_s: float = 600, worker: str = __file__) -> None:
+    """Run ``tasks`` on ``world`` fresh processes (one gloo group) of ``python worker _worker JOB``
+    (JOB: ``{"tasks": [...], "timeout_s": s}``); raise with the logs on any failure. Every process is
+    its own session: on failure or timeout all of them (and their children) are killed."""
     work.mkdir(parents=True, exist_ok=True)
     job = work / "job.json"
     for attempt in range(2):  # a second try only for a port taken between probe and bind
@@ -538,7 +539,7 @@ def _launch(world: int, tasks: list[dict[str, Any]], work: Path, timeout_s: floa
             env = _env(dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world), RANK=str(rank),
                             LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)))
             with open(log, "w") as f:
-                procs.append(subprocess.Popen([sys.executable, __file__, "_worker", str(job)], env=env, stdout=f,
+                procs.append(subprocess.Popen([sys.executable, worker, "_worker", str(job)], env=env, stdout=f,
                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                               start_new_session=True, cwd=work))
         deadline = time.monotonic() + timeout_s

@@ -126,7 +126,7 @@ def _resume_all(world: int, jobs: dict[str, tuple[Path, dict[str, Any]]]) -> dic
         tasks = [{"kind": "resume", "variant": D.variant(world=world, **kw), "load": str(folder), "tag": None,
                   "steps": D.CONTINUE_STEPS, "load_universal": True, "out": str(work / f"{i}.json")}
                  for i, (folder, kw) in enumerate(jobs.values())]
-        D._launch(world, tasks, work, timeout_s=600)
+        D.launch(world, tasks, work, timeout_s=600)
         return {name: json.loads((work / f"{i}.json").read_text()) for i, name in enumerate(jobs)}
     finally:
         shutil.rmtree(work, ignore_errors=True)

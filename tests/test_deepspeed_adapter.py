@@ -23,7 +23,6 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,47 +44,11 @@ TIMEOUT_S = 180
 
 
 def _launch(world: int, task: dict[str, Any], work: Path) -> float:
-    """Run ``task`` on ``world`` fresh gloo processes; raise with their logs on any failure.
-    Returns the wall seconds."""
-    work.mkdir(parents=True, exist_ok=True)
-    job = work / f"job-{task['kind']}.json"
-    job.write_text(json.dumps({"task": task, "timeout_s": TIMEOUT_S}))
+    """Run ``task`` on ``world`` fresh gloo processes (this file as the worker); raise with their
+    logs on any failure. Returns the wall seconds."""
     t0 = time.perf_counter()
-    for attempt in range(2):  # a second try only for a port taken between probe and bind
-        port = str(D._free_port())
-        procs, logs = [], []
-        for rank in range(world):
-            log = work / f"{task['kind']}-rank{rank}.log"
-            logs.append(log)
-            env = D._env(dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world), RANK=str(rank),
-                              LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)))
-            with open(log, "w") as f:
-                procs.append(subprocess.Popen([sys.executable, __file__, "_worker", str(job)], env=env, stdout=f,
-                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                              start_new_session=True, cwd=work))
-        deadline = time.monotonic() + TIMEOUT_S
-        failed = None
-        try:
-            while True:
-                codes = [p.poll() for p in procs]
-                bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-                if bad:
-                    failed = f"rank {bad[0]} exited with {codes[bad[0]]}"
-                    break
-                if all(c == 0 for c in codes):
-                    return time.perf_counter() - t0
-                if time.monotonic() > deadline:
-                    failed = f"timed out after {TIMEOUT_S} s"
-                    break
-                time.sleep(0.05)
-        finally:
-            for p in procs:
-                D._kill(p)
-        text = "\n".join(f"--- rank {r} ---\n{D._tail(logs[r], 6000)}" for r in range(world))
-        if attempt == 0 and "address already in use" in text.lower():
-            continue
-        raise RuntimeError(f"DeepSpeed worker {task['kind']} failed ({failed}):\n{text}")
-    raise AssertionError("unreachable")
+    D.launch(world, [task], work / task["kind"], timeout_s=TIMEOUT_S, worker=__file__)
+    return time.perf_counter() - t0
 
 
 @pytest.fixture(scope="module")
@@ -367,8 +330,8 @@ def _worker(job_file: str) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=job["timeout_s"]), verbose=False)
     try:
-        task = job["task"]
-        {"train": _train, "resume": _resume}[task["kind"]](task, rank, world)
+        for task in job["tasks"]:
+            {"train": _train, "resume": _resume}[task["kind"]](task, rank, world)
         dist.barrier()
     finally:
         dist.destroy_process_group()

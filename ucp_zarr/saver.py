@@ -238,7 +238,9 @@ class PreparedSave:
             sbox = meta.grid.shard_box(task.shard)
             if not task.sources:
                 src, held = self.staging.holding(task.key, sbox)
-                return write_shard(self.target, path, meta, task.shard, src, held, seal)
+                sealed = write_shard(self.target, path, meta, task.shard, src, held, seal)
+                self.staging.release(task.key, sbox)
+                return sealed
             buf = torch.empty(sbox.shape, dtype=meta.dtype.storage_torch_dtype)
             for i, (src_rank, box) in enumerate(task.sources):
                 part = self.staging.data(task.key, box) if src_rank == rank else received[(n, i)]

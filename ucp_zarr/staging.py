@@ -72,6 +72,10 @@ class Staging:
         pbox, t = self._fragment(akey).holding(box)
         return as_storage(t, meta), pbox
 
+    def release(self, akey: str, box: Box) -> None:
+        """Called once ``box`` (a shard) of array ``akey`` is written: nothing to free here
+        (the staging buffer lives as long as the save)."""
+
     def data(self, akey: str, box: Box) -> torch.Tensor:
         """This rank's data of ``box`` of array ``akey``, in the storage dtype (a view)."""
         t, held = self.holding(akey, box)

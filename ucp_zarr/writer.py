@@ -44,7 +44,9 @@ class TensorSource(Protocol):
 
     def read(self, box: Box) -> tuple[torch.Tensor, Box]:
         """A CPU tensor holding ``box`` of the tensor, and the box it holds (containing
-        ``box``; a view of a larger tensor or memory-mapped file is fine)."""
+        ``box``; a view of a larger tensor or memory-mapped file is fine). A source may also
+        have ``release(box)``, called once the shard ``box`` is written (to drop the pages
+        of a memory-mapped view)."""
         ...
 
 
@@ -105,6 +107,11 @@ class _SourceStaging:
         if self.progress is not None:
             self.progress(box.numel * t.element_size())
         return (t if t.dtype == storage else t.view(storage)), held
+
+    def release(self, akey: str, box: Box) -> None:
+        release = getattr(self.sources[akey], "release", None)
+        if release is not None:
+            release(box)
 
     def data(self, akey: str, box: Box) -> torch.Tensor:  # pragma: no cover - one process sends nothing
         t, held = self.holding(akey, box)

@@ -435,9 +435,10 @@ def _param_groups(osd: dict[str, Any]) -> list[dict[str, Any]] | None:
 
 @dataclass(frozen=True)
 class FlatParam:
-    """A parameter-shaped tensor held as flat pieces of the ranks' flat buffers
-    (``flat(rank, group)``). A box is read as the whole rows that cover it: a view of the
-    buffer when one piece holds them, else a copy of the pieces."""
+    """A parameter-shaped tensor held as flat pieces of the ranks' memory-mapped flat
+    buffers (``flat(rank, group)``). A box is read as the whole rows that cover it: a view
+    of the buffer when one piece holds them (its pages dropped once written, ``release``),
+    else a copy of the pieces (their pages dropped at once)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -446,29 +447,45 @@ class FlatParam:
     what: str
 
     def read(self, box: Box) -> tuple[torch.Tensor, Box]:
+        rows, parts = self._parts(box)
+        if len(parts) == 1:  # one rank's buffer holds the rows: a view, released once written
+            return parts[0].reshape(rows.shape), rows
+        out = torch.empty(rows.numel, dtype=self.dtype)
+        at = 0
+        for src in parts:
+            out[at : at + src.numel()] = src
+            at += src.numel()
+            release_pages(src)
+        return out.reshape(rows.shape), rows
+
+    def release(self, box: Box) -> None:
+        _, parts = self._parts(box)
+        if len(parts) == 1:
+            release_pages(parts[0])
+
+    def _parts(self, box: Box) -> tuple[Box, list[torch.Tensor]]:
+        """The rows covering ``box`` and the slices of the ranks' buffers holding them, in order."""
         rows = _rows(self.shape, box)
         row = math.prod(self.shape[1:]) if self.shape else 1
         start = rows.offset[0] * row if self.shape else 0
         stop = start + rows.numel
-        parts = pieces_in(self.pieces, start, stop)
-        if sum(b - a for _, a, b in parts) != stop - start:
+        held = pieces_in(self.pieces, start, stop)
+        if sum(b - a for _, a, b in held) != stop - start:
             raise ConversionError(f"{self.what}: the ranks' partitions do not hold elements [{start}, {stop})")
-        out = torch.empty(stop - start, dtype=self.dtype)
-        for p, a, b in parts:
-            buf = self.flat(p.rank, p.group)
-            src = buf[p.start + a - p.param_start : p.start + b - p.param_start]
+        parts = []
+        for p, a, b in held:
+            src = self.flat(p.rank, p.group)[p.start + a - p.param_start : p.start + b - p.param_start]
             if src.dtype != self.dtype:
                 raise ConversionError(f"{self.what}: rank {p.rank} holds {src.dtype}, rank 0 {self.dtype}")
-            out[a - start : b - start] = src
-            release_pages(src)
-        return out.reshape(rows.shape), rows
+            parts.append(src)
+        return rows, parts
 
 
 @dataclass(frozen=True)
 class Mapped:
-    """A whole tensor memory-mapped from a file: a box is read as a copy of the rows
-    covering it, and the file's pages are dropped once copied (resident memory stays at
-    a few shards, not the file's size)."""
+    """A whole tensor memory-mapped from a file: a box is read as a view of the rows
+    covering it, whose pages are dropped once written (resident memory stays at a few
+    shards, not the file's size)."""
 
     tensor: torch.Tensor
 
@@ -482,10 +499,11 @@ class Mapped:
 
     def read(self, box: Box) -> tuple[torch.Tensor, Box]:
         rows = _rows(self.shape, box)
-        src = self.tensor[rows.slices()] if self.shape else self.tensor
-        out = src.clone()
-        release_pages(src)
-        return out, rows
+        return (self.tensor[rows.slices()] if self.shape else self.tensor), rows
+
+    def release(self, box: Box) -> None:
+        rows = _rows(self.shape, box)
+        release_pages(self.tensor[rows.slices()] if self.shape else self.tensor)
 
 
 @dataclass(frozen=True)
@@ -512,6 +530,8 @@ class Consolidated:
                 local = Box(tuple(s + i - d for s, i, d in zip(p.src.offset, inter.offset, p.dst.offset)), inter.shape)
                 t, held = source.read(local)
                 out[inter.relative_to(rows).slices()] = t[local.relative_to(held).slices()]
+                if hasattr(source, "release"):
+                    source.release(local)
                 covered += inter.numel
         if covered != rows.numel:
             raise ConversionError(f"tensor {self.what!r}: the tensor-parallel ranks cover {covered} of {rows.numel} elements")
@@ -532,7 +552,9 @@ class Cast:
 
     def read(self, box: Box) -> tuple[torch.Tensor, Box]:
         t, held = self.source.read(box)
-        return t.to(self.dtype), held
+        out = t.to(self.dtype)
+        self.source.release(box)
+        return out, held
 
 
 def _rows(shape: tuple[int, ...], box: Box) -> Box:
