@@ -73,7 +73,7 @@ class Checkpoint:
         ``rank_values`` holds the values that differed between the saving ranks, by rank."""
         values = {k: from_json(v, k) for k, v in self.meta.values.items()}
         return {
-            "step": values.get("step"),
+            "step": values.get("step", values.get("deepspeed.global_steps")),  # (a DeepSpeed checkpoint's)
             "created": self.meta.created,
             "library": self.meta.library,
             "world_size": self.meta.world_size,
