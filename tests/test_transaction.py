@@ -216,3 +216,22 @@ def test_overwrite_crashed_at_every_operation_leaves_old_or_new(tmp_path):
         siblings = sorted(p.name for p in base.iterdir())
         assert siblings[-1] == "ck" and all(s.startswith(".ck.ucp_zarr-") for s in siblings[:-1]), siblings
     assert seen["old"] > 0 and seen["new"] > 0  # crashes hit both sides of the switch
+
+
+def test_an_overwrite_keeps_the_other_files_of_the_directory(tmp_path) -> None:
+    """Replacing a committed checkpoint deletes only the old checkpoint's objects: a config,
+    a tokenizer folder or a file named like a shard elsewhere stay (they were deleted)."""
+    import torch
+
+    import ucp_zarr
+
+    ck = tmp_path / "ck"
+    ucp_zarr.save({"w": torch.ones(3), "b": {"x": torch.ones(2)}}, ck)
+    others = {"config.json": "{}", "tokenizer/vocab.txt": "a b", "notes/c/0": "not a shard", "w/README": "mine"}
+    for name, text in others.items():
+        (ck / name).parent.mkdir(parents=True, exist_ok=True)
+        (ck / name).write_text(text)
+    ucp_zarr.save({"w": torch.zeros(3)}, ck, overwrite=True)
+    assert {n: (ck / n).read_text() for n in others} == others
+    assert torch.equal(ucp_zarr.open(ck).read("w"), torch.zeros(3)) and "b.x" not in ucp_zarr.open(ck)
+    assert not (ck / "b").exists() or not any((ck / "b").rglob("*.json"))

@@ -201,6 +201,23 @@ def last_heartbeat(store: Store, save_id: str) -> float | None:
         return None
 
 
+_NAME = r"[A-Za-z0-9_%~\-][A-Za-z0-9_.%~\-]*"
+"""An escaped group or array name (schema/FORMAT.md, section 1; as ``format._COMPONENT``)."""
+_CHECKPOINT_OBJECT = re.compile(
+    rf"(?:zarr\.json|{_NAME}/zarr\.json|{_NAME}/{_NAME}/(?:zarr\.json|c(?:/[0-9]+)*))(?:\.tmp-[0-9a-f]{{32}})?"
+)
+
+
+def is_checkpoint_object(key: str) -> bool:
+    """Whether ``key`` (relative to the checkpoint path) names an object of the format: the
+    root ``zarr.json``, a protocol file (``.ucp_zarr_*``), a group or array ``zarr.json``
+    (``<group>/zarr.json``, ``<group>/<array>/zarr.json``), a shard (``<group>/<array>/c/i/j``,
+    ``c`` for a 0-d array), or a store's temporary name for one of them. Anything else
+    (``config.json``, ``tokenizer/vocab.json``, DCP's ``.metadata``) is another file sharing
+    the directory, which no step of the protocol deletes."""
+    return is_internal(key) or _CHECKPOINT_OBJECT.fullmatch(key) is not None
+
+
 def is_internal(key: str) -> bool:
     return "/" not in key and key.startswith(INTERNAL_PREFIX)
 
@@ -385,7 +402,7 @@ class Transaction:
             store.delete(mine[-1])
             return False
         for key in store.list():
-            if key != MARKER and key not in mine and not self._live_takeover(store, key):
+            if key != MARKER and key not in mine and is_checkpoint_object(key) and not self._live_takeover(store, key):
                 store.delete(key)
         store.write_atomic(MARKER, self.me.to_bytes())
         for key in reversed(mine):
@@ -460,7 +477,7 @@ class Transaction:
             return
         self.target.write_atomic(HEARTBEAT + self.save_id, json.dumps({"aborted": True}).encode())
         for key in self.target.list():
-            if not is_internal(key):
+            if not is_internal(key) and is_checkpoint_object(key):
                 self.target.delete(key)
 
     def _stop_heartbeat(self) -> None:
@@ -478,8 +495,8 @@ def roll_forward(store: Store, staged: Store) -> None:
     for key in new:
         store.adopt(staged, key)
     keep = set(new)
-    for key in store.list():
-        if key not in keep and not is_internal(key):
+    for key in store.list():  # the old checkpoint's objects; other files in the directory stay
+        if key not in keep and not is_internal(key) and is_checkpoint_object(key):
             store.delete(key)
     store.sync()
     try:

@@ -78,7 +78,6 @@ import io
 import json
 import math
 import os
-import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future as _PyFuture
@@ -119,7 +118,7 @@ from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ..saver import Collected, SaveOptions, prepare
 from ..statedict import from_json, to_json
 from ..storage import Buffer, ReadRequest, Store, open_store
-from ..transaction import is_internal
+from ..transaction import is_checkpoint_object
 
 __all__ = ["ZarrStorageReader", "ZarrStorageWriter"]
 
@@ -159,23 +158,6 @@ def _done(value: Any) -> Future:
 
 # --- a checkpoint beside other files ----------------------------------------------------------
 
-_NAME = r"[A-Za-z0-9_%~\-][A-Za-z0-9_.%~\-]*"
-"""An escaped group or array name (schema/FORMAT.md, section 1; as ``format._COMPONENT``)."""
-_OWN_KEY = re.compile(
-    rf"(?:zarr\.json|{_NAME}/zarr\.json|{_NAME}/{_NAME}/(?:zarr\.json|c(?:/[0-9]+)*))(?:\.tmp-[0-9a-f]{{32}})?"
-)
-
-
-def _own_key(key: str) -> bool:
-    """Whether ``key`` (relative to the checkpoint path) names an object of the format: the
-    root ``zarr.json``, a protocol file (``.ucp_zarr_*``), a group or array ``zarr.json``
-    (``<group>/zarr.json``, ``<group>/<array>/zarr.json``), a shard (``<group>/<array>/c/i/j``,
-    ``c`` for a 0-d array), or a store's temporary name for one of them. Anything else
-    (``config.json``, ``model.pt``, ``tokenizer/vocab.json``, DCP's ``.metadata``) is another
-    file sharing the directory."""
-    return is_internal(key) or _OWN_KEY.fullmatch(key) is not None
-
-
 class _BesideOtherFiles(Store):
     """The checkpoint at a path that may hold other files: the save transaction sees only
     the checkpoint's own objects (:func:`_own_key`), so claiming the path, aborting, taking
@@ -209,10 +191,10 @@ class _BesideOtherFiles(Store):
         return self.inner.exists(key)
 
     def list(self) -> list[str]:
-        return [k for k in self.inner.list() if _own_key(k)]
+        return [k for k in self.inner.list() if is_checkpoint_object(k)]
 
     def delete(self, key: str) -> None:
-        if not _own_key(key):  # the transaction only deletes what list() shows
+        if not is_checkpoint_object(key):  # the transaction only deletes what list() shows
             raise ValueError(f"refusing to delete {self.url}/{key}: it is not part of the checkpoint")
         self.inner.delete(key)
 
