@@ -212,5 +212,5 @@ def test_universal_resume_on_other_world_sizes(ds_standard, tmp_path) -> None:
 def test_worker_failure_is_reported_not_hung(tmp_path) -> None:
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="bogus"):
-        D._launch(2, [{"kind": "bogus"}], tmp_path, timeout_s=120)
+        D.launch(2, [{"kind": "bogus"}], tmp_path, timeout_s=120)
     assert time.perf_counter() - t0 < 60
