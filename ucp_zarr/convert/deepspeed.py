@@ -482,20 +482,10 @@ class FlatParam:
 
 
 @dataclass(frozen=True)
-class Mapped:
+class Mapped(InMemory):
     """A whole tensor memory-mapped from a file: a box is read as a view of the rows
     covering it, whose pages are dropped once written (resident memory stays at a few
     shards, not the file's size)."""
-
-    tensor: torch.Tensor
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tensor.dtype
 
     def read(self, box: Box) -> tuple[torch.Tensor, Box]:
         rows = _rows(self.shape, box)
