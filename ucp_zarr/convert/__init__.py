@@ -122,7 +122,8 @@ def export(
     **options: Any,
 ) -> Path:
     """Export the ucp_zarr checkpoint at ``src`` into the folder ``dst`` in format ``to``
-    (see :data:`TARGETS`); format options (``max_shard_bytes`` for safetensors) pass through."""
+    (see :data:`TARGETS`); format options pass through: ``max_shard_bytes`` and ``keys``
+    (safetensors), ``block_bytes`` and ``keys`` (dcp), ``tag`` (ds-universal)."""
     if to not in TARGETS:
         raise ConversionError(f"unknown export format {to!r} (known: {sorted(TARGETS)})")
     ck = open_checkpoint(src, storage_options=storage_options)
