@@ -464,6 +464,25 @@ def ds_to_universal(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike) -> 
     return out_dir / tag
 
 
+def universal_tensors(universal: str | os.PathLike) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """``(parameter name, state key, tensor)`` for every ``zero/<name>/<key>.pt`` of a
+    ``ds_to_universal`` output folder but ``step`` (ZeRO-3 tensors stay flat, as DeepSpeed left them)."""
+    for folder in sorted((Path(universal) / "zero").iterdir()):
+        if not folder.is_dir():
+            continue
+        for f in sorted(folder.glob("*.pt")):
+            if f.stem != "step":
+                v = torch.load(f, weights_only=False)
+                yield folder.name, f.stem, v["param"] if isinstance(v, dict) else v
+
+
+def converted_key(keys: Any, name: str, state_key: str) -> str:
+    """The key of a ``ds_to_universal`` tensor in a checkpoint converted by ucp_zarr (``keys``:
+    its keys): the fp32 master is ``model.<name>`` when training was in fp32."""
+    key = f"optim.state.{name}.{state_key}"
+    return f"model.{name}" if state_key == "fp32" and key not in keys else key
+
+
 def universal_stats(ckpt_dir: str | os.PathLike) -> dict[str, Any]:
     """Wall seconds and peak RSS (KiB) of the ds_to_universal and zero_to_fp32 runs that filled the cache."""
     return json.loads((_oracle_entry(ckpt_dir) / "stats.json").read_text())
@@ -678,6 +697,19 @@ def _variant_config(v: dict[str, Any], world: int) -> dict[str, Any]:
                      round_robin=v["round_robin"], param_alignment=v["param_alignment"])
 
 
+def _train_step(engine: Any, step: int, rank: int, world: int) -> float:
+    """One training step on ``step``'s batch; the loss averaged over the ranks."""
+    import torch.distributed as dist
+
+    idx, tgt = batch(step, rank, world)
+    loss = engine(idx, tgt)
+    engine.backward(loss)
+    engine.step()
+    mean = loss.detach().float().clone()
+    dist.all_reduce(mean)
+    return mean.item() / world
+
+
 def _train(task: dict[str, Any], rank: int, world: int, timeout_s: float) -> None:
     import torch.distributed as dist
 
@@ -702,13 +734,7 @@ def _train(task: dict[str, Any], rank: int, world: int, timeout_s: float) -> Non
             t0 = time.perf_counter()
             engine.save_checkpoint(str(out / "checkpoint"), client_state=client)
             t_save = time.perf_counter() - t0
-        idx, tgt = batch(step, rank, world)
-        loss = engine(idx, tgt)
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        (losses if step < v["steps"] else after).append(mean.item() / world)
+        (losses if step < v["steps"] else after).append(_train_step(engine, step, rank, world))
         if step < v["steps"]:
             lrs.append([g["lr"] for g in engine.optimizer.param_groups])
     t_train = time.perf_counter() - t_start
@@ -775,13 +801,7 @@ def _resume(task: dict[str, Any], rank: int, world: int) -> None:
     first = engine.global_steps
     losses = []
     for step in range(first, first + task["steps"]):
-        idx, tgt = batch(step, rank, world)
-        loss = engine(idx, tgt)
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+        losses.append(_train_step(engine, step, rank, world))
     if rank == 0:
         Path(task["out"]).write_text(json.dumps(losses))
     engine.destroy()

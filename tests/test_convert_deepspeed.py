@@ -40,8 +40,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
 
 
 def _master(ck: ucp_zarr.Checkpoint, name: str) -> torch.Tensor:
-    key = f"optim.state.{name}.fp32"
-    return ck.read(key if key in ck else f"model.{name}")
+    return ck.read(D.converted_key(ck, name, "fp32"))
 
 
 @pytest.mark.parametrize("vid", IDS)
@@ -82,20 +81,10 @@ def test_equal_to_deepspeeds_own_outputs(converted: dict[str, tuple[Path, Path]]
         with pytest.raises(RuntimeError, match="KeyError: 'exp_avg'"):
             D.ds_to_universal(src, tmp_path / "u")
         return
-    uni = D.ds_to_universal(src, tmp_path / "u")
-    for folder in sorted((uni / "zero").iterdir()):
-        if not folder.is_dir():
-            continue
-        for f in folder.glob("*.pt"):
-            key = f.stem
-            if key == "step":
-                continue
-            v = torch.load(f, weights_only=False)
-            want = v["param"] if isinstance(v, dict) else v
-            name = folder.name
-            got = _master(ck, name) if key == "fp32" else ck.read(f"optim.state.{name}.{key}")
-            assert torch.equal(got.reshape(-1), want.reshape(-1)), (name, key)
-            assert got.shape == ck.meta.tensors[f"model.{name}"].shape
+    for name, key, want in D.universal_tensors(D.ds_to_universal(src, tmp_path / "u")):
+        got = ck.read(D.converted_key(ck, name, key))
+        assert torch.equal(got.reshape(-1), want.reshape(-1)), (name, key)
+        assert got.shape == ck.meta.tensors[f"model.{name}"].shape
 
 
 def _load_flat(rank: int, world: int, path: str, names: list[str], shapes: dict[str, tuple[int, ...]],

@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import ds_checkpoints as D
 import pytest
 import torch
 
@@ -88,20 +89,11 @@ def test_tp_checkpoint_equals_deepspeeds_universal_output(checkpoints, tmp_path:
     assert ck.meta.tensors["model.model.norm.weight"].shape == (32,)  # TP-replicated
     assert ck.meta.layout["source"]["tp"] == 2 and ck.meta.layout["rules"]["format"] == "ucp_zarr.rules/1"
     compared = 0
-    for folder in sorted((uni / "zero").iterdir()):
-        if not folder.is_dir():
-            continue
-        for f in folder.glob("*.pt"):
-            if f.stem == "step":
-                continue
-            v = torch.load(f, weights_only=False)
-            want = v["param"] if isinstance(v, dict) else v
-            key = f"optim.state.{folder.name}.{f.stem}"
-            if f.stem == "fp32" and key not in ck:
-                key = f"model.{folder.name}"
-            got = ck.read(key)
-            assert got.shape == want.shape and torch.equal(got, want), key
-            compared += 1
+    for name, state_key, want in D.universal_tensors(uni):
+        key = D.converted_key(ck, name, state_key)
+        got = ck.read(key)
+        assert got.shape == want.shape and torch.equal(got, want), key
+        compared += 1
     assert compared >= 3 * 19  # fp32 + two moments of every trainable parameter
     if dtype == "bf16":  # the module's weights are the masters rounded
         for name in ("model.layers.1.mlp.down_proj.weight", "lm_head.weight"):

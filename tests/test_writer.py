@@ -4,16 +4,34 @@ most ``max_workers`` at once, one transaction (a failing source leaves nothing c
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 
 import ucp_zarr
+from ucp_zarr.errors import LayoutError
 from ucp_zarr.layout import Box
 from ucp_zarr.saver import SaveOptions
 from ucp_zarr.storage import open_store
-from ucp_zarr.writer import InMemory, Lazy, write_checkpoint
+from ucp_zarr.writer import InMemory, write_checkpoint
+
+
+@dataclass(frozen=True)
+class Lazy:
+    """A tensor of known shape and dtype, loaded whole by ``load()`` when a shard needs it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    load: Callable[[], torch.Tensor]
+
+    def read(self, box: Box) -> tuple[torch.Tensor, Box]:
+        t = self.load()
+        if tuple(t.shape) != tuple(self.shape) or t.dtype != self.dtype:
+            raise LayoutError(f"a source announced {list(self.shape)} {self.dtype}, but holds {list(t.shape)} {t.dtype}")
+        return t, Box.whole(self.shape)
 
 
 class Rows:

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from .errors import CheckpointExistsError, FormatError, IncompleteCheckpointError, NotACheckpointError, OwnershipError
-from .format import METADATA_FILE
+from .format import _COMPONENT, METADATA_FILE
 from .storage import Store
 from .version import __version__
 
@@ -201,8 +201,7 @@ def last_heartbeat(store: Store, save_id: str) -> float | None:
         return None
 
 
-_NAME = r"[A-Za-z0-9_%~\-][A-Za-z0-9_.%~\-]*"
-"""An escaped group or array name (schema/FORMAT.md, section 1; as ``format._COMPONENT``)."""
+_NAME = _COMPONENT.pattern  # an escaped group or array name (schema/FORMAT.md, section 1)
 _CHECKPOINT_OBJECT = re.compile(
     rf"(?:zarr\.json|{_NAME}/zarr\.json|{_NAME}/{_NAME}/(?:zarr\.json|c(?:/[0-9]+)*))(?:\.tmp-[0-9a-f]{{32}})?"
 )

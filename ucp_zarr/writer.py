@@ -68,22 +68,6 @@ class InMemory:
         return self.tensor.detach().cpu(), Box.whole(tuple(self.tensor.shape))
 
 
-@dataclass(frozen=True)
-class Lazy:
-    """A tensor of known shape and dtype, loaded whole by ``load()`` when a shard needs
-    it (a small tensor in a file: it is read once per shard, so keep it to one shard)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    load: Callable[[], torch.Tensor]
-
-    def read(self, box: Box) -> tuple[torch.Tensor, Box]:
-        t = self.load()
-        if tuple(t.shape) != tuple(self.shape) or t.dtype != self.dtype:
-            raise LayoutError(f"a source announced {list(self.shape)} {self.dtype}, but holds {list(t.shape)} {t.dtype}")
-        return t, Box.whole(self.shape)
-
-
 class _SourceStaging:
     """What :class:`~.saver.PreparedSave` writes from: boxes read from the sources."""
 

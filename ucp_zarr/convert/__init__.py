@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -97,17 +98,9 @@ def convert(
     is called with bytes as shards are read."""
     imported = read_source(src, source, rules=rules, trust=trust, prefix=prefix)
     options = SaveOptions(shard_bytes=shard_bytes, max_workers=max_workers, overwrite=overwrite)
-    report = None
-    if progress is not None:
-        total, done = total_bytes(imported.tensors), [0]
-
-        def report(n: int) -> None:
-            done[0] += n
-            progress(done[0], total)
-
     return write_checkpoint(
         open_store(dst, storage_options), imported.tensors, imported.values, options=options,
-        layout=imported.layout, progress=report,
+        layout=imported.layout, progress=_running_total(progress, total_bytes(imported.tensors)),
     )
 
 
@@ -127,13 +120,20 @@ def export(
     if to not in TARGETS:
         raise ConversionError(f"unknown export format {to!r} (known: {sorted(TARGETS)})")
     ck = open_checkpoint(src, storage_options=storage_options)
-    report = None
-    if progress is not None:
-        total, done = ck.nbytes(), [0]
+    module = importlib.import_module(f".{TARGETS[to]}", __name__)
+    return module.write(ck, Path(dst), overwrite=overwrite, progress=_running_total(progress, ck.nbytes()), **options)
 
-        def report(n: int) -> None:
+
+def _running_total(progress: Callable[[int, int], None] | None, total: int) -> Callable[[int], None] | None:
+    """``progress(done, total)`` fed with byte counts as they come (from several threads)."""
+    if progress is None:
+        return None
+    done = [0]
+    lock = threading.Lock()
+
+    def report(n: int) -> None:
+        with lock:
             done[0] += n
             progress(done[0], total)
 
-    module = importlib.import_module(f".{TARGETS[to]}", __name__)
-    return module.write(ck, Path(dst), overwrite=overwrite, progress=report, **options)
+    return report

@@ -210,11 +210,12 @@ def _mp(f: Path) -> int:
     return int(m.group(1)) if m else 0
 
 
-def _check_rank_numbers(files: list[Path]) -> None:
+def _check_rank_numbers(files: list[Path], what: str = "optimizer") -> None:
+    """``files`` (in rank order) are those of ranks 0, 1, ... without a gap."""
     ranks = [_rank(f) for f in files]
     if ranks != list(range(len(files))):
         missing = sorted(set(range(max(ranks) + 1)) - set(ranks))
-        raise ConversionError(f"{files[0].parent}: optimizer files of ranks {missing} are missing (found ranks {ranks})")
+        raise ConversionError(f"{files[0].parent}: {what} files of ranks {missing} are missing (found ranks {ranks})")
 
 
 def _load(f: Path, trust: bool) -> Any:

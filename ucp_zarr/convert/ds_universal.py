@@ -79,7 +79,7 @@ from ..layout import Box
 from ..layout.zero import FlatPiece
 from ..writer import InMemory
 from .base import Imported, Opaque, atomic_folder, plain, release_pages, torch_load, torch_load_mapped
-from .deepspeed import OPAQUE, FlatParam, Mapped, _get, _load, _other_state, _rows, _scalar
+from .deepspeed import OPAQUE, FlatParam, Mapped, _check_rank_numbers, _get, _load, _other_state, _rank, _rows, _scalar
 
 UNIVERSAL_OPAQUE = OPAQUE + ("deepspeed.checkpoint.universal_checkpoint.SubparamShape",)
 """DeepSpeed classes a universal folder pickles (``SubparamShape`` tags fused parameters of
@@ -165,16 +165,8 @@ def _model_states(folder: Path, trust: bool) -> tuple[list[dict[str, Any]], list
             raise ConversionError(f"{folder}: made from a tensor-parallel checkpoint, which this converter does not read yet")
         raise ConversionError(f"{folder}: no {MODEL_FILES[0]} nor zero_pp_rank_*_mp_rank_00_model_states.pt file: the "
                               "model-states files of the source checkpoint are missing")
-    ranks = [_rank(f) for f in files]
-    if ranks != list(range(len(files))):
-        raise ConversionError(f"{folder}: model-states files of ranks {sorted(set(range(max(ranks) + 1)) - set(ranks))} "
-                              f"are missing (found ranks {ranks})")
+    _check_rank_numbers(files, "model-states")
     return [_load(f, trust) for f in files], files
-
-
-def _rank(f: Path) -> int:
-    m = re.search(r"zero_pp_rank_(\d+)_", f.name)
-    return int(m.group(1)) if m else 0
 
 
 def _group_states(osd: dict[str, Any]) -> list[dict[str, Any]]:
