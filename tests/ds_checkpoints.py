@@ -697,7 +697,7 @@ def _variant_config(v: dict[str, Any], world: int) -> dict[str, Any]:
                      round_robin=v["round_robin"], param_alignment=v["param_alignment"])
 
 
-def _train_step(engine: Any, step: int, rank: int, world: int) -> float:
+def train_step(engine: Any, step: int, rank: int, world: int) -> float:
     """One training step on ``step``'s batch; the loss averaged over the ranks."""
     import torch.distributed as dist
 
@@ -734,7 +734,7 @@ def _train(task: dict[str, Any], rank: int, world: int, timeout_s: float) -> Non
             t0 = time.perf_counter()
             engine.save_checkpoint(str(out / "checkpoint"), client_state=client)
             t_save = time.perf_counter() - t0
-        (losses if step < v["steps"] else after).append(_train_step(engine, step, rank, world))
+        (losses if step < v["steps"] else after).append(train_step(engine, step, rank, world))
         if step < v["steps"]:
             lrs.append([g["lr"] for g in engine.optimizer.param_groups])
     t_train = time.perf_counter() - t_start
@@ -801,7 +801,7 @@ def _resume(task: dict[str, Any], rank: int, world: int) -> None:
     first = engine.global_steps
     losses = []
     for step in range(first, first + task["steps"]):
-        losses.append(_train_step(engine, step, rank, world))
+        losses.append(train_step(engine, step, rank, world))
     if rank == 0:
         Path(task["out"]).write_text(json.dumps(losses))
     engine.destroy()

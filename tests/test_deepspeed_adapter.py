@@ -228,24 +228,12 @@ def _engine(task: dict[str, Any], world: int) -> tuple[Any, Any]:
     return engine, model
 
 
-def _step(engine: Any, step: int, rank: int, world: int) -> float:
-    import torch.distributed as dist
-
-    idx, tgt = D.batch(step, rank, world)
-    loss = engine(idx, tgt)
-    engine.backward(loss)
-    engine.step()
-    mean = loss.detach().float().clone()
-    dist.all_reduce(mean)
-    return mean.item() / world
-
-
 def _train(task: dict[str, Any], rank: int, world: int) -> None:
     import ucp_zarr.saver as saver
     from ucp_zarr.adapters import deepspeed as ucp_ds
 
     engine, _ = _engine(task, world)
-    losses = [_step(engine, s, rank, world) for s in range(STEPS)]
+    losses = [D.train_step(engine, s, rank, world) for s in range(STEPS)]
     t0 = time.perf_counter()
     ucp_ds.save_checkpoint(engine, task["x"], client_state=D.CLIENT_STATE)
     t_save = time.perf_counter() - t0
@@ -285,7 +273,7 @@ def _train(task: dict[str, Any], rank: int, world: int) -> None:
     Path(task["out"] + f".fault{rank}").write_text(json.dumps(fault))
     lrs = [g["lr"] for g in engine.optimizer.param_groups]
     scheduler = engine.lr_scheduler.state_dict()
-    after = [_step(engine, s, rank, world) for s in range(STEPS, STEPS + MORE)]
+    after = [D.train_step(engine, s, rank, world) for s in range(STEPS, STEPS + MORE)]
     if rank == 0:
         Path(task["out"]).write_text(json.dumps({
             "losses": losses, "losses_after": after, "lrs_at_save": lrs, "scheduler_at_save": scheduler,
@@ -311,7 +299,7 @@ def _resume(task: dict[str, Any], rank: int, world: int) -> None:
             ucp_ds.save_checkpoint(engine, task["save"], client_state=client)
             seconds["save"] = round(time.perf_counter() - t0, 3)
         first = engine.global_steps
-        runs.append([_step(engine, s, rank, world) for s in range(first, first + MORE)])
+        runs.append([D.train_step(engine, s, rank, world) for s in range(first, first + MORE)])
     if rank == 0:
         Path(task["out"]).write_text(json.dumps({
             "losses": runs[0], "runs": runs, "loaded": loaded, "global_steps_end": engine.global_steps,
