@@ -1,10 +1,16 @@
-"""ucp_zarr: universal checkpointing for PyTorch training, stored as plain Zarr v3."""
+"""ucp_zarr: universal checkpointing for PyTorch training, stored as plain Zarr v3.
 
-from typing import TYPE_CHECKING
+The package imports lazily (PEP 562): ``import ucp_zarr`` loads neither torch nor zarr, so
+read-only tools (``ucp-zarr info``, :mod:`ucp_zarr.inspect`) start fast; each public name is
+imported from its module on first use."""
 
-from .api import load, save, wait_for_pending_save
-from .checkpoint import Checkpoint, TensorView, open
-from .convert import convert, export
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     AuthenticationError,
     CheckpointError,
@@ -24,20 +30,52 @@ from .errors import (
     ShapeMismatchError,
     UntrustedInputError,
 )
-from .fragments import FlatShard, PerRank, Placed, Shard
-from .place import place
-from .rules import RuleError, Rules
-from .saver import SaveResult
 from .version import __version__
 
 if TYPE_CHECKING:
     from .adapters.dcp import ZarrStorageReader, ZarrStorageWriter
+    from .api import load, save, wait_for_pending_save
+    from .checkpoint import Checkpoint, TensorView, open
+    from .convert import convert, export
+    from .fragments import FlatShard, PerRank, Placed, Shard
+    from .inspect import diff
+    from .ops import CheckpointManager, optimal_interval
+    from .place import place
+    from .rules import RuleError, Rules
+    from .saver import SaveResult
+
+_LAZY = {
+    "load": ".api",
+    "save": ".api",
+    "wait_for_pending_save": ".api",
+    "Checkpoint": ".checkpoint",
+    "TensorView": ".checkpoint",
+    "open": ".checkpoint",
+    "convert": ".convert",
+    "export": ".convert",
+    "FlatShard": ".fragments",
+    "PerRank": ".fragments",
+    "Placed": ".fragments",
+    "Shard": ".fragments",
+    "diff": ".inspect",
+    "CheckpointManager": ".ops",
+    "optimal_interval": ".ops",
+    "place": ".place",
+    "RuleError": ".rules",
+    "Rules": ".rules",
+    "SaveResult": ".saver",
+    "ZarrStorageReader": ".adapters.dcp",
+    "ZarrStorageWriter": ".adapters.dcp",
+}
+"""Public names imported on first use, by module (torch, zarr and torch.distributed.checkpoint
+cost seconds to import)."""
 
 __all__ = [
     "AuthenticationError",
     "Checkpoint",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointManager",
     "ConversionError",
     "CorruptChunkError",
     "DtypeMismatchError",
@@ -64,20 +102,39 @@ __all__ = [
     "ZarrStorageWriter",
     "__version__",
     "convert",
+    "diff",
     "export",
     "load",
     "open",
+    "optimal_interval",
     "place",
     "save",
     "wait_for_pending_save",
 ]
 
 
-def __getattr__(name: str):
-    # The DCP storage plug-ins import torch.distributed.checkpoint (about 1.5 s), so they
-    # are loaded on first use rather than with the package.
-    if name in ("ZarrStorageReader", "ZarrStorageWriter"):
-        from .adapters import dcp
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
 
-        return getattr(dcp, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The package's module type: ``ucp_zarr.convert`` stays the function when the import
+    system binds the subpackage of the same name (as the eager ``from .convert import
+    convert`` used to leave it)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == f".{name}":
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

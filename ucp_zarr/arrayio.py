@@ -4,7 +4,8 @@ This is the only module that knows the byte layout of stored chunks (via :mod:`.
 Writes stream chunk by chunk straight from tensor memory (a copy only for non-contiguous
 or edge chunks, bounded by one chunk). Reads fetch only the chunks that overlap the
 requested box, coalesce neighbouring chunks into one request, and land whole chunks
-directly in the destination tensor when its memory allows.
+directly in the destination array when its memory allows. The read side is numpy only
+(a torch destination is read through its ``.numpy()`` view), so readers need no torch.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ import hashlib
 import math
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
-import torch
 
 from .codec import (
     CRC_BYTES,
@@ -39,6 +39,9 @@ from .format import ArrayMeta
 from .layout import Box, grid_indices
 from .storage import Store
 
+if TYPE_CHECKING:
+    import torch
+
 MAX_REQUEST_BYTES = 64 << 20
 """Neighbouring chunks are fetched in one request up to this size."""
 MAX_STAGED_BYTES = 16 << 20
@@ -47,19 +50,22 @@ MAX_STAGED_BYTES = 16 << 20
 _local = threading.local()
 
 
-def _stage(nbytes: int) -> torch.Tensor:
-    """This thread's reusable uint8 staging buffer, of at least ``nbytes``.
+def _stage(nbytes: int) -> np.ndarray:
+    """This thread's reusable uint8 staging buffer (64-byte aligned), of at least ``nbytes``.
 
     Chunks that cannot land directly in the destination are read here and copied out, so a
     load touches no fresh memory per chunk; the buffer dies with its (worker) thread.
     """
     buf = getattr(_local, "stage", None)
-    if buf is None or buf.numel() < nbytes:
-        buf = _local.stage = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+    if buf is None or buf.size < nbytes:
+        n = max(nbytes, 1 << 20)
+        raw = np.empty(n + 64, dtype=np.uint8)
+        start = -raw.ctypes.data % 64
+        buf = _local.stage = raw[start : start + n]
     return buf
 
 
-def as_storage(t: torch.Tensor, meta: ArrayMeta) -> torch.Tensor:
+def as_storage(t: "torch.Tensor", meta: ArrayMeta) -> "torch.Tensor":
     """``t`` (CPU) reinterpreted as the Zarr data type's torch dtype (bits for bf16/fp8)."""
     t = t.detach()
     if t.dtype != meta.dtype.torch_dtype:
@@ -72,9 +78,14 @@ def as_storage(t: torch.Tensor, meta: ArrayMeta) -> torch.Tensor:
     return t if t.dtype == target else t.view(target)
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def _bytes_of(t: "torch.Tensor") -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     return memoryview(t.numpy()).cast("B") if t.dim() else memoryview(t.reshape(1).numpy()).cast("B")
+
+
+def _array_bytes(a: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, without a copy."""
+    return memoryview(a.reshape(-1).view(np.uint8))
 
 
 # --- write ---------------------------------------------------------------------------------
@@ -92,7 +103,7 @@ class Seal:
 
 
 def _chunk_buffers(
-    meta: ArrayMeta, box: Box, src: torch.Tensor, src_box: Box, stage: torch.Tensor
+    meta: ArrayMeta, box: Box, src: "torch.Tensor", src_box: Box, stage: "torch.Tensor"
 ) -> tuple[memoryview, int]:
     """The stored form of the chunk covering ``box`` (its bytes, padded to the full chunk
     shape at the array's edge) and their crc32c.
@@ -127,11 +138,13 @@ class _Replayable:
 
 
 def write_shard(
-    store: Store, path: str, meta: ArrayMeta, shard: Sequence[int], src: torch.Tensor, src_box: Box, seal: Seal
+    store: Store, path: str, meta: ArrayMeta, shard: Sequence[int], src: "torch.Tensor", src_box: Box, seal: Seal
 ) -> bytes:
     """Write shard ``shard`` of the array at ``path`` from ``src``, which holds ``src_box``
     of the global tensor (in the storage dtype, see :func:`as_storage`) and must contain the
     shard's part of the array. Returns the shard's seal (see :func:`.codec.array_digest`)."""
+    import torch
+
     grid = meta.grid
     sbox = grid.shard_box(shard)
     if not src_box.contains(sbox):
@@ -182,14 +195,15 @@ class _Piece:
     nbytes: int
     cbox: Box
     row: int  # the chunk's row in the shard index (and trailer)
-    direct: torch.Tensor | None  # the destination view, when the chunk lands there whole
-    scratch: torch.Tensor | None = None
+    direct: np.ndarray | None  # the destination view, when the chunk lands there whole
+    scratch: np.ndarray | None = None
     crc: bytearray | None = None
 
     def buffers(self) -> list[memoryview]:
         self.crc = bytearray(CRC_BYTES)
         target = self.direct if self.direct is not None else self.scratch
-        return [_bytes_of(target), memoryview(self.crc)]
+        assert target is not None
+        return [_array_bytes(target), memoryview(self.crc)]
 
 
 @dataclass(frozen=True)
@@ -259,11 +273,12 @@ def read_box(
     path: str,
     meta: ArrayMeta,
     box: Box,
-    out: torch.Tensor,
+    out: np.ndarray,
     shard: Sequence[int],
     head: ShardHead,
 ) -> None:
-    """Fill the part of ``out`` (which holds ``box``, in the storage dtype) that shard
+    """Fill the part of ``out`` (a numpy array of any strides that holds ``box``, in the
+    storage dtype: :attr:`.StoredDtype.numpy_dtype`) that shard
     ``shard`` covers, reading only the chunks that overlap ``box``; ``head`` is the shard's
     checked index and trailer (:func:`read_shard_head`)."""
     grid = meta.grid
@@ -277,7 +292,7 @@ def read_box(
         row = local_chunk_number(local, grid.chunks_per_shard)
         off, nbytes = head.index[row]
         dest = out[inter.relative_to(box).slices()]
-        whole = inter == cbox and cbox.shape == grid.chunk_shape and dest.is_contiguous()
+        whole = inter == cbox and cbox.shape == grid.chunk_shape and dest.flags.c_contiguous
         pieces.append(_Piece(int(off), int(nbytes), cbox, row, dest if whole else None))
     if not pieces:
         return
@@ -293,25 +308,25 @@ def read_box(
             else:
                 assert stage is not None
                 p.scratch = stage[at : at + p.nbytes]  # the stored chunk: its bytes, then its crc
-                bufs.append(memoryview(p.scratch.numpy()))
+                bufs.append(memoryview(p.scratch))
                 at += _aligned(p.nbytes)  # every staged chunk starts 64-byte aligned
         _readv(store, key, where, meta, [(run[0].offset, bufs)])
         for p in run:
             chunk_where = f"{where} (tensor {meta.key!r}, chunk at {p.cbox.offset})"
             if p.direct is not None:
                 assert p.crc is not None
-                data = _bytes_of(p.direct)
+                data = _array_bytes(p.direct)
                 verify_chunk(data, p.crc, chunk_where)
                 head.trailer.check_chunk(p.row, p.crc, data, chunk_where)
                 continue
             assert p.scratch is not None
             n = p.nbytes - CRC_BYTES
-            stored = memoryview(p.scratch.numpy())
+            stored = memoryview(p.scratch)
             verify_chunk(stored[:n], stored[n:], chunk_where)
             head.trailer.check_chunk(p.row, stored[n:], stored[:n], chunk_where)
             inter = p.cbox.intersect(box)
             assert inter is not None
-            chunk = p.scratch[:n].view(out.dtype).view(grid.chunk_shape)
+            chunk = p.scratch[:n].view(out.dtype).reshape(grid.chunk_shape)
             out[inter.relative_to(box).slices()] = chunk[inter.relative_to(p.cbox).slices()]
             p.scratch = None
 
@@ -344,11 +359,11 @@ def verify_shard(store: Store, path: str, meta: ArrayMeta, shard: Sequence[int],
     for run in _runs(pieces, direct=False):
         at, bufs, spans = 0, [], []
         for p in run:
-            bufs.append(memoryview(stage[at : at + p.nbytes].numpy()))
+            bufs.append(memoryview(stage[at : at + p.nbytes]))
             spans.append((p, at))
             at += p.nbytes
         _readv(store, key, where, meta, [(run[0].offset, bufs)])
-        raw = memoryview(stage.numpy())
+        raw = memoryview(stage)
         for p, at in spans:
             n = p.nbytes - CRC_BYTES
             chunk_where = f"{where} (tensor {meta.key!r}, chunk {p.row} of the shard)"

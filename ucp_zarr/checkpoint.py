@@ -1,4 +1,8 @@
-"""Reading a committed checkpoint: :func:`open` and the lazy :class:`Checkpoint`."""
+"""Reading a committed checkpoint: :func:`open` and the lazy :class:`Checkpoint`.
+
+Torch-free until a torch tensor is asked for (:meth:`Checkpoint.read`, :class:`TensorView`
+indexing): :meth:`Checkpoint.read_numpy` and :meth:`Checkpoint.select_numpy` give the stored
+values as numpy arrays, which is what the read-only CLI and :mod:`ucp_zarr.inspect` use."""
 
 from __future__ import annotations
 
@@ -11,7 +15,6 @@ import threading
 from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
-import torch
 
 from .arrayio import Seal, ShardHead, as_storage, read_box, read_shard_head, verify_shard
 from .dtypes import is_lossless_cast, stored_dtype_by_name
@@ -24,6 +27,9 @@ from .storage import Store, open_store
 from .transaction import committed_store
 
 if TYPE_CHECKING:
+    import torch
+
+    from .inspect import TensorStats
     from .rules import Rules
 
 
@@ -114,6 +120,9 @@ class Checkpoint:
         want = self.meta.documents.get(path)
         if want is None:
             raise FormatError(f"{where} is not a document of this checkpoint (no digest in its commit record)")
+        raw = self.meta.consolidated_document(path)  # the root's copy saves a read when it matches
+        if raw is not None and document_digest(raw) == want:
+            return raw
         try:
             raw = self.store.read(path)
         except FileNotFoundError:
@@ -154,15 +163,64 @@ class Checkpoint:
                 self._heads[(path, shard)] = head
         return head
 
+    def _read_into(self, key: str, box: Box, raw: np.ndarray, rank: int | None) -> None:
+        """Fill ``raw`` (storage dtype, shape of ``box``, any strides) with ``box`` of ``key``."""
+        meta = self.array_meta(key, rank)
+        path = self._path(key, rank)
+        for shard in meta.grid.shards_overlapping(box):
+            read_box(self.store, path, meta, box, raw, shard, self._head(path, meta, shard))
+
+    def _check_box(self, key: str, box: Box | None, rank: int | None) -> tuple[ArrayMeta, Box]:
+        meta = self.array_meta(key, rank)
+        box = box or Box.whole(meta.shape)
+        if box.ndim != len(meta.shape) or any(s > n for s, n in zip(box.stop, meta.shape)):
+            raise IndexError(f"tensor {key!r}: box {box} is outside its shape {list(meta.shape)}")
+        if not box.is_empty():  # the first and last shards exist before memory is committed
+            path = self._path(key, rank)
+            for corner in (box.offset, tuple(o + n - 1 for o, n in zip(box.offset, box.shape))):
+                self._head(path, meta, tuple(i // s for i, s in zip(corner, meta.grid.shard_shape)))
+        return meta, box
+
+    def read_numpy(self, key: str, box: Box | None = None, rank: int | None = None) -> np.ndarray:
+        """Read ``box`` (default: all) of tensor ``key`` as a numpy array of the stored values,
+        without torch: bf16 and float8 tensors come back as their raw bits (``uint16`` /
+        ``uint8``; :func:`ucp_zarr.inspect.widen` turns them into float32)."""
+        meta, box = self._check_box(key, box, rank)
+        out = np.empty(box.shape, dtype=meta.dtype.numpy_dtype)
+        self._read_into(key, box, out, rank)
+        return out
+
+    def select_numpy(self, key: str, index: Any, rank: int | None = None) -> np.ndarray:
+        """``tensor[index]`` as a numpy array of the stored values (see :meth:`read_numpy`),
+        reading only the chunks the selection touches. ``index``: ints, slices (any step,
+        negative too) and ``...``, as in numpy."""
+        shape = self._entry(key).shape
+        box, post = _index_to_box(index, tuple(shape))
+        steps = [abs(p.step) if isinstance(p, slice) else 1 for p in post]
+        flips = tuple(slice(None, None, -1) if isinstance(p, slice) and p.step < 0 else slice(None) for p in post)
+        picks = tuple(0 if isinstance(p, int) else slice(None) for p in post)
+        if all(s == 1 for s in steps):
+            return self.read_numpy(key, box, rank)[flips][picks]
+        # a stepped selection: read, per chunk row/column, only the span of selected indices
+        meta, box = self._check_box(key, box, rank)
+        chunk = meta.grid.chunk_shape
+        spans = [_spans(o, n, st, c) for o, n, st, c in zip(box.offset, box.shape, steps, chunk)]
+        out = np.empty([sum(k for *_, k in sp) for sp in spans], dtype=meta.dtype.numpy_dtype)
+        for combo in itertools.product(*spans):
+            part = Box(tuple(c[0] for c in combo), tuple(c[1] for c in combo))
+            data = self.read_numpy(key, part, rank)[tuple(slice(None, None, st) for st in steps)]
+            out[tuple(slice(c[2], c[2] + c[3]) for c in combo)] = data
+        return out[flips][picks]
+
     def read(
         self,
         key: str,
         box: Box | None = None,
-        out: torch.Tensor | None = None,
+        out: "torch.Tensor | None" = None,
         rank: int | None = None,
         *,
         allow_lossy_cast: bool = False,
-    ) -> torch.Tensor:
+    ) -> "torch.Tensor":
         """Read ``box`` (default: all) of tensor ``key`` into ``out`` (allocated if None).
 
         ``out`` may have any device and strides, and another dtype when every saved value
@@ -172,6 +230,8 @@ class Checkpoint:
         temporary and ``copy_``. ``rank`` picks the copy of per-rank state (default: the
         lowest saved rank's).
         """
+        import torch
+
         meta = self.array_meta(key, rank)
         box = box or Box.whole(meta.shape)
         if out is not None:
@@ -183,16 +243,11 @@ class Checkpoint:
                     f"tensor {key!r}: the checkpoint holds {src}, the destination is {out.dtype}; converting "
                     "loses information (pass allow_lossy_cast=True to convert anyway)"
                 )
-        path = self._path(key, rank)
-        if not box.is_empty():  # the first and last shards exist before memory is committed
-            for corner in (box.offset, tuple(o + n - 1 for o, n in zip(box.offset, box.shape))):
-                self._head(path, meta, tuple(i // s for i, s in zip(corner, meta.grid.shard_shape)))
+        meta, box = self._check_box(key, box, rank)
         direct = out is not None and out.device.type == "cpu" and out.dtype == meta.dtype.torch_dtype
         dest = out if direct else torch.empty(box.shape, dtype=meta.dtype.torch_dtype)
         assert dest is not None
-        raw = as_storage(dest, meta)
-        for shard in meta.grid.shards_overlapping(box):
-            read_box(self.store, path, meta, box, raw, shard, self._head(path, meta, shard))
+        self._read_into(key, box, as_storage(dest, meta).numpy(), rank)
         if out is None:
             return dest
         if not direct:
@@ -278,37 +333,53 @@ class TensorView:
         self.checkpoint = checkpoint
         self.key = key
         entry = checkpoint.meta.tensors[key]
-        self.shape = torch.Size(entry.shape)
-        self.dtype: torch.dtype = stored_dtype_by_name(entry.dtype).torch_dtype
         self.path = entry.path
+        self.dtype_name = entry.dtype
+        """The torch dtype's name (``"bfloat16"``); :attr:`dtype` is the torch dtype."""
+        self._shape = entry.shape
+
+    @property
+    def shape(self) -> "torch.Size":
+        import torch
+
+        return torch.Size(self._shape)
+
+    @property
+    def dtype(self) -> "torch.dtype":
+        return stored_dtype_by_name(self.dtype_name).torch_dtype
 
     @property
     def ndim(self) -> int:
-        return len(self.shape)
+        return len(self._shape)
 
     def numel(self) -> int:
-        return math.prod(self.shape)
+        return math.prod(self._shape)
 
-    def read(self) -> torch.Tensor:
+    def read(self) -> "torch.Tensor":
         return self.checkpoint.read(self.key)
 
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        box, post = _index_to_box(index, tuple(self.shape))
-        steps = [p.step if isinstance(p, slice) else 1 for p in post]
-        if all(s == 1 for s in steps):
-            return self.checkpoint.read(self.key, box)[post]
-        # a stepped selection: read, per chunk row/column, only the span of selected indices
-        chunk = self.checkpoint.array_meta(self.key).grid.chunk_shape
-        spans = [_spans(o, n, st, c) for o, n, st, c in zip(box.offset, box.shape, steps, chunk)]
-        out = torch.empty([sum(k for *_, k in sp) for sp in spans], dtype=self.dtype)
-        for combo in itertools.product(*spans):
-            part = Box(tuple(c[0] for c in combo), tuple(c[1] for c in combo))
-            data = self.checkpoint.read(self.key, part)[tuple(slice(None, None, st) for st in steps)]
-            out[tuple(slice(c[2], c[2] + c[3]) for c in combo)] = data
-        return out[tuple(0 if isinstance(p, int) else slice(None) for p in post)]
+    def numpy(self, index: Any = ...) -> np.ndarray:
+        """``self[index]`` as numpy, without torch (stored values: bf16/fp8 as raw bits)."""
+        return self.checkpoint.select_numpy(self.key, index)
+
+    def stats(self, *, max_bytes: int = 64 << 20) -> "TensorStats":
+        """min, max, mean, std, L2 norm, NaN/Inf counts, computed chunk by chunk with bounded
+        memory (see :func:`ucp_zarr.inspect.tensor_stats`)."""
+        from .inspect import tensor_stats
+
+        return tensor_stats(self.checkpoint, self.key, max_bytes=max_bytes)
+
+    def __getitem__(self, index: Any) -> "torch.Tensor":
+        import torch
+
+        raw = self.checkpoint.select_numpy(self.key, index)
+        if any(s < 0 for s in raw.strides):
+            raw = np.ascontiguousarray(raw)
+        t = torch.from_numpy(raw) if raw.ndim else torch.from_numpy(raw.reshape(1)).reshape(())
+        return t.view(self.dtype) if stored_dtype_by_name(self.dtype_name).bits else t
 
     def __repr__(self) -> str:
-        return f"<TensorView {self.key!r} shape={list(self.shape)} dtype={self.dtype} at {self.path}>"
+        return f"<TensorView {self.key!r} shape={list(self._shape)} dtype=torch.{self.dtype_name} at {self.path}>"
 
 
 def _index_to_box(index: Any, shape: tuple[int, ...]) -> tuple[Box, tuple[Any, ...]]:
@@ -325,16 +396,14 @@ def _index_to_box(index: Any, shape: tuple[int, ...]) -> tuple[Box, tuple[Any, .
     offset, size, post = [], [], []
     for i, n in zip(index, shape):
         if isinstance(i, slice):
-            start, stop, step = i.indices(n)
-            if step < 0:
-                raise IndexError("negative slice steps are not supported")
-            stop = max(start, stop)
-            if stop > start:
-                stop = start + ((stop - start - 1) // step) * step + 1
-            offset.append(start)
-            size.append(stop - start)
+            picked = range(*i.indices(n))
+            step = picked.step
+            if step < 0:  # the same indices read upwards, then flipped
+                picked = picked[::-1]
+            offset.append(picked.start if picked else 0)
+            size.append(picked[-1] - picked.start + 1 if picked else 0)
             post.append(slice(None, None, step))
-        elif isinstance(i, (int, np.integer)):
+        elif isinstance(i, (int, np.integer)) and not isinstance(i, bool):
             j = int(i) + n if i < 0 else int(i)
             if not 0 <= j < n:
                 raise IndexError(f"index {i} is out of bounds for a dim of size {n}")

@@ -19,33 +19,49 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from .errors import DtypeMismatchError, FormatError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
 class StoredDtype:
-    """A torch dtype and the Zarr data type that holds it."""
+    """A torch dtype (by name) and the Zarr data type that holds it.
 
-    torch_dtype: torch.dtype
+    Torch-free: only :attr:`torch_dtype` and :attr:`storage_torch_dtype` import torch."""
+
+    name: str
+    """The torch dtype's name, as in the ``torch_dtype`` attribute (``"bfloat16"``)."""
     zarr_dtype: str
     bits: bool
     """True when the Zarr array holds the raw bits (reinterpret with ``view``)."""
 
     @property
-    def name(self) -> str:
-        return str(self.torch_dtype).removeprefix("torch.")
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
+        return getattr(torch, self.name)
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        """The numpy dtype of the stored values (the raw bits' for bf16/fp8)."""
+        return np.dtype(self.zarr_dtype)
 
     @property
     def itemsize(self) -> int:
-        return self.torch_dtype.itemsize
+        return self.numpy_dtype.itemsize
 
     @property
-    def storage_torch_dtype(self) -> torch.dtype:
+    def storage_torch_dtype(self) -> "torch.dtype":
         """The torch dtype whose numpy view matches the Zarr data type."""
-        return _TORCH_OF_ZARR[self.zarr_dtype]
+        import torch
+
+        return getattr(torch, self.zarr_dtype)
 
     @property
     def fill_value(self) -> bool | int | list[float]:
@@ -77,15 +93,12 @@ _BITS = {"bfloat16": "uint16"} | {
     name: "uint8"
     for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
 }
-_TORCH_OF_ZARR = {z: getattr(torch, z) for z in _NATIVE.values()}
-
-_BY_NAME: dict[str, StoredDtype] = {}
-for _name, _zarr in list(_NATIVE.items()) + list(_BITS.items()):
-    if hasattr(torch, _name):
-        _BY_NAME[_name] = StoredDtype(getattr(torch, _name), _zarr, _name in _BITS)
+_BY_NAME: dict[str, StoredDtype] = {
+    name: StoredDtype(name, zarr, name in _BITS) for name, zarr in list(_NATIVE.items()) + list(_BITS.items())
+}
 
 
-def stored_dtype(dtype: torch.dtype, *, key: str = "") -> StoredDtype:
+def stored_dtype(dtype: "torch.dtype", *, key: str = "") -> StoredDtype:
     """The storage of a torch dtype; ``key`` names the tensor in the error."""
     name = str(dtype).removeprefix("torch.")
     try:
@@ -103,8 +116,10 @@ def stored_dtype_by_name(name: str) -> StoredDtype:
         raise FormatError(f"unknown torch_dtype {name!r} in checkpoint metadata") from None
 
 
-def supported_dtypes() -> list[torch.dtype]:
-    return [s.torch_dtype for s in _BY_NAME.values()]
+def supported_dtypes() -> list["torch.dtype"]:
+    import torch
+
+    return [getattr(torch, name) for name in _BY_NAME if hasattr(torch, name)]
 
 
 @dataclass(frozen=True)
@@ -122,12 +137,16 @@ class _FloatFormat:
     nan: bool
 
 
-def _through(values: list[float], dtype: torch.dtype) -> torch.Tensor:
+def _through(values: list[float], dtype: "torch.dtype") -> "torch.Tensor":
+    import torch
+
     return torch.tensor(values, dtype=torch.float64).to(dtype).to(torch.float64)
 
 
 @functools.cache
-def _float_format(dtype: torch.dtype) -> _FloatFormat:
+def _float_format(dtype: "torch.dtype") -> _FloatFormat:
+    import torch
+
     fi = torch.finfo(dtype)
     eps = fi.eps
     # torch (2.13 included) reports eps = 2**-3 for float8_e5m2fnuz, which has 2 mantissa
@@ -149,7 +168,7 @@ def _float_format(dtype: torch.dtype) -> _FloatFormat:
     )
 
 
-def is_lossless_cast(src: torch.dtype, dst: torch.dtype) -> bool:
+def is_lossless_cast(src: "torch.dtype", dst: "torch.dtype") -> bool:
     """True when every value of ``src`` converts to ``dst`` and back exactly.
 
     That is, ``x.to(dst)`` is the same number as ``x`` and ``x.to(dst).to(src)`` has the bits
@@ -175,6 +194,8 @@ def is_lossless_cast(src: torch.dtype, dst: torch.dtype) -> bool:
       float8_e5m2 -> float8_e5m2fnuz (no inf, no -0.0) and float8_e8m0fnu -> float16 (range) are
       lossy.
     """
+    import torch
+
     if src == dst:
         return True
     if dst == torch.bool:

@@ -12,10 +12,9 @@ import base64
 import hashlib
 import math
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
-
-import torch
 
 from .errors import FormatError, LayoutError, NotJSONableError
 
@@ -31,7 +30,9 @@ class Leaf:
 
 
 def is_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor)
+    # No value is a tensor before torch is imported, so readers need not import it.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 MAX_DEPTH = 100
@@ -264,13 +265,13 @@ def array_path(key: str) -> str:
     return f"{_escape(group)}/{_escape(name)}"
 
 
-def assign_array_paths(keys: list[str]) -> dict[str, str]:
-    """:func:`array_path` for each key, made unique: a later key whose path is taken gets
-    ``~2``, ``~3``, ... appended."""
+def assign_array_paths(keys: list[str], aliases: Mapping[str, str | None] | None = None) -> dict[str, str]:
+    """:func:`array_path` for each key (or for its alias in ``aliases``), made unique: a
+    later key whose path is taken gets ``~2``, ``~3``, ... appended."""
     out: dict[str, str] = {}
     taken: set[str] = set()
     for key in keys:
-        base = array_path(key)
+        base = array_path((aliases or {}).get(key) or key)
         path, n = base, 1
         while path in taken:
             n += 1
