@@ -291,7 +291,7 @@ def read_box(
         assert inter is not None
         row = local_chunk_number(local, grid.chunks_per_shard)
         off, nbytes = head.index[row]
-        dest = out[inter.relative_to(box).slices()]
+        dest = out[inter.relative_to(box).slices()] if out.ndim else out  # (a 0-d index gives a copy)
         whole = inter == cbox and cbox.shape == grid.chunk_shape and dest.flags.c_contiguous
         pieces.append(_Piece(int(off), int(nbytes), cbox, row, dest if whole else None))
     if not pieces:

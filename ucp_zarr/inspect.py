@@ -1,0 +1,589 @@
+"""Looking into checkpoints without torch: listings, values block by block, statistics, diffs.
+
+Pure functions on a :class:`~ucp_zarr.Checkpoint` (the CLI and the Jupyter reprs are thin
+faces over them). Memory stays bounded by ``max_bytes`` (or one chunk, when a chunk is
+larger) whatever the tensor's size, and torch is never imported: values come as numpy,
+bfloat16 and float8 widened to float32 (:func:`widen`), other dtypes as stored.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import html
+import itertools
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+from .checkpoint import Checkpoint
+from .checkpoint import open as open_checkpoint
+from .dtypes import stored_dtype_by_name
+from .layout import Box
+
+Progress = Callable[[int, int], None]
+"""Called with (bytes done, bytes in all) as work proceeds."""
+
+MAX_BYTES = 64 << 20
+"""The default bound on the values held at once (per checkpoint, for a diff)."""
+
+_PIECE = 1 << 22
+"""Elements reduced at once in float64 (bounds the temporaries of a statistic)."""
+
+
+# --- values -------------------------------------------------------------------------------
+
+_FP8 = {  # exponent bits, mantissa bits, bias, how NaN/Inf are spelled
+    "float8_e4m3fn": (4, 3, 7, "fn"),  # no Inf; NaN = S.1111.111
+    "float8_e5m2": (5, 2, 15, "ieee"),  # Inf and NaN as IEEE 754
+    "float8_e4m3fnuz": (4, 3, 8, "fnuz"),  # no Inf, no -0; NaN = 0x80
+    "float8_e5m2fnuz": (5, 2, 16, "fnuz"),
+}
+
+
+@functools.cache
+def _fp8_table(name: str) -> np.ndarray:
+    """The float32 value of each of the 256 bit patterns of a float8 dtype."""
+    bits = np.arange(256, dtype=np.int64)
+    if name == "float8_e8m0fnu":  # unsigned powers of two, 0xFF is NaN
+        table = np.ldexp(1.0, bits - 127)
+        table[255] = np.nan
+    else:
+        e_bits, m_bits, bias, special = _FP8[name]
+        exp = (bits >> m_bits) & ((1 << e_bits) - 1)
+        man = bits & ((1 << m_bits) - 1)
+        table = np.where(
+            exp == 0, np.ldexp(man.astype(np.float64), 1 - bias - m_bits),
+            np.ldexp(1.0 + man / (1 << m_bits), exp - bias),
+        )
+        table = np.where(bits >> 7, -table, table)
+        top = exp == (1 << e_bits) - 1
+        if special == "ieee":
+            table[top & (man == 0)] = np.copysign(np.inf, table[top & (man == 0)])
+            table[top & (man != 0)] = np.nan
+        elif special == "fn":
+            table[top & (man == (1 << m_bits) - 1)] = np.nan
+        else:
+            table[0x80] = np.nan
+    out = table.astype(np.float32)
+    out.flags.writeable = False
+    return out
+
+
+def widen(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored values (:meth:`Checkpoint.read_numpy`) of torch dtype ``dtype`` (a name) as numpy
+    numbers: bfloat16 and float8 bits become float32 (exactly); other dtypes come back as is."""
+    if dtype == "bfloat16":
+        wide = raw.astype(np.uint32)
+        wide <<= 16
+        return wide.view(np.float32)
+    if dtype.startswith("float8_"):
+        return _fp8_table(dtype)[raw]
+    return raw
+
+
+def _value_itemsize(dtype: str) -> int:
+    return 4 if stored_dtype_by_name(dtype).bits else stored_dtype_by_name(dtype).itemsize
+
+
+def block_shape(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, max_bytes: int) -> tuple[int, ...]:
+    """The largest chunk-aligned block, cut from the leading dims first, of at most
+    ``max_bytes`` (at least one chunk): whole trailing dims, rows in multiples of the chunk's."""
+    block = list(shape)
+    for d in range(len(shape)):
+        unit = math.prod(block[:d]) * math.prod(shape[d + 1 :]) * itemsize
+        if unit * shape[d] <= max_bytes:
+            break
+        per = max_bytes // max(unit, 1)
+        block[d] = min(shape[d], max(chunk[d], per // chunk[d] * chunk[d]))
+        if per >= chunk[d]:
+            break
+    return tuple(max(b, 1) for b in block)
+
+
+def block_boxes(shape: tuple[int, ...], block: tuple[int, ...]) -> Iterator[Box]:
+    """The boxes of ``block`` tiling ``shape`` in row-major order (clipped at its edge)."""
+    starts = [range(0, n, b) for n, b in zip(shape, block)]
+    for offset in itertools.product(*starts):
+        yield Box(tuple(offset), tuple(min(b, n - o) for o, b, n in zip(offset, block, shape)))
+
+
+def _blocks_of(ck: Checkpoint, key: str, max_bytes: int, rank: int | None) -> tuple[Box, ...]:
+    meta = ck.array_meta(key, rank)
+    return tuple(block_boxes(meta.shape, block_shape(meta.shape, meta.grid.chunk_shape,
+                                                     _value_itemsize(meta.dtype.name), max_bytes)))
+
+
+def iter_blocks(
+    ck: Checkpoint, key: str, *, max_bytes: int = MAX_BYTES, rank: int | None = None
+) -> Iterator[tuple[Box, np.ndarray]]:
+    """Tensor ``key`` in chunk-aligned blocks of at most about ``max_bytes`` (at least one
+    chunk), row-major: ``(box, values)`` with values as numpy (bf16/float8 widened to float32,
+    other dtypes native). ``rank`` picks the copy of per-rank state. An empty tensor yields
+    nothing."""
+    dtype = ck.array_meta(key, rank).dtype.name
+    for box in _blocks_of(ck, key, max_bytes, rank):
+        yield box, widen(ck.read_numpy(key, box, rank), dtype)
+
+
+# --- listing ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """One tensor of a listing (:func:`list_tensors`)."""
+
+    key: str
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    chunks: tuple[int, ...]
+    """The chunk shape (the unit of reading)."""
+    shard_shape: tuple[int, ...]
+    shards: int
+    """How many shard objects hold it (per copy, for per-rank state)."""
+    group: str
+    ranks: tuple[int, ...] | None = None
+    """The saving ranks of per-rank state (one array each), else None."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key, "path": self.path, "shape": list(self.shape), "dtype": self.dtype, "nbytes": self.nbytes,
+            "chunks": list(self.chunks), "shard_shape": list(self.shard_shape), "shards": self.shards,
+            "group": self.group, "ranks": None if self.ranks is None else list(self.ranks),
+        }
+
+
+def matches(key: str, pattern: str | None, path: str = "") -> bool:
+    """Whether ``key`` (or its array ``path``) is selected by ``pattern``: a glob
+    (``*``, ``?``, ``[...]``, matched with :func:`fnmatch.fnmatchcase`), or a plain name that
+    selects itself and everything under it (``model.layers.0`` selects ``model.layers.0.w``)."""
+    if pattern is None:
+        return True
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(key, pattern) or bool(path) and fnmatch.fnmatchcase(path, pattern)
+    return key == pattern or key.startswith(pattern + ".") or path == pattern or path.startswith(pattern + "/")
+
+
+def select_keys(ck: Checkpoint, patterns: Iterable[str] | None) -> list[str]:
+    """The keys of ``ck`` selected by any of ``patterns`` (see :func:`matches`), in order."""
+    if patterns is None:
+        return ck.keys()
+    pats = list(patterns)
+    return [k for k in ck.keys() if any(matches(k, p, ck.meta.tensors[k].path) for p in pats)]
+
+
+def list_tensors(ck: Checkpoint, pattern: str | None = None) -> list[TensorRow]:
+    """The tensors of ``ck`` selected by ``pattern`` (see :func:`matches`; None: all), with
+    their chunking (each array's document is read once, checked against its digest)."""
+    keys = select_keys(ck, None if pattern is None else [pattern])
+
+    def row(key: str) -> TensorRow:
+        e = ck.meta.tensors[key]
+        grid = ck.array_meta(key).grid
+        return TensorRow(
+            key=key, path=e.path, shape=tuple(e.shape), dtype=e.dtype, nbytes=e.nbytes, chunks=grid.chunk_shape,
+            shard_shape=grid.shard_shape, shards=math.prod(grid.shard_counts), group=e.path.partition("/")[0],
+            ranks=None if e.ranks is None else tuple(sorted(e.ranks)),
+        )
+
+    with ThreadPoolExecutor(8) as pool:  # one document per array: overlap the requests of remote stores
+        return list(pool.map(row, keys))
+
+
+def checkpoint_info(ck: Checkpoint) -> dict[str, Any]:
+    """A checkpoint's facts as JSON data: where, step, size, saving layout, values, tensors."""
+    meta = ck.meta
+    return {
+        "url": ck.store.url,
+        "step": meta.values.get("step", meta.values.get("deepspeed.global_steps")),
+        "created": meta.created,
+        "library": meta.library,
+        "world_size": meta.world_size,
+        "tensors": len(ck),
+        "nbytes": ck.nbytes(),
+        "authenticated": meta.authenticated,
+        "layout": meta.layout,
+        "values": meta.values,
+        "rank_values": meta.rank_values,
+        "index": {k: {"path": e.path, "shape": list(e.shape), "dtype": e.dtype, "nbytes": e.nbytes}
+                  for k, e in meta.tensors.items()},
+    }
+
+
+# --- statistics ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Statistics of one tensor (:func:`tensor_stats`).
+
+    ``count`` is the number of elements; ``min``, ``max``, ``mean``, ``std`` (population,
+    ``ddof=0``) and ``norm`` (L2) are over its finite values only (``count - nan - inf`` of
+    them; None when there are none, ``norm`` then 0). Complex tensors: over ``|z|`` (NaN/Inf
+    counted when either part is); bool: over 0/1. ``min``/``max`` are exact (ints as ints)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    count: int
+    min: float | int | None
+    max: float | int | None
+    mean: float | None
+    std: float | None
+    norm: float
+    nan: int
+    inf: int
+
+    @property
+    def finite(self) -> int:
+        return self.count - self.nan - self.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key, "shape": list(self.shape), "dtype": self.dtype, "count": self.count, "min": self.min,
+            "max": self.max, "mean": self.mean, "std": self.std, "norm": _json_float(self.norm), "nan": self.nan,
+            "inf": self.inf,
+        }
+
+
+def _json_float(x: float | None) -> float | str | None:
+    """A float for strict JSON: non-finite ones spelled as strings."""
+    return x if x is None or math.isfinite(x) else str(x)
+
+
+@dataclass
+class _Moments:
+    """Running count, mean, sum of squared deviations, sum of squares, min and max (Chan et
+    al.'s pairwise update, in float64)."""
+
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+    sq: float = 0.0
+    lo: Any = None
+    hi: Any = None
+
+    def add(self, x: np.ndarray) -> None:
+        if not x.size:
+            return
+        lo, hi = x.min(), x.max()
+        self.lo = lo if self.lo is None else min(self.lo, lo)
+        self.hi = hi if self.hi is None else max(self.hi, hi)
+        x64 = x.astype(np.float64, copy=False)
+        n = x64.size
+        mean = float(x64.mean())
+        dev = x64 - mean
+        m2 = float(np.dot(dev, dev))
+        self.sq += float(np.dot(x64, x64))
+        total = self.n + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta * delta * self.n * n / total
+        self.n = total
+
+
+def _plain(x: Any) -> float | int | None:
+    if x is None:
+        return None
+    return int(x) if isinstance(x, (np.integer, np.bool_)) else float(x)
+
+
+def tensor_stats(
+    ck: Checkpoint, key: str, *, max_bytes: int = MAX_BYTES, rank: int | None = None, progress: Progress | None = None
+) -> TensorStats:
+    """Statistics of tensor ``key`` (see :class:`TensorStats`), computed block by block in
+    float64 with memory bounded by about ``max_bytes``."""
+    meta = ck.array_meta(key, rank)
+    dtype = meta.dtype.name
+    m = _Moments()
+    nan = inf = 0
+    done, total = 0, math.prod(meta.shape) * meta.dtype.itemsize
+    for _, block in iter_blocks(ck, key, max_bytes=max_bytes, rank=rank):
+        flat = block.reshape(-1)
+        for start in range(0, flat.size, _PIECE):
+            x = flat[start : start + _PIECE]
+            if x.dtype == np.bool_:
+                x = x.view(np.uint8)
+            elif x.dtype.kind == "c":
+                bad_nan = np.isnan(x)
+                bad_inf = np.isinf(x) & ~bad_nan
+                nan, inf = nan + int(bad_nan.sum()), inf + int(bad_inf.sum())
+                x = np.abs(x[~(bad_nan | bad_inf)])
+            elif x.dtype.kind == "f":
+                finite = np.isfinite(x)
+                if not finite.all():
+                    n_nan = int(np.isnan(x).sum())
+                    nan, inf = nan + n_nan, inf + int(x.size - finite.sum()) - n_nan
+                    x = x[finite]
+            m.add(x)
+        done += block.size * meta.dtype.itemsize
+        if progress is not None:
+            progress(done, total)
+    return TensorStats(
+        key=key, shape=meta.shape, dtype=dtype, count=math.prod(meta.shape), min=_plain(m.lo), max=_plain(m.hi),
+        mean=m.mean if m.n else None, std=math.sqrt(m.m2 / m.n) if m.n else None, norm=math.sqrt(m.sq),
+        nan=nan, inf=inf,
+    )
+
+
+# --- diff ---------------------------------------------------------------------------------
+
+STATUSES = ("equal", "differs", "only_a", "only_b", "shape", "dtype")
+
+
+@dataclass(frozen=True)
+class DiffRow:
+    """How one tensor differs between two checkpoints (:func:`diff`).
+
+    ``status``: ``equal`` (same shape, dtype and bits), ``differs`` (same shape and dtype,
+    other bits), ``only_a``/``only_b``, ``shape`` (values not compared) or ``dtype`` (same
+    shape, other dtype: values compared as numbers). For compared values: ``ndiff`` elements
+    differ; ``max_abs`` is the largest ``|a - b|`` over those where neither is NaN (inf when
+    an Inf meets a finite value); ``max_rel = max_abs / max |b|`` over b's finite values, one
+    scale per tensor, so tiny elements do not blow it up (inf when b is all zeros and a not);
+    ``nan_mismatch`` counts elements NaN in one and not the other. ``rank``: the saving rank
+    of a per-rank copy, else None."""
+
+    key: str
+    status: str
+    shape_a: tuple[int, ...] | None = None
+    shape_b: tuple[int, ...] | None = None
+    dtype_a: str | None = None
+    dtype_b: str | None = None
+    ndiff: int | None = None
+    max_abs: float | None = None
+    max_rel: float | None = None
+    nan_mismatch: int | None = None
+    rank: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key, "status": self.status,
+            "shape_a": None if self.shape_a is None else list(self.shape_a),
+            "shape_b": None if self.shape_b is None else list(self.shape_b),
+            "dtype_a": self.dtype_a, "dtype_b": self.dtype_b, "ndiff": self.ndiff,
+            "max_abs": _json_float(self.max_abs), "max_rel": _json_float(self.max_rel),
+            "nan_mismatch": self.nan_mismatch, "rank": self.rank,
+        }
+
+
+@dataclass(frozen=True)
+class ValueDiff:
+    """A non-tensor value (as stored JSON) that differs: ``status`` is ``differs``,
+    ``only_a`` or ``only_b`` (the missing side is None). Per-rank values are keyed
+    ``"<key> (rank <r>)"``."""
+
+    key: str
+    status: str
+    a: Any = None
+    b: Any = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "status": self.status, "a": self.a, "b": self.b}
+
+
+@dataclass(frozen=True)
+class CheckpointDiff:
+    """The differences between checkpoints ``a`` and ``b`` (:func:`diff`)."""
+
+    a: str
+    b: str
+    rows: list[DiffRow]
+    values: list[ValueDiff] = field(default_factory=list)
+
+    @property
+    def equal(self) -> bool:
+        """True when every tensor is bit-identical and every value equal."""
+        return not self.values and all(r.status == "equal" for r in self.rows)
+
+    def counts(self) -> dict[str, int]:
+        """How many tensor rows have each status."""
+        return {s: sum(r.status == s for r in self.rows) for s in STATUSES}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "equal": self.equal, "counts": self.counts(),
+                "rows": [r.to_dict() for r in self.rows], "values": [v.to_dict() for v in self.values]}
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{n} {s}" for s, n in self.counts().items() if n)
+        return f"<CheckpointDiff {self.a} vs {self.b}: {counts or 'no tensors'}, {len(self.values)} value(s) differ>"
+
+    def _repr_html_(self) -> str:
+        try:
+            from .notebook import diff_html
+        except ImportError:
+            return f"<pre>{html.escape(repr(self))}</pre>"
+        return diff_html(self)
+
+
+def _as_checkpoint(x: Checkpoint | str | os.PathLike[str], storage_options: dict[str, Any] | None) -> Checkpoint:
+    return x if isinstance(x, Checkpoint) else open_checkpoint(x, storage_options=storage_options)
+
+
+def _bits(raw: np.ndarray) -> np.ndarray:
+    """Each element's bits as an unsigned integer (a row of two for 16-byte complex)."""
+    flat = np.ascontiguousarray(raw).reshape(-1)
+    if flat.dtype.itemsize > 8:
+        return flat.view(np.uint64).reshape(flat.size, -1)
+    return flat.view(f"u{flat.dtype.itemsize}")
+
+
+def _numbers(values: np.ndarray) -> np.ndarray:
+    """Values as float64 (complex128 for complex), flattened."""
+    flat = values.reshape(-1)
+    if flat.dtype.kind == "c":
+        return flat.astype(np.complex128, copy=False)
+    return flat.astype(np.float64, copy=False)
+
+
+@dataclass
+class _Compare:
+    """Running comparison of one tensor's blocks."""
+
+    ndiff: int = 0
+    nan_mismatch: int = 0
+    max_abs: float = 0.0
+    max_b: float = 0.0
+
+    def add(self, ra: np.ndarray, rb: np.ndarray, dtype_a: str, dtype_b: str) -> None:
+        wa, wb = widen(ra, dtype_a).reshape(-1), widen(rb, dtype_b).reshape(-1)
+        self.max_b = max(self.max_b, _max_finite_abs(wb))
+        if dtype_a == dtype_b:
+            bits = _bits(ra) != _bits(rb)
+            differ = bits.any(axis=1) if bits.ndim == 2 else bits
+        else:
+            na, nb = _numbers(wa), _numbers(wb)
+            differ = (na != nb) & ~(np.isnan(na) & np.isnan(nb))
+        n = int(differ.sum())
+        if not n:
+            return
+        self.ndiff += n
+        da, db = _numbers(wa[differ]), _numbers(wb[differ])
+        na, nb = np.isnan(da), np.isnan(db)
+        self.nan_mismatch += int((na != nb).sum())
+        both = ~(na | nb)
+        if both.any():
+            self.max_abs = max(self.max_abs, float(np.abs(da[both] - db[both]).max()))
+
+    def row(self, key: str, status: str, shape: tuple[int, ...], dtype_a: str, dtype_b: str, rank: int | None) -> DiffRow:
+        if self.max_abs == 0.0:
+            rel = 0.0
+        else:
+            rel = self.max_abs / self.max_b if self.max_b > 0 else math.inf
+        if status == "equal" and self.ndiff:
+            status = "differs"
+        return DiffRow(key, status, shape, shape, dtype_a, dtype_b, self.ndiff, self.max_abs, rel, self.nan_mismatch, rank)
+
+
+def _max_finite_abs(w: np.ndarray) -> float:
+    """The largest magnitude among the finite values of ``w`` (0 when there are none)."""
+    if not w.size:
+        return 0.0
+    if w.dtype.kind == "c":
+        w = np.abs(w)
+    elif w.dtype == np.bool_:
+        w = w.view(np.uint8)
+    lo, hi = w.min(), w.max()
+    if w.dtype.kind in "iu" or (math.isfinite(lo) and math.isfinite(hi)):
+        return float(max(abs(int(lo)) if w.dtype.kind in "iu" else abs(float(lo)), abs(float(hi))))
+    finite = w[np.isfinite(w)]
+    return _max_finite_abs(finite) if finite.size else 0.0
+
+
+def _compare(
+    a: Checkpoint, b: Checkpoint, key: str, rank: int | None, max_bytes: int, tick: Callable[[int], None]
+) -> DiffRow:
+    ma, mb = a.array_meta(key, rank), b.array_meta(key, rank)
+    dta, dtb = ma.dtype.name, mb.dtype.name
+    if ma.shape != mb.shape:
+        tick(max(math.prod(ma.shape) * ma.dtype.itemsize, 0))
+        return DiffRow(key, "shape", ma.shape, mb.shape, dta, dtb, rank=rank)
+    # both sides are read in the same boxes (a's chunk-aligned blocks): the raw values of both
+    # and their widened copies fit the budget together
+    per_element = ma.dtype.itemsize + mb.dtype.itemsize + _value_itemsize(dta) + _value_itemsize(dtb)
+    block = block_shape(ma.shape, ma.grid.chunk_shape, per_element, max_bytes)
+    cmp = _Compare()
+    for box in block_boxes(ma.shape, block):
+        cmp.add(a.read_numpy(key, box, rank), b.read_numpy(key, box, rank), dta, dtb)
+        tick(box.numel * ma.dtype.itemsize)
+    return cmp.row(key, "equal" if dta == dtb else "dtype", ma.shape, dta, dtb, rank)
+
+
+def _diff_values(a: Checkpoint, b: Checkpoint, patterns: list[str] | None) -> list[ValueDiff]:
+    def flat(ck: Checkpoint) -> dict[str, Any]:
+        out = dict(ck.meta.values)
+        for k, per in ck.meta.rank_values.items():
+            out.update({f"{k} (rank {r})": v for r, v in per.items()})
+        return {k: v for k, v in out.items() if patterns is None or any(matches(k, p) for p in patterns)}
+
+    va, vb = flat(a), flat(b)
+    rows = []
+    for k in list(va) + [k for k in vb if k not in va]:
+        if k not in vb:
+            rows.append(ValueDiff(k, "only_a", va[k], None))
+        elif k not in va:
+            rows.append(ValueDiff(k, "only_b", None, vb[k]))
+        elif va[k] != vb[k] or type(va[k]) is not type(vb[k]):
+            rows.append(ValueDiff(k, "differs", va[k], vb[k]))
+    return rows
+
+
+def diff(
+    a: Checkpoint | str | os.PathLike[str],
+    b: Checkpoint | str | os.PathLike[str],
+    *,
+    keys: Iterable[str] | None = None,
+    max_bytes: int = MAX_BYTES,
+    storage_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> CheckpointDiff:
+    """Compare two checkpoints (objects, or paths/URLs opened with ``storage_options``)
+    tensor by tensor and value by value (see :class:`DiffRow`, :class:`ValueDiff`).
+
+    ``keys``: compare only the tensors and values these select (exact keys, subtrees or
+    globs, see :func:`matches`). Tensors are read block by block, the same boxes from both,
+    with memory bounded by about ``max_bytes``; per-rank tensors are compared rank by rank."""
+    ca, cb = _as_checkpoint(a, storage_options), _as_checkpoint(b, storage_options)
+    patterns = None if keys is None else list(keys)
+    ka, kb = select_keys(ca, patterns), select_keys(cb, patterns)
+    in_b = set(kb)
+    common = [k for k in ka if k in in_b]
+    total = sum(ca.meta.tensors[k].nbytes * len(ca.meta.tensors[k].ranks or (None,)) for k in common)
+    done = 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, total)
+
+    rows: list[DiffRow] = []
+    in_a = set(ka)
+    for key in ka + [k for k in kb if k not in in_a]:
+        ea, eb = ca.meta.tensors.get(key), cb.meta.tensors.get(key)
+        if eb is None or ea is None:
+            e = ea or eb
+            assert e is not None
+            status = "only_a" if eb is None else "only_b"
+            shapes = (tuple(e.shape), None) if eb is None else (None, tuple(e.shape))
+            dtypes = (e.dtype, None) if eb is None else (None, e.dtype)
+            rows.append(DiffRow(key, status, *shapes, *dtypes))
+            continue
+        if ea.ranks is None or eb.ranks is None:
+            rows.append(_compare(ca, cb, key, None, max_bytes, tick))
+            continue
+        for r in sorted(set(ea.ranks) | set(eb.ranks)):
+            if r in ea.ranks and r in eb.ranks:
+                rows.append(_compare(ca, cb, key, r, max_bytes, tick))
+            else:
+                e, status = (ea, "only_a") if r in ea.ranks else (eb, "only_b")
+                shapes = (tuple(e.shape), None) if status == "only_a" else (None, tuple(e.shape))
+                dtypes = (e.dtype, None) if status == "only_a" else (None, e.dtype)
+                rows.append(DiffRow(key, status, *shapes, *dtypes, rank=r))
+    return CheckpointDiff(ca.store.url, cb.store.url, rows, _diff_values(ca, cb, patterns))
