@@ -12,7 +12,7 @@ import json
 import math
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
@@ -255,22 +255,27 @@ class Checkpoint:
                 out.copy_(dest)
         return out
 
-    def verify(self) -> int:
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Check everything: every document against its digest, every chunk of every array
         (every per-rank copy too) against its crc32c and its shard's trailer, every array
         against its digest, streaming one bounded buffer at a time. Returns the bytes of
-        tensor data checked.
+        tensor data checked; ``progress(done, total)`` is called after each shard.
 
         Raises :class:`~ucp_zarr.CorruptChunkError` naming the first bad object."""
         for path in self.meta.documents:
             if path.count("/") == 1:  # group documents (array documents are read below)
                 self.document(path)
         total = 0
+        everything = sum(e.nbytes * len(e.ranks or (None,)) for e in self.meta.tensors.values())
         for key, entry in self.meta.tensors.items():
             for rank in sorted(entry.ranks) if entry.ranks is not None else [None]:
                 meta = self.array_meta(key, rank)
                 ref = entry.array(rank)
-                seals = [verify_shard(self.store, ref.path, meta, shard, self.seal) for shard in meta.grid.all_shards()]
+                seals = []
+                for n, shard in enumerate(meta.grid.all_shards(), 1):
+                    seals.append(verify_shard(self.store, ref.path, meta, shard, self.seal))
+                    if progress is not None:
+                        progress(total + entry.nbytes * n // math.prod(meta.grid.shard_counts), everything)
                 if array_digest(seals) != ref.digest:
                     raise CorruptChunkError(
                         f"{self.store.url}/{ref.path} (tensor {key!r}): its shards do not match the array digest "

@@ -14,13 +14,14 @@ import html
 import itertools
 import math
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, _index_to_box
 from .checkpoint import open as open_checkpoint
 from .dtypes import stored_dtype_by_name
 from .layout import Box
@@ -128,6 +129,69 @@ def iter_blocks(
     dtype = ck.array_meta(key, rank).dtype.name
     for box in _blocks_of(ck, key, max_bytes, rank):
         yield box, widen(ck.read_numpy(key, box, rank), dtype)
+
+
+# --- selections ---------------------------------------------------------------------------
+
+Index = tuple[Any, ...]
+"""A basic numpy index: ints, slices and at most one ``...``."""
+
+_INT = re.compile(r"[+-]?\d+")
+
+
+def parse_index(text: str) -> Index:
+    """Parse a numpy-style selection such as ``"3:5, 0:4"``, ``"-1"``, ``":, ::2"``,
+    ``"..., 0"`` or ``"[2, 1:]"`` (no evaluation); ``""`` selects everything.
+
+    Raises :class:`ValueError` naming the bad item."""
+    body = text.strip()
+    if body.startswith("[") and body.endswith("]"):
+        body = body[1:-1].strip()
+    if not body:
+        return ()
+    items = [i.strip() for i in body.split(",")]
+    if len(items) > 1 and items[-1] == "":  # "3," is "3", as in numpy
+        items.pop()
+    out: list[Any] = []
+    for item in items:
+        if item in ("...", "Ellipsis"):
+            if any(i is Ellipsis for i in out):
+                raise ValueError(f"bad selection {text!r}: more than one '...'")
+            out.append(Ellipsis)
+        elif ":" in item:
+            parts = [p.strip() for p in item.split(":")]
+            if len(parts) > 3 or any(p and not _INT.fullmatch(p) for p in parts):
+                raise ValueError(f"bad selection {text!r}: {item!r} is not a slice start:stop:step of integers")
+            bounds = [int(p) if p else None for p in parts]
+            if len(bounds) == 3 and bounds[2] == 0:
+                raise ValueError(f"bad selection {text!r}: slice step cannot be zero")
+            out.append(slice(*bounds))
+        elif _INT.fullmatch(item):
+            out.append(int(item))
+        else:
+            raise ValueError(f"bad selection {text!r}: {item!r} is not an integer, a slice or '...'")
+    return tuple(out)
+
+
+def format_index(index: Index) -> str:
+    """The selection spelled as numpy does (``"3:5, ::2, ..."``)."""
+
+    def one(i: Any) -> str:
+        if i is Ellipsis:
+            return "..."
+        if isinstance(i, slice):
+            text = f"{'' if i.start is None else i.start}:{'' if i.stop is None else i.stop}"
+            return text + ("" if i.step is None else f":{i.step}")
+        return str(i)
+
+    return ", ".join(one(i) for i in index)
+
+
+def selection_shape(shape: tuple[int, ...], index: Index) -> tuple[int, ...]:
+    """The shape of ``tensor[index]`` for a tensor of ``shape`` (:class:`IndexError` when an
+    index is out of bounds or there are too many)."""
+    box, post = _index_to_box(index, shape)
+    return tuple(-(-n // abs(p.step)) for n, p in zip(box.shape, post) if isinstance(p, slice))
 
 
 # --- listing ------------------------------------------------------------------------------
