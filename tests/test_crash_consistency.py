@@ -170,11 +170,19 @@ def test_random_kills_long_run(tmp_path):
 
 def test_durability_order_every_file_and_directory_is_fsynced_before_the_commit(tmp_path, monkeypatch):
     """The commit record becomes visible (hard link of its fsynced temporary file) only after
-    every object and every directory entry of the checkpoint is durable, and its own
-    directory entry is fsynced after."""
+    every object and every directory entry of the checkpoint is durable (fsynced, or covered
+    by a syncfs of the file system after it was written), and its own directory entry is
+    fsynced after."""
+    from ucp_zarr import storage
+
     events: list[tuple[str, str]] = []
     fds: dict[int, str] = {}
     real_open, real_fsync, real_link, real_close = os.open, os.fsync, os.link, os.close
+    real_syncfs = storage._syncfs
+
+    def rec_syncfs(fd: int) -> None:
+        real_syncfs(fd)
+        events.append(("syncfs", fds.get(fd, f"fd{fd}")))
 
     def rec_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
         fd = real_open(path, flags, *args, **kwargs)
@@ -192,13 +200,16 @@ def test_durability_order_every_file_and_directory_is_fsynced_before_the_commit(
         events.append(("link", os.path.abspath(os.fspath(dst))))
 
     def rec_close(fd: int) -> None:
-        fds.pop(fd, None)  # before the fd can be reused by another thread's open
+        path = fds.pop(fd, None)  # before the fd can be reused by another thread's open
         real_close(fd)
+        if path is not None:
+            events.append(("close", path))
 
     monkeypatch.setattr(os, "open", rec_open)
     monkeypatch.setattr(os, "fsync", rec_fsync)
     monkeypatch.setattr(os, "link", rec_link)
     monkeypatch.setattr(os, "close", rec_close)
+    monkeypatch.setattr(storage, "_syncfs", rec_syncfs)
     path = tmp_path / "ck"
     ucp_zarr.save({"w": torch.randn(64, 1024), "b": torch.randn(10), "step": 1}, path, chunk_bytes=4096, shard_bytes=16384)
     monkeypatch.undo()
@@ -210,10 +221,13 @@ def test_durability_order_every_file_and_directory_is_fsynced_before_the_commit(
     assert len(files) > 10
     synced_before = {p for kind, p in before if kind == "fsync"}
     for f in files:
-        assert str(f) in synced_before, f"{f} was not fsynced before the commit"
-        # and its directory entry: the directory was fsynced after the file was created
+        closed = max(i for i, e in enumerate(before) if e == ("close", str(f)))
+        synced = str(f) in synced_before or any(kind == "syncfs" for kind, _ in before[closed:])
+        assert synced, f"{f} was not fsynced before the commit"
+        # and its directory entry: the directory was fsynced (or the file system synced) after the file was created
         created = before.index(("create", str(f)))
-        assert ("fsync", str(f.parent)) in before[created:], f"directory of {f} not fsynced before the commit"
+        entry = any(e == ("fsync", str(f.parent)) or e[0] == "syncfs" for e in before[created:])
+        assert entry, f"directory of {f} not fsynced before the commit"
     tmp = [p for kind, p in before if kind == "fsync" and p.startswith(root + ".tmp-")]
     assert tmp, "the commit record's temporary file was not fsynced before it was linked"
     assert ("fsync", str(path)) in after, "the commit record's directory entry was not fsynced"
