@@ -6,7 +6,6 @@ values as numpy arrays, which is what the read-only CLI and :mod:`ucp_zarr.inspe
 
 from __future__ import annotations
 
-import html
 import itertools
 import json
 import math
@@ -312,23 +311,9 @@ class Checkpoint:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        rows = []
-        for group, items in self._groups().items():
-            inner = "".join(
-                f"<tr><td><code>{html.escape(name)}</code></td><td>{list(e.shape)}</td>"
-                f"<td>{e.dtype}</td><td title='{html.escape(key)}'>{_human(e.nbytes)}</td></tr>"
-                for name, key, e in items
-            )
-            rows.append(
-                f"<details><summary><code>{html.escape(group)}</code> ({len(items)})</summary>"
-                f"<table>{inner}</table></details>"
-            )
-        head = (
-            f"<b>ucp_zarr checkpoint</b> <code>{html.escape(self.store.url)}</code>: {len(self)} tensors, "
-            f"{_human(self.nbytes())}, step {html.escape(repr(self.metadata['step']))}, "
-            f"saved by {self.meta.world_size} rank(s) at {html.escape(self.meta.created)}"
-        )
-        return f"<div>{head}{''.join(rows)}</div>"
+        from .notebook import checkpoint_html
+
+        return checkpoint_html(self)
 
 
 class TensorView:
@@ -382,6 +367,11 @@ class TensorView:
             raw = np.ascontiguousarray(raw)
         t = torch.from_numpy(raw) if raw.ndim else torch.from_numpy(raw.reshape(1)).reshape(())
         return t.view(self.dtype) if stored_dtype_by_name(self.dtype_name).bits else t
+
+    def _repr_html_(self) -> str:
+        from .notebook import tensor_html
+
+        return tensor_html(self)
 
     def __repr__(self) -> str:
         return f"<TensorView {self.key!r} shape={list(self._shape)} dtype=torch.{self.dtype_name} at {self.path}>"

@@ -1,0 +1,406 @@
+"""The Jupyter face (ucp_zarr.notebook): checkpoint and tensor HTML, statistics, diffs, plots.
+
+The HTML is parsed (html.parser) and checked for what a reader sees: the tree with each
+parameter's moments in its group, escaped keys and values, the picture of which rank wrote
+which region of a multi-rank save, the diff table; the plots are checked against numbers
+computed here with torch; rendering over S3 reads metadata documents only."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import uuid
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import numpy as np
+import pytest
+import torch
+from _dist import run
+
+import ucp_zarr
+from ucp_zarr import notebook
+from ucp_zarr.inspect import diff
+
+matplotlib.use("Agg")
+
+
+class Dom(HTMLParser):
+    """A tiny DOM: every element as (tag, attrs, parent index), with the text inside it."""
+
+    VOID = {"br", "img", "hr", "meta", "input", "line", "rect", "path"}
+
+    def __init__(self, text: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.nodes: list[dict[str, Any]] = []
+        self.stack: list[int] = []
+        self.feed(text)
+        self.close()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.nodes.append({"tag": tag, "attrs": dict(attrs), "parent": self.stack[-1] if self.stack else None, "text": ""})
+        if tag not in self.VOID:
+            self.stack.append(len(self.nodes) - 1)
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.nodes.append({"tag": tag, "attrs": dict(attrs), "parent": self.stack[-1] if self.stack else None, "text": ""})
+
+    def handle_endtag(self, tag: str) -> None:
+        while self.stack:
+            if self.nodes[self.stack.pop()]["tag"] == tag:
+                break
+
+    def handle_data(self, data: str) -> None:
+        for i in self.stack:
+            self.nodes[i]["text"] += data
+
+    def find(self, tag: str, **attrs: str) -> list[dict[str, Any]]:
+        return [n for n in self.nodes if n["tag"] == tag and all(n["attrs"].get(k) == v for k, v in attrs.items())]
+
+    def inside(self, node: dict[str, Any], tag: str) -> list[dict[str, Any]]:
+        """The ``tag`` elements below ``node``."""
+        idx = self.nodes.index(node)
+        out = []
+        for n in self.nodes:
+            p = n["parent"]
+            while p is not None and p != idx:
+                p = self.nodes[p]["parent"]
+            if p == idx and n["tag"] == tag:
+                out.append(n)
+        return out
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for b in self.blocks:
+            h = torch.relu(b(h))
+        return self.head(h)
+
+
+def _trained(named: bool) -> tuple[Net, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.AdamW(net.named_parameters() if named else net.parameters(), lr=1e-2)
+    net(torch.arange(6)).pow(2).mean().backward()
+    opt.step()
+    return net, opt
+
+
+def _groups(html: str) -> dict[str, set[str]]:
+    """Group name (as the tree labels it, with its module path) -> the keys its table lists."""
+    dom = Dom(html)
+    out: dict[str, set[str]] = {}
+    for det in dom.find("details", **{"class": "group"}):
+        names = []
+        p = det["parent"]
+        while p is not None:
+            node = dom.nodes[p]
+            if node["tag"] == "details":
+                names.append(dom.inside(node, "b")[0]["text"])
+            p = node["parent"]
+        label = ".".join([*reversed(names), dom.inside(det, "code")[0]["text"]])
+        out[label] = {c["text"] for c in dom.inside(det, "td") if c["attrs"].get("class") == "key"}
+    return out
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["param_ids", "param_names"])
+def test_tree_shows_moments_beside_their_parameter(tmp_path: Path, named: bool) -> None:
+    net, opt = _trained(named)
+    state = {"model": net.state_dict(), "optim": opt.state_dict(), "step": 7}
+    ucp_zarr.save(state, tmp_path / "ck", model=None if named else net)  # names from param_names, or the model
+    ck = ucp_zarr.open(tmp_path / "ck")
+    html = ck._repr_html_()
+    groups = _groups(html)
+    fqns = [k for k, _ in net.named_parameters()]
+    assert sorted(groups) == sorted(fqns)
+    for i, fqn in enumerate(fqns):
+        moment = f"optim.state.{i}"
+        assert groups[fqn] == {f"model.{fqn}", f"{moment}.exp_avg", f"{moment}.exp_avg_sq", f"{moment}.step"}, fqn
+    text = "".join(n["text"] for n in Dom(html).find("table", **{"class": "facts"})).replace(" ", "")
+    assert "step7" in text and "signedno" in text and "savedby1rank" in text
+    assert len(Dom(html).find("details", **{"class": "module"})) >= 1  # blocks > 0, 1, 2
+
+
+def test_odd_keys_and_values_are_escaped(tmp_path: Path) -> None:
+    evil = "<script>alert('k')</script>"
+    state = {
+        "model": {evil: torch.ones(3), "a&b\"'<i>": torch.zeros(2, 2)},
+        "note": "<img src=x onerror=alert(1)>",
+        "step": 1,
+    }
+    ucp_zarr.save(state, tmp_path / "ck")
+    ck = ucp_zarr.open(tmp_path / "ck")
+    for html in (ck._repr_html_(), ck[f"model.{evil}"]._repr_html_(), ck["model.a&b\"'<i>"]._repr_html_()):
+        assert "<script" not in html and "<img" not in html and "<i>" not in html
+        dom = Dom(html)
+        assert not dom.find("script") and not dom.find("img") and not dom.find("i")
+    html = ck._repr_html_()
+    assert "&lt;script&gt;alert(&#x27;k&#x27;)&lt;/script&gt;" in html
+    assert "&lt;img src=x onerror=alert(1)&gt;" in html
+    assert f"model.{evil}" in {c["text"] for c in Dom(html).find("td", **{"class": "key"})}
+
+
+def test_huge_checkpoint_html_is_bounded(tmp_path: Path) -> None:
+    n = 400
+    ucp_zarr.save({"model": {f"p{i}": torch.full((2,), float(i)) for i in range(n)}}, tmp_path / "ck")
+    ck = ucp_zarr.open(tmp_path / "ck")
+    html = notebook.checkpoint_html(ck, max_rows=30)
+    dom = Dom(html)
+    rows = dom.find("td", **{"class": "key"})
+    assert len(rows) == 30
+    assert len(dom.find("details", **{"class": "group"})) == notebook.MAX_CHILDREN
+    assert f"and {n - notebook.MAX_CHILDREN} more groups ({n - notebook.MAX_CHILDREN} tensors" in html
+    assert "arrays not listed" in html
+    assert len(html) < 60_000
+
+
+# --- the rank picture of a multi-rank save ---------------------------------------------------
+
+WORLD = 3
+ROWS, COLS, FLAT = (256, 128), (256, 128), (37, 29)
+
+
+def _fragments(rank: int, world: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    w, f = torch.randn(*ROWS, generator=g), torch.randn(*FLAT, generator=g)
+    rows = [ROWS[0] * r // world for r in range(world + 1)]
+    cols = [COLS[1] * r // world for r in range(world + 1)]
+    n = f.numel()
+    lo, hi = n * rank // world, n * (rank + 1) // world
+    return {
+        "rows": ucp_zarr.Shard(w[rows[rank] : rows[rank + 1]].clone(), ROWS, (rows[rank], 0)),
+        "cols": ucp_zarr.Shard(w[:, cols[rank] : cols[rank + 1]].clone(), COLS, (0, cols[rank])),
+        "flat": ucp_zarr.FlatShard(f.reshape(-1)[lo:hi].clone(), FLAT, lo),
+        "rep": torch.arange(12.0),
+    }
+
+
+def _save_job(rank: int, world: int, path: str) -> None:
+    ucp_zarr.save(_fragments(rank, world), path, chunk_bytes=4096, shard_bytes=8192)
+
+
+@pytest.fixture(scope="module")
+def multirank(tmp_path_factory: pytest.TempPathFactory) -> ucp_zarr.Checkpoint:
+    path = str(tmp_path_factory.mktemp("multirank") / "ck")
+    run(WORLD, _save_job, path, timeout_s=120)
+    return ucp_zarr.open(path)
+
+
+def _rects(html: str) -> list[tuple[int, float, float, float, float]]:
+    return [
+        (int(r["attrs"]["data-rank"]), *(float(r["attrs"][a]) for a in ("x", "y", "width", "height")))
+        for r in Dom(html).find("rect")
+        if r["attrs"].get("class") == "region"
+    ]
+
+
+def test_rank_picture_of_row_and_column_shards(multirank: ucp_zarr.Checkpoint) -> None:
+    for key, dim in (("rows", 0), ("cols", 1)):
+        html = multirank[key]._repr_html_()
+        rects = sorted(_rects(html))
+        assert [r[0] for r in rects] == list(range(WORLD))
+        svg = Dom(html).find("svg")[0]
+        w, h = float(svg["attrs"]["width"]) - 2, float(svg["attrs"]["height"]) - 2
+        size = ROWS[0] if dim == 0 else COLS[1]
+        for rank, x, y, rw, rh in rects:
+            lo, hi = size * rank // WORLD, size * (rank + 1) // WORLD
+            at, extent, full = (y, rh, h) if dim == 0 else (x, rw, w)
+            assert at == pytest.approx(lo / size * full, abs=0.01) and extent == pytest.approx((hi - lo) / size * full, abs=0.01)
+            assert (rw if dim == 0 else rh) == pytest.approx(w if dim == 0 else h, abs=0.01)
+        assert "held by" in html and f"rank {WORLD - 1}" in html
+        assert "stroke-dasharray" in html  # shard boundaries (8 KiB shards cut the tensor)
+
+
+def test_rank_picture_of_flat_ranges_covers_the_tensor(multirank: ucp_zarr.Checkpoint) -> None:
+    html = notebook.tensor_html(multirank["flat"])
+    rects = _rects(html)
+    svg = Dom(html).find("svg")[0]
+    w, h = float(svg["attrs"]["width"]) - 2, float(svg["attrs"]["height"]) - 2
+    assert {r[0] for r in rects} == set(range(WORLD))
+    assert len(rects) > WORLD  # ranges cutting rows come out as up to three boxes each
+    assert sum(r[3] * r[4] for r in rects) == pytest.approx(w * h, rel=1e-3)
+    # each rank's area is its share of the elements
+    n = math.prod(FLAT)
+    for rank in range(WORLD):
+        share = (n * (rank + 1) // WORLD - n * rank // WORLD) / n
+        assert sum(r[3] * r[4] for r in rects if r[0] == rank) == pytest.approx(share * w * h, rel=1e-3)
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(map(str, shape)) + ")"
+
+
+def test_replicated_region_drawn_for_its_writer(multirank: ucp_zarr.Checkpoint) -> None:
+    (region,) = multirank.array_meta("rep").regions
+    assert region.replicas == tuple(range(WORLD))
+    ((rank, *_),) = _rects(multirank["rep"]._repr_html_())
+    assert rank == region.writers[0]
+
+
+def test_tensor_html_facts_and_stats(multirank: ucp_zarr.Checkpoint) -> None:
+    view = multirank["rows"]
+    html = view._repr_html_()
+    meta = multirank.array_meta("rows")
+    assert "view.stats()" in html and "<th>mean</th>" not in html  # nothing computed in the repr
+    text = "".join(n["text"] for n in Dom(html).find("table"))
+    assert _shape_text(ROWS) in text and "float32" in text
+    assert "\u00d7".join(map(str, meta.grid.chunk_shape)) in text and "\u00d7".join(map(str, meta.grid.shard_shape)) in text
+    with_stats = notebook.tensor_html(view, stats=view.stats())
+    want = view[...].double()
+    cells = {th["text"]: td["text"] for th, td in zip(Dom(with_stats).find("th"), Dom(with_stats).find("td", **{"class": "num"}))}
+    assert float(cells["mean"]) == pytest.approx(want.mean().item(), rel=1e-5)
+    assert float(cells["norm"]) == pytest.approx(want.norm().item(), rel=1e-5)
+    assert cells["nan"] == "0" and cells["count"] == f"{math.prod(ROWS):,}"
+
+
+def test_stats_html_flags_nan_and_inf(tmp_path: Path) -> None:
+    t = torch.tensor([[1.0, float("nan")], [float("inf"), -2.0]], dtype=torch.bfloat16)
+    ucp_zarr.save({"x": t}, tmp_path / "ck")
+    ck = ucp_zarr.open(tmp_path / "ck")
+    html = notebook.stats_html(ck["x"].stats())
+    dom = Dom(html)
+    bad = [td["text"] for td in dom.find("td") if "bad" in (td["attrs"].get("class") or "")]
+    assert bad == ["1", "1"]
+    cells = {th["text"]: td["text"] for th, td in zip(dom.find("th"), dom.find("td"))}
+    assert float(cells["min"]) == -2.0 and float(cells["max"]) == 1.0 and cells["count"] == "4"
+
+
+# --- diff ------------------------------------------------------------------------------------
+
+
+def test_diff_table(tmp_path: Path) -> None:
+    base = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3), "gone": torch.zeros(1), "s": torch.zeros(2)}
+    ucp_zarr.save({"model": base, "step": 1}, tmp_path / "a")
+    changed = dict(base, w=base["w"] + torch.tensor([[0, 0, 0.5], [0, 0, 0]]), s=torch.zeros(3), new=torch.ones(2))
+    del changed["gone"]
+    ucp_zarr.save({"model": changed, "step": 2}, tmp_path / "b")
+    d = diff(ucp_zarr.open(tmp_path / "a"), ucp_zarr.open(tmp_path / "b"))
+    html = notebook.diff_html(d)
+    assert d._repr_html_() == html
+    dom = Dom(html)
+    rows = {dom.inside(tr, "code")[0]["text"]: tr for tr in dom.find("tr") if tr["attrs"].get("data-status")}
+    assert "tensors differ" not in html and "different" in html
+    status = {k: tr["attrs"]["data-status"] for k, tr in rows.items()}
+    assert status == {"model.w": "differs", "model.b": "equal", "model.gone": "only_a", "model.new": "only_b",
+                      "model.s": "shape", "step": "differs"}
+    assert rows["model.gone"]["attrs"]["class"] == rows["model.new"]["attrs"]["class"] == "only"
+    cells = [td["text"] for td in dom.inside(rows["model.w"], "td")]
+    assert cells[2] == "1" and float(cells[3]) == 0.5 and float(cells[4]) == pytest.approx(0.5 / 5.0)  # max abs / max |b|
+    tensor_rows = [k for k in rows if k.startswith("model.")]
+    assert tensor_rows[:2] == ["model.gone", "model.new"] and tensor_rows[-1] == "model.b"  # missing first, equal last
+    values = dom.find("table", **{"class": "values"})[0]
+    assert [td["text"] for td in dom.inside(values, "td")] == ["step", "1", "2"]
+
+
+# --- plots -----------------------------------------------------------------------------------
+
+
+def test_plot_norms_per_layer(tmp_path: Path) -> None:
+    net, opt = _trained(named=False)
+    ucp_zarr.save({"model": net.state_dict(), "optim": opt.state_dict()}, tmp_path / "ck")
+    ck = ucp_zarr.open(tmp_path / "ck")
+    ax = notebook.plot_norms(ck, "model.*")
+    assert isinstance(ax, matplotlib.axes.Axes)
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) == {"model.blocks.*.weight", "model.blocks.*.bias"}
+    sd = net.state_dict()
+    for kind in ("weight", "bias"):
+        assert list(lines[f"model.blocks.*.{kind}"].get_xdata()) == [0, 1, 2]
+        want = [sd[f"blocks.{i}.{kind}"].double().norm().item() for i in range(3)]
+        np.testing.assert_allclose(lines[f"model.blocks.*.{kind}"].get_ydata(), want, rtol=1e-6)
+    bars = notebook.plot_norms(ck, "model.head.*")  # no numbered layers: one bar per tensor
+    assert [p.get_width() for p in bars.patches] == pytest.approx([sd["head.weight"].double().norm().item()], rel=1e-6)
+    with pytest.raises(KeyError, match="nothing"):
+        notebook.plot_norms(ck, "nothing*")
+
+
+def test_plot_histogram_streams_blocks(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(256, 64, generator=g).to(torch.bfloat16)
+    t[3, 5], t[7, 1] = float("nan"), float("-inf")
+    ucp_zarr.save({"x": t}, tmp_path / "ck", chunk_bytes=2048)
+    ck = ucp_zarr.open(tmp_path / "ck")
+    fig, ax = matplotlib.pyplot.subplots()
+    out = notebook.plot_histogram(ck["x"], bins=40, ax=ax, max_bytes=4096)  # many blocks
+    assert out is ax
+    counts, edges = ax.patches[0].get_data().values, ax.patches[0].get_data().edges
+    finite = t.float().numpy().ravel()
+    finite = finite[np.isfinite(finite)]
+    want, want_edges = np.histogram(finite, bins=np.linspace(float(finite.min()), float(finite.max()), 41))
+    np.testing.assert_array_equal(edges, want_edges)
+    np.testing.assert_array_equal(counts, want)
+    assert "2 NaN/Inf left out" in ax.get_title()
+    same = notebook.plot_histogram(ck, "x", bins=40)
+    np.testing.assert_array_equal(same.patches[0].get_data().values, want)
+
+
+# --- remote checkpoints ----------------------------------------------------------------------
+
+
+def _record_reads(store: Any) -> list[str]:
+    """Record the keys the store is asked for (instance attributes shadow the methods)."""
+    keys: list[str] = []
+    for name in ("read", "read_tail", "readv"):
+        method = getattr(store, name)
+
+        def wrapped(key: str, *args: Any, _m: Any = method, **kwargs: Any) -> Any:
+            keys.append(key)
+            return _m(key, *args, **kwargs)
+
+        setattr(store, name, wrapped)
+    return keys
+
+
+def test_memory_url_renders(tmp_path: Path) -> None:
+    url = f"memory://nb-{uuid.uuid4().hex[:8]}/ck"
+    net, opt = _trained(named=True)
+    ucp_zarr.save({"model": net.state_dict(), "optim": opt.state_dict(), "step": 3}, url)
+    ck = ucp_zarr.open(url)
+    keys = _record_reads(ck.store)
+    html = ck._repr_html_() + ck["model.blocks.0.weight"]._repr_html_()
+    assert url in html and "model.blocks.2.bias" in html
+    assert all(k.endswith("zarr.json") for k in keys), keys
+
+
+def test_s3_renders_from_metadata_only(seaweed: Any) -> None:
+    from s3server import FaultProxy
+
+    url = f"s3://objstore/{uuid.uuid4().hex[:8]}/nb"
+    net, opt = _trained(named=True)
+    big = {"model": net.state_dict(), "optim": opt.state_dict(), "extra": {"big": torch.randn(512, 512)}, "step": 3}
+    ucp_zarr.save(big, url, storage_options=seaweed.storage_options())
+    data_bytes = sum(t.numel() * t.element_size() for t in [*net.state_dict().values(), big["extra"]["big"]])
+    with FaultProxy(seaweed.s3_port) as proxy:
+        ck = ucp_zarr.open(url, storage_options=seaweed.storage_options(proxy.endpoint))
+        opened = proxy.counts.requests
+        keys = _record_reads(ck.store)
+        before = ck.store.stats.bytes_read
+        html = ck._repr_html_() + ck["extra.big"]._repr_html_()
+        requests = proxy.counts.requests - opened
+        read = ck.store.stats.bytes_read - before
+    assert "extra.big" in html and "(512, 512)" in html
+    assert all(k.endswith("zarr.json") for k in keys), keys
+    assert read < data_bytes / 20, (read, data_bytes)
+    assert requests <= len(ck.keys()) + 2, requests
+
+
+def test_import_is_torch_free(tmp_path: Path) -> None:
+    ucp_zarr.save({"model": {"w": torch.ones(4, 4)}, "step": 1}, tmp_path / "ck")
+    code = (
+        "import sys, ucp_zarr, ucp_zarr.notebook as nb\n"
+        f"html = nb.checkpoint_html(ucp_zarr.open({str(tmp_path / 'ck')!r}))\n"
+        "assert 'model.w' in html\n"
+        "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

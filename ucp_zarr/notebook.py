@@ -1,0 +1,551 @@
+"""The Jupyter face: rich HTML for checkpoints, tensors, statistics and diffs, and plots.
+
+A thin layer over :class:`~ucp_zarr.checkpoint.Checkpoint` and :mod:`ucp_zarr.inspect`:
+
+* :func:`checkpoint_html` (``Checkpoint._repr_html_``) and :func:`tensor_html`
+  (``TensorView._repr_html_``) read metadata only (the commit record, and the ``zarr.json``
+  of the arrays they show), never tensor data, so they are cheap on object stores;
+* :func:`stats_html`, :func:`diff_html` render what :func:`ucp_zarr.inspect.tensor_stats` and
+  :func:`ucp_zarr.inspect.diff` computed;
+* :func:`plot_norms` and :func:`plot_histogram` stream tensors block by block (bounded memory)
+  and draw with matplotlib, imported when first called.
+
+Every string taken from a checkpoint (keys, paths, values) is HTML-escaped. Importing this
+module imports neither torch nor matplotlib.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import re
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+    from .checkpoint import Checkpoint, TensorView
+    from .format import ArrayMeta, Region, TensorEntry
+    from .inspect import CheckpointDiff, TensorStats
+
+MAX_ROWS = 200
+"""Array rows a checkpoint's tree shows in full; further groups show their totals only."""
+MAX_CHILDREN = 64
+"""Children one tree node lists; the rest are summed up in one line."""
+MAX_VALUES = 40
+"""Non-tensor values listed in a checkpoint's facts."""
+MAX_BOXES = 256
+"""Rectangles a tensor's rank picture draws (the rest are counted)."""
+MAX_DIFF_ROWS = 200
+"""Rows a diff table lists (differences first)."""
+
+_PALETTE = (
+    "#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948",
+    "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac", "#1f77b4", "#2ca02c",
+)
+_STYLE = (
+    "<style>.ucpz{font-family:var(--jp-content-font-family,sans-serif);font-size:13px;line-height:1.4}"
+    ".ucpz table{border-collapse:collapse;margin:2px 0 4px 18px}"
+    ".ucpz td,.ucpz th{padding:1px 8px;text-align:left;border-bottom:1px solid #8882;vertical-align:top}"
+    ".ucpz th{font-weight:600}.ucpz .num{text-align:right;font-variant-numeric:tabular-nums}"
+    ".ucpz details>details,.ucpz details>div{margin-left:16px}.ucpz summary{cursor:pointer}"
+    ".ucpz .dim{color:#888}.ucpz .bad{color:#c0392b;font-weight:600}"
+    ".ucpz tr.only{background:#f8d7da80}.ucpz tr.differs{background:#fff3cd80}"
+    ".ucpz .facts td:first-child{color:#888}</style>"
+)
+
+
+# --------------------------------------------------------------------------------------
+# small formatters
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            break
+        n /= 1024
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _x(shape: Sequence[int]) -> str:
+    return "\u00d7".join(str(n) for n in shape) or "scalar"
+
+
+def _num(v: Any) -> str:
+    if v is None:
+        return "<span class='dim'>\u2013</span>"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return _e(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    return f"{v:.6g}"
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=repr)
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+# --------------------------------------------------------------------------------------
+# the checkpoint: facts and a tree of groups
+
+
+@dataclass
+class _Node:
+    """A node of the tree of groups. Group labels (parameter FQNs) are split at dots: the
+    last part names a *group* node (a parameter with its moments: the arrays), the others
+    *module* nodes (``blocks`` > ``0`` > ``qkv`` > group ``weight``)."""
+
+    name: str
+    group: bool = False
+    children: dict[tuple[str, bool], "_Node"] = field(default_factory=dict)
+    arrays: list[tuple[str, str, "TensorEntry"]] = field(default_factory=list)
+    """(array name within the group, tensor key, index entry)."""
+    count: int = 0
+    nbytes: int = 0
+
+    def add(self, parts: list[str], row: tuple[str, str, "TensorEntry"]) -> None:
+        self.count += 1
+        self.nbytes += row[2].nbytes
+        if self.group:
+            self.arrays.append(row)
+            return
+        at = (parts[0], len(parts) == 1)
+        child = self.children.get(at)
+        if child is None:
+            child = self.children[at] = _Node(parts[0], group=at[1])
+        child.add(parts[1:], row)
+
+    def collapsed(self) -> "_Node":
+        """This node with single-child module chains merged (``head`` > ``weight`` -> ``head.weight``)."""
+        node = self
+        while not node.group and len(node.children) == 1:
+            (child,) = node.children.values()
+            node = _Node(f"{node.name}.{child.name}", child.group, child.children, child.arrays, child.count, child.nbytes)
+        node.children = {k: c.collapsed() for k, c in node.children.items()}
+        return node
+
+
+def checkpoint_tree(ck: "Checkpoint") -> _Node:
+    """The checkpoint's tensors as a tree of their Zarr groups (one group per parameter, which
+    holds its optimizer moments too), group names split at dots, single-child chains merged."""
+    root = _Node("")
+    for key, entry in ck.meta.tensors.items():
+        group, _, name = (urllib.parse.unquote(p) for p in entry.path.partition("/"))
+        root.add([p for p in group.split(".") if p] or [group], (name, key, entry))
+    root.children = {k: c.collapsed() for k, c in root.children.items()}
+    return root
+
+
+def _grid_text(meta: "ArrayMeta") -> str:
+    g = meta.grid
+    chunks = math.prod(g.chunks_per_shard)
+    shards = math.prod(g.shard_counts)
+    return (f"chunks {_x(g.chunk_shape)}, shards {_x(g.shard_shape)} "
+            f"<span class='dim'>({shards} shard{'s' * (shards != 1)} \u00d7 {chunks} chunk{'s' * (chunks != 1)})</span>")
+
+
+class _Budget:
+    """How many more array rows the tree may show in full."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+
+def _array_rows(ck: "Checkpoint", arrays: list[tuple[str, str, "TensorEntry"]]) -> str:
+    rows = []
+    for name, key, e in arrays:
+        meta = ck.array_meta(key)
+        copies = "" if e.ranks is None else f" <span class='dim'>per rank \u00d7{len(e.ranks)}</span>"
+        rule = "" if e.rule is None else f" <span class='dim' title='{_e(json.dumps(e.rule))}'>rule: {_e(e.rule['kind'])}</span>"
+        stored = "" if not meta.dtype.bits else f" <span class='dim'>(as {_e(meta.dtype.zarr_dtype)})</span>"
+        rows.append(
+            f"<tr><td><code>{_e(name)}</code>{copies}{rule}</td><td class='key'><code>{_e(key)}</code></td>"
+            f"<td>{_shape(e.shape)}</td><td>{_e(e.dtype)}{stored}</td><td>{_grid_text(meta)}</td>"
+            f"<td class='num'>{human_bytes(e.nbytes)}</td></tr>"
+        )
+    return "<table>" + "".join(rows) + "</table>"
+
+
+def _node_html(ck: "Checkpoint", node: _Node, budget: _Budget, opened: bool) -> str:
+    totals = f"{node.count} tensor{'s' * (node.count != 1)}, {human_bytes(node.nbytes)}"
+    if not node.group:
+        summary = f"<summary><b>{_e(node.name)}</b> <span class='dim'>{totals}</span></summary>"
+        return f"<details class='module'{' open' * opened}>{summary}{_children_html(ck, list(node.children.values()), budget, False)}</details>"
+    names = ", ".join(name for name, _, _ in node.arrays[:6]) + (", …" if len(node.arrays) > 6 else "")
+    summary = f"<summary><code>{_e(node.name)}</code> <span class='dim'>{_e(names)} · {totals}</span></summary>"
+    if budget.rows >= len(node.arrays):
+        budget.rows -= len(node.arrays)
+        body = _array_rows(ck, node.arrays)
+    else:
+        budget.rows = 0
+        body = (f"<div class='dim'>{len(node.arrays)} arrays not listed (over the tree's row limit): "
+                "use <code>ck.keys()</code> and <code>ck[key]</code></div>")
+    return f"<details class='group'>{summary}{body}</details>"
+
+
+def _children_html(ck: "Checkpoint", children: list[_Node], budget: _Budget, opened: bool) -> str:
+    shown = children[:MAX_CHILDREN]
+    out = [_node_html(ck, c, budget, opened) for c in shown]
+    rest = children[MAX_CHILDREN:]
+    if rest:
+        n, b = sum(c.count for c in rest), sum(c.nbytes for c in rest)
+        out.append(f"<div class='dim'>\u2026 and {len(rest)} more groups ({n} tensors, {human_bytes(b)})</div>")
+    return "".join(out)
+
+
+def _facts_html(ck: "Checkpoint") -> str:
+    meta = ck.meta
+    md = ck.metadata
+    facts: list[tuple[str, str]] = [
+        ("step", _e(repr(md["step"]))),
+        ("tensors", f"{len(meta.tensors):,}, {human_bytes(sum(e.nbytes for e in meta.tensors.values()))}"),
+        ("saved by", f"{meta.world_size} rank{'s' * (meta.world_size != 1)}"),
+        ("created", _e(meta.created)),
+        ("library", _e(meta.library)),
+        ("signed", "yes (HMAC-SHA256)" if meta.authenticated else "no"),
+    ]
+    layout = meta.layout
+    if not layout:
+        facts.append(("layout", "tensors saved as given (no rules)"))
+    for name, value in layout.items():
+        if name == "rules" and isinstance(value, dict):
+            n = len(value.get("params", []))
+            text = _e(_short(value, 4000))
+            facts.append(("rules", f"<details><summary>{n} parameter rule{'s' * (n != 1)}"
+                                   f" (<code>ck.rules</code>)</summary><code>{text}</code></details>"))
+        else:
+            facts.append((_e(name), f"<code>{_e(_short(value))}</code>"))
+    if md["per_rank_tensors"] or md["rank_values"]:
+        facts.append(("per-rank state", f"{len(md['per_rank_tensors'])} tensors, {len(md['rank_values'])} values"))
+    values = md["values"]
+    if values:
+        rows = "".join(f"<tr><td><code>{_e(k)}</code></td><td><code>{_e(_short(v))}</code></td></tr>"
+                       for k, v in list(values.items())[:MAX_VALUES])
+        more = f"<div class='dim'>\u2026 and {len(values) - MAX_VALUES} more</div>" if len(values) > MAX_VALUES else ""
+        facts.append(("values", f"<details><summary>{len(values)} non-tensor values</summary><table>{rows}</table>{more}</details>"))
+    return "<table class='facts'>" + "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in facts) + "</table>"
+
+
+def checkpoint_html(ck: "Checkpoint", *, max_rows: int = MAX_ROWS) -> str:
+    """A checkpoint as HTML: its facts (step, size, saving world, date, signature, layout and
+    rules, non-tensor values) and a collapsible tree of its groups, each parameter with its
+    optimizer moments, listing shape, dtype, chunk and shard grid and size per array.
+
+    Reads the commit record and the ``zarr.json`` of at most ``max_rows`` arrays (further
+    groups are listed with their totals only)."""
+    tree = checkpoint_tree(ck)
+    head = f"<div><b>ucp_zarr checkpoint</b> <code>{_e(ck.store.url)}</code></div>"
+    body = _children_html(ck, list(tree.children.values()), _Budget(max_rows), opened=len(ck.meta.tensors) <= 40)
+    return f"{_STYLE}<div class='ucpz'>{head}{_facts_html(ck)}<div class='ucpz-tree'>{body}</div></div>"
+
+
+# --------------------------------------------------------------------------------------
+# one tensor: facts and the picture of its writers
+
+
+def _region_boxes(region: "Region", shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """A region as (offset, shape) boxes of the global tensor."""
+    from .layout.flat import flat_range_boxes
+
+    if region.flat is not None:
+        return [(b.offset, b.shape) for b in flat_range_boxes(shape, *region.flat)]
+    return [(tuple(region.offset), tuple(region.shape))]
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    ranks = sorted(ranks)
+    if len(ranks) > 8:
+        return f"{', '.join(map(str, ranks[:8]))}, \u2026 ({len(ranks)} ranks)"
+    return ", ".join(map(str, ranks))
+
+
+def _holder(region: "Region") -> int:
+    """The rank a region is drawn for: the rank that held it, or, for replicas, the one
+    among them that wrote it."""
+    if len(region.replicas) == 1:
+        return region.replicas[0]
+    return next((w for w in region.writers if w in region.replicas), region.replicas[0] if region.replicas else 0)
+
+
+def rank_picture_svg(meta: "ArrayMeta", *, width: int = 360, height: int = 180) -> str:
+    """An inline SVG of the tensor (its first two dims; 1-D as a bar) with one rectangle per
+    region of the saving layout, coloured by the rank that held it (replicated regions: by
+    the replica that wrote it), and the shard boundaries dashed. Empty for a scalar."""
+    shape = meta.shape
+    if not shape or math.prod(shape) == 0:
+        return ""
+    rows, cols = (1, shape[0]) if len(shape) == 1 else (shape[0], shape[1])
+    scale = min(width / cols, height / rows)
+    w = max(cols * scale, 24.0) if len(shape) > 1 else float(width)
+    h = max(rows * scale, 24.0) if len(shape) > 1 else 24.0
+    sx, sy = w / cols, h / rows
+
+    def rect(offset: tuple[int, ...], size: tuple[int, ...]) -> tuple[float, float, float, float]:
+        if len(shape) == 1:
+            return offset[0] * sx, 0.0, size[0] * sx, h
+        return offset[1] * sx, offset[0] * sy, size[1] * sx, size[0] * sy
+
+    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{w + 2:.0f}' height='{h + 2:.0f}' "
+           f"viewBox='-1 -1 {w + 2:.1f} {h + 2:.1f}' role='img'><title>writers of {_e(meta.key)}</title>"]
+    drawn = skipped = 0
+    for region in meta.regions:
+        holder = _holder(region)
+        color = _PALETTE[holder % len(_PALETTE)]
+        for offset, size in _region_boxes(region, shape):
+            if drawn >= MAX_BOXES:
+                skipped += 1
+                continue
+            drawn += 1
+            x, y, bw, bh = rect(offset, size)
+            where = ", ".join(f"{o}:{o + n}" for o, n in zip(offset, size))
+            tip = (f"[{where}] held by rank{'s' * (len(region.replicas) > 1)} {_ranks_text(region.replicas)}, "
+                   f"its shards written by rank{'s' * (len(region.writers) > 1)} {_ranks_text(region.writers)}")
+            out.append(f"<rect class='region' data-rank='{holder}' x='{x:.2f}' y='{y:.2f}' width='{bw:.2f}' "
+                       f"height='{bh:.2f}' fill='{color}' fill-opacity='0.75' stroke='white' stroke-width='0.5'>"
+                       f"<title>{_e(tip)}</title></rect>")
+            if bw >= 18 and bh >= 12:
+                out.append(f"<text x='{x + bw / 2:.1f}' y='{y + bh / 2 + 4:.1f}' font-size='11' text-anchor='middle' "
+                           f"fill='white' pointer-events='none'>{holder}</text>")
+    grid = meta.grid
+    lines = []
+    if len(shape) == 1:
+        cuts = [("v", i * grid.shard_shape[0] * sx) for i in range(1, grid.shard_counts[0])]
+    else:
+        cuts = [("h", i * grid.shard_shape[0] * sy) for i in range(1, grid.shard_counts[0])][:64]
+        cuts += [("v", i * grid.shard_shape[1] * sx) for i in range(1, grid.shard_counts[1])][:64]
+    for kind, at in cuts[:128]:
+        x1, y1, x2, y2 = (at, 0, at, h) if kind == "v" else (0, at, w, at)
+        lines.append(f"<line x1='{x1:.2f}' y1='{y1:.2f}' x2='{x2:.2f}' y2='{y2:.2f}' stroke='#333' "
+                     "stroke-width='1' stroke-dasharray='3,2'/>")
+    out += lines
+    out.append(f"<rect x='0' y='0' width='{w:.2f}' height='{h:.2f}' fill='none' stroke='#555' stroke-width='1'/></svg>")
+    note = f"<div class='dim'>{skipped} more rectangles not drawn</div>" if skipped else ""
+    return "".join(out) + note
+
+
+def _legend(meta: "ArrayMeta") -> str:
+    ranks = sorted({_holder(r) for r in meta.regions})
+    chips = "".join(f"<span style='display:inline-block;width:10px;height:10px;background:{_PALETTE[r % len(_PALETTE)]};"
+                    f"margin:0 3px 0 8px'></span>rank {r}" for r in ranks[:32])
+    more = f" \u2026 ({len(ranks)} ranks)" if len(ranks) > 32 else ""
+    proj = " <span class='dim'>(projected onto dims 0, 1)</span>" if len(meta.shape) > 2 else ""
+    cuts = "; dashed: shard boundaries" if meta.grid.shard_counts and math.prod(meta.grid.shard_counts) > 1 else ""
+    return f"<div>held by{chips}{more}{proj}{cuts}</div>"
+
+
+def tensor_html(view: "TensorView", stats: "TensorStats | None" = None) -> str:
+    """A tensor as HTML: shape, dtype, where it is stored, chunk and shard grid, size, the
+    regions the saving ranks held (a picture, coloured by writer), and ``stats`` when given
+    (statistics are never computed here: call ``view.stats()``)."""
+    ck, key = view.checkpoint, view.key
+    entry = ck.meta.tensors[key]
+    meta = ck.array_meta(key)
+    g = meta.grid
+    stored = f"{_e(meta.dtype.zarr_dtype)} bits (reinterpret, do not convert)" if meta.dtype.bits else _e(meta.dtype.zarr_dtype)
+    facts = [
+        ("shape", _shape(meta.shape)),
+        ("dtype", f"{_e(meta.dtype.name)} <span class='dim'>stored as {stored}</span>"),
+        ("size", f"{human_bytes(entry.nbytes)} ({math.prod(meta.shape):,} elements)"),
+        ("array", f"<code>{_e(ck.store.url)}/{_e(entry.path)}</code>"),
+        ("chunks", f"{_x(g.chunk_shape)} <span class='dim'>({math.prod(g.chunks_per_shard)} per shard)</span>"),
+        ("shards", f"{_x(g.shard_shape)} <span class='dim'>(grid {_x(g.shard_counts)} = "
+                   f"{math.prod(g.shard_counts)} objects)</span>"),
+        ("regions", f"{len(meta.regions)} held by the {ck.meta.world_size} saving rank{'s' * (ck.meta.world_size != 1)}"),
+    ]
+    if entry.ranks is not None:
+        facts.append(("per rank", f"one copy per saving rank ({_ranks_text(list(entry.ranks))}); shown: rank {min(entry.ranks)}'s"))
+    if entry.rule is not None:
+        facts.append(("rule", f"<code>{_e(json.dumps(entry.rule))}</code>"))
+    table = "<table class='facts'>" + "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in facts) + "</table>"
+    svg = rank_picture_svg(meta)
+    picture = f"<div style='margin-left:18px'>{svg}{_legend(meta)}</div>" if svg else ""
+    tail = _stats_table(stats) if stats is not None else (
+        "<div class='dim'>statistics: <code>view.stats()</code> (reads the whole tensor, chunk by chunk)</div>")
+    return f"{_STYLE}<div class='ucpz'><div><b>tensor</b> <code>{_e(key)}</code></div>{table}{picture}{tail}</div>"
+
+
+# --------------------------------------------------------------------------------------
+# statistics and diffs
+
+
+_STAT_FIELDS = ("count", "min", "max", "mean", "std", "norm", "nan", "inf")
+
+
+def _stats_table(stats: "TensorStats") -> str:
+    cells = []
+    for name in _STAT_FIELDS:
+        v = getattr(stats, name)
+        bad = name in ("nan", "inf") and isinstance(v, int) and v > 0
+        cells.append(f"<td class='num{' bad' * bad}'>{_num(v)}</td>")
+    head = "".join(f"<th>{n}</th>" for n in _STAT_FIELDS)
+    return f"<table><tr>{head}</tr><tr>{''.join(cells)}</tr></table>"
+
+
+def stats_html(stats: "TensorStats") -> str:
+    """One tensor's statistics (count, min, max, mean, std, L2 norm, NaN and Inf counts)."""
+    title = (f"<div><b>statistics</b> of <code>{_e(stats.key)}</code> "
+             f"<span class='dim'>{_shape(stats.shape)} {_e(stats.dtype)}</span></div>")
+    return f"{_STYLE}<div class='ucpz'>{title}{_stats_table(stats)}</div>"
+
+
+_STATUS_TEXT = {
+    "equal": "equal", "differs": "values differ", "only_a": "only in A", "only_b": "only in B",
+    "shape": "shapes differ", "dtype": "dtypes differ",
+}
+
+
+def diff_html(diff: "CheckpointDiff", *, max_rows: int = MAX_DIFF_ROWS) -> str:
+    """A comparison of two checkpoints as tables: per tensor its status, elements that
+    differ, max absolute and relative difference, shapes and dtypes (missing tensors
+    highlighted, differences first), then the non-tensor values that differ."""
+    rows = list(diff.rows)
+    counts = {s: n for s, n in diff.counts().items() if n}
+    summary = ", ".join(f"{n} {_STATUS_TEXT.get(s, s)}" for s, n in counts.items())
+    verdict = "<b>identical</b>" if diff.equal else "<b class='bad'>different</b>"
+    order = sorted(rows, key=lambda r: (r.status == "equal", r.status not in ("only_a", "only_b")))
+    body = []
+    for r in order[:max_rows]:
+        cls = "only" if r.status in ("only_a", "only_b") else ("differs" if r.status != "equal" else "")
+        key = r.key if r.rank is None else f"{r.key} (rank {r.rank})"
+        dtypes = _e(r.dtype_a or r.dtype_b) if r.dtype_a == r.dtype_b or None in (r.dtype_a, r.dtype_b) else (
+            f"{_e(r.dtype_a)} / {_e(r.dtype_b)}")
+        body.append(
+            f"<tr class='{cls}' data-status='{_e(r.status)}'><td class='key'><code>{_e(key)}</code></td>"
+            f"<td>{_e(_STATUS_TEXT.get(r.status, r.status))}</td><td class='num'>{_num(r.ndiff)}</td>"
+            f"<td class='num'>{_num(r.max_abs)}</td><td class='num'>{_num(r.max_rel)}</td>"
+            f"<td>{'' if r.shape_a is None else _shape(r.shape_a)}</td>"
+            f"<td>{'' if r.shape_b is None else _shape(r.shape_b)}</td><td>{dtypes}</td></tr>"
+        )
+    more = f"<div class='dim'>\u2026 and {len(order) - max_rows} more rows</div>" if len(order) > max_rows else ""
+    head = ("<tr><th>tensor</th><th>status</th><th>elements differ</th><th>max abs</th><th>max rel</th>"
+            "<th>shape A</th><th>shape B</th><th>dtype</th></tr>")
+    values = ""
+    if diff.values:
+        cells = "".join(
+            f"<tr class='{'only' if v.status != 'differs' else 'differs'}' data-status='{_e(v.status)}'>"
+            f"<td class='key'><code>{_e(v.key)}</code></td><td><code>{_e(_short(v.a))}</code></td>"
+            f"<td><code>{_e(_short(v.b))}</code></td></tr>"
+            for v in diff.values[:max_rows]
+        )
+        values = (f"<div><b>{len(diff.values)} non-tensor value{'s' * (len(diff.values) != 1)} differ</b></div>"
+                  f"<table class='values'><tr><th>key</th><th>A</th><th>B</th></tr>{cells}</table>")
+    title = f"<div>{verdict}: <code>{_e(diff.a)}</code> vs <code>{_e(diff.b)}</code>, {len(rows)} tensors ({_e(summary)})</div>"
+    return f"{_STYLE}<div class='ucpz'>{title}<table class='diff'>{head}{''.join(body)}</table>{more}{values}</div>"
+
+
+# --------------------------------------------------------------------------------------
+# plots
+
+
+_LAYER = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
+
+
+def layer_of(key: str) -> tuple[str, int, str] | None:
+    """``"model.blocks.3.qkv.weight"`` -> ``("model.blocks", 3, "qkv.weight")``: the first
+    numbered component of a key, taken as its layer (None without one)."""
+    m = _LAYER.match(key)
+    return None if m is None else (m.group(1), int(m.group(2)), m.group(3))
+
+
+def _new_axes(ax: "Axes | None") -> "Axes":
+    if ax is not None:
+        return ax
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(7, 3.5))[1]
+
+
+def plot_norms(ck: "Checkpoint", pattern: str | None = None, ax: "Axes | None" = None, *,
+               max_bytes: int = 64 << 20) -> "Axes":
+    """L2 norms of the tensors matching ``pattern`` (as :func:`ucp_zarr.inspect.list_tensors`
+    matches), computed block by block: numbered layers (``blocks.3.``) as one line per kind of
+    tensor over the layer index, and, without numbered layers, one bar per tensor."""
+    from .inspect import list_tensors, tensor_stats
+
+    keys = [row.key for row in list_tensors(ck, pattern)]
+    if not keys:
+        raise KeyError(f"no tensor of {ck.store.url} matches {pattern!r}")
+    norms = {k: tensor_stats(ck, k, max_bytes=max_bytes).norm for k in keys}
+    ax = _new_axes(ax)
+    series: dict[str, dict[int, float]] = {}
+    for k, v in norms.items():
+        layer = layer_of(k)
+        if layer is not None:
+            series.setdefault(f"{layer[0]}.*.{layer[2]}", {})[layer[1]] = v
+    if series:
+        for name, points in series.items():
+            xs = sorted(points)
+            ax.plot(xs, [points[x] for x in xs], marker="o", label=name)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("L2 norm")
+        if len(series) <= 12:
+            ax.legend(fontsize="small")
+    else:
+        ax.barh(range(len(norms)), list(norms.values()), tick_label=list(norms))
+        ax.invert_yaxis()
+        ax.set_xlabel("L2 norm")
+    ax.set_title(f"L2 norms{'' if pattern is None else f' of {pattern}'}")
+    return ax
+
+
+def _finite(block: Any) -> Any:
+    import numpy as np
+
+    if block.dtype.kind == "c":
+        raise TypeError("complex tensors have no histogram here: plot their abs or real part")
+    flat = block.reshape(-1)
+    return flat[np.isfinite(flat)] if flat.dtype.kind == "f" else flat.astype(np.float64)
+
+
+def plot_histogram(ck_or_view: "Checkpoint | TensorView", key: str | None = None, bins: int = 100,
+                   ax: "Axes | None" = None, *, max_bytes: int = 64 << 20, log: bool = False) -> "Axes":
+    """The histogram of a tensor's finite values, streamed block by block in two passes (range,
+    then counts), so memory stays bounded by ``max_bytes`` whatever the tensor's size.
+
+    Pass a :class:`~ucp_zarr.checkpoint.TensorView`, or a checkpoint and ``key``."""
+    import numpy as np
+
+    from .inspect import iter_blocks
+
+    if key is None:
+        if not hasattr(ck_or_view, "checkpoint"):
+            raise TypeError("plot_histogram needs a tensor view (ck[key]) or a checkpoint and a key")
+        ck, key = ck_or_view.checkpoint, ck_or_view.key  # type: ignore[union-attr]
+    else:
+        ck = ck_or_view  # type: ignore[assignment]
+    lo, hi, skipped, count = math.inf, -math.inf, 0, 0
+    for _, block in iter_blocks(ck, key, max_bytes=max_bytes):
+        finite = _finite(block)
+        skipped += block.size - finite.size
+        count += finite.size
+        if finite.size:
+            lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
+    ax = _new_axes(ax)
+    if count:
+        if lo == hi:
+            lo, hi = lo - 0.5, hi + 0.5
+        edges = np.linspace(lo, hi, bins + 1)
+        counts = np.zeros(bins, dtype=np.int64)
+        for _, block in iter_blocks(ck, key, max_bytes=max_bytes):
+            counts += np.histogram(_finite(block), bins=edges)[0]
+        ax.stairs(counts, edges, fill=True)
+    if log:
+        ax.set_yscale("log")
+    note = f", {skipped:,} NaN/Inf left out" if skipped else ""
+    ax.set_title(f"{key}: {count:,} values{note}", fontsize="medium")
+    ax.set_ylabel("count")
+    return ax
+
