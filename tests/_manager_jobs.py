@@ -1,0 +1,132 @@
+"""Processes of the checkpoint-manager tests: a training loop that saves through the manager
+until it is SIGKILLed (``test_manager.py``), and the jobs of the elastic restart
+(``test_elastic_manager.py``). In a module of its own so that forkserver and spawn children
+import it."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from ucp_zarr.ops import CheckpointManager
+
+CHUNK_BYTES, SHARD_BYTES = 4096, 16384
+
+
+def crash_state(step: int) -> dict[str, Any]:
+    """The state saved at ``step``: a function of the step alone, so a test can rebuild it."""
+    g = torch.Generator().manual_seed(5000 + step)
+    return {
+        "model": {"w": torch.randn(64, 128, generator=g), "b": torch.randn(77, generator=g).to(torch.bfloat16)},
+        "optim": {"m": torch.randn(32, 33, generator=g), "step": step},
+        "step": step,
+    }
+
+
+def empty_state() -> dict[str, Any]:
+    like = crash_state(0)
+    return {
+        "model": {k: torch.zeros_like(v) for k, v in like["model"].items()},
+        "optim": {"m": torch.zeros_like(like["optim"]["m"]), "step": -1},
+        "step": -1,
+    }
+
+
+def save_until_killed(root: str, keep_last: int, keep_every: int | None) -> None:
+    """Resume from the newest step (holding a reader lease), then save step after step,
+    every other one asynchronously, until killed."""
+    torch.set_num_threads(1)
+    manager = CheckpointManager(root, keep_last=keep_last, keep_every=keep_every, lease_s=5.0)
+    state = empty_state()
+    start = manager.load_latest(state)
+    if start is not None and not torch.equal(state["model"]["w"], crash_state(start)["model"]["w"]):
+        os._exit(3)  # the parent sees the exit code
+    step = start or 0
+    while True:
+        step += 1
+        manager.save(step, crash_state(step), async_save=step % 2 == 0, chunk_bytes=CHUNK_BYTES, shard_bytes=SHARD_BYTES)
+
+
+# --- elastic restart ---------------------------------------------------------------------------
+
+
+def _model(world: int, seed: int) -> tuple[Any, Any, Any]:
+    """TinyGPT (small) sharded with FSDP2 over ``world`` ranks, its AdamW and the DP group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ucp_zarr.examples.elastic_resume import TinyGPT
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    torch.manual_seed(seed)
+    model = TinyGPT(ELASTIC_CONFIG)
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    return model, opt, mesh
+
+
+def _train_step(model: Any, opt: Any, step: int, mesh: Any) -> float:
+    """One step on this rank's part of the global batch; the global-batch mean loss."""
+    import torch.distributed as dist
+
+    from ucp_zarr.examples.elastic_resume import local_batch
+
+    x, y = local_batch(step, ELASTIC_CONFIG, mesh.get_local_rank(), mesh.size())
+    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / mesh.size()
+
+
+def _state(model: Any, opt: Any, step: int) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd, "step": step}
+
+
+def _elastic_config() -> Any:
+    from ucp_zarr.examples.elastic_resume import GPTConfig
+
+    return GPTConfig(vocab=48, dim=32, heads=2, layers=1, seq=16)
+
+
+ELASTIC_CONFIG = _elastic_config()
+EVERY = 2
+KEEP_LAST = 2
+
+
+def elastic_job(rank: int, world: int, root: str, out: str, steps: int, stop_at: int, resume: bool) -> None:
+    """A job on ``world`` ranks (FSDP2): start fresh (seed 0) or resume with ``load_latest``
+    (a model initialised otherwise: every value must come from the checkpoint), train, save
+    every ``EVERY`` steps through the manager (async), and stop after step ``stop_at`` as a
+    crash would stop it. A fresh job trains on to ``steps`` without saving: the
+    uninterrupted reference run. Rank 0 writes the losses to ``out``."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model, opt, mesh = _model(world, seed=1 if resume else 0)
+    manager = CheckpointManager(root, keep_last=KEEP_LAST, every_n_steps=EVERY)
+    start = 0
+    if resume:
+        state = _state(model, opt, -1)
+        start = manager.load_latest(state)
+        assert start is not None and state["step"] == start, (start, state["step"])
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    losses = {}
+    for step in range(start, stop_at if resume else steps):
+        losses[step] = _train_step(model, opt, step, mesh)
+        done = step + 1
+        if done <= stop_at and manager.should_save(done):
+            manager.save(done, _state(model, opt, done), async_save=True)
+    manager.close()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"start": start, "losses": losses, "world": world}, f)
