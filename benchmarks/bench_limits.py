@@ -1,0 +1,306 @@
+"""Single-process save and load against the disk's real limits, from 16 MiB to GiB states.
+
+    python benchmarks/bench_limits.py [--sizes 16,64,256,1024] [--repeat 3] [--threads 4] [--dir DIR] [--json OUT]
+
+For each state size (MiB), a Llama-like model state (bf16 weights of layers of q, k, v, o
+``[h, h]``, up ``[4h, h]``, down ``[h, 4h]`` and two norms, with fp32 Adam moments; ``h``
+grows with the size) is saved and loaded with ``ucp_zarr`` and with the raw limits:
+
+* **raw write**: the same number of files with the same sizes as every object ucp_zarr
+  wrote for that state (shards, ``zarr.json`` documents, commit record), written by as many
+  threads as ucp_zarr uses (``--threads``, default 4 = ``max_workers``) from one source
+  buffer, each file ``write`` + ``fsync`` (then the directory fsynced): what this disk does
+  when nothing but the bytes is written durably;
+* **raw read**: the same files read cold by as many threads with ``os.preadv`` into one
+  preallocated, resident buffer (no allocation, no copy);
+* **ucp_zarr save** (``ucp_zarr.save``, durable on return) and **load** (``ucp_zarr.load``
+  into preallocated, resident tensors: training resume), with the bytes its store read.
+
+Loads are cold: every file is fsynced and dropped from the page cache
+(``posix_fadvise(DONTNEED)``) before; the first repeat checks with ``fincore`` and the
+loaded state bit for bit. Per repeat the order of ucp_zarr and raw alternates; the result
+is the median of the per-repeat times and of the per-repeat ratios (each ratio taken
+between two runs a few seconds apart: the machine may be shared). A host cache below the
+guest (the VM's disk image in the host's page cache) may still serve "cold" reads: the
+raw read limit is measured the same way, so the ratio stays fair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from pagecache import cached_bytes, evict, files_under
+
+if importlib.util.find_spec("ucp_zarr") is None:  # run from a checkout without PYTHONPATH
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MiB = 1 << 20
+
+
+# --- the state ------------------------------------------------------------------------------
+
+
+def hidden_for(mib: float, layers: int = 4) -> int:
+    """A hidden size (multiple of 64) that makes ``layers`` layers about ``mib`` MiB."""
+    params = mib * MiB / 10  # bf16 weight + two fp32 moments = 10 bytes per parameter
+    return 64 * max(2, round(math.sqrt(params / (12 * layers)) / 64))
+
+
+def model_state(mib: float, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A flat DCP-style state of ``mib`` MiB or a little more: ``model.<p>`` (bf16, N(0, 0.02))
+    and ``optim.state.<p>.exp_avg`` / ``.exp_avg_sq`` (fp32, Adam-like scales)."""
+    h = hidden_for(mib)
+    shapes = [("q", (h, h)), ("k", (h, h)), ("v", (h, h)), ("o", (h, h)),
+              ("up", (4 * h, h)), ("down", (h, 4 * h)), ("norm1", (h,)), ("norm2", (h,))]
+    g = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+    total, layer = 0, 0
+    while total < mib * MiB:
+        for name, shape in shapes:
+            p = f"layers.{layer}.{name}"
+            sd[f"model.{p}"] = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+            sd[f"optim.state.{p}.exp_avg"] = torch.randn(shape, generator=g) * 1e-4
+            sd[f"optim.state.{p}.exp_avg_sq"] = torch.rand(shape, generator=g) * 1e-6
+            total += math.prod(shape) * 10
+        layer += 1
+    return sd
+
+
+def nbytes(sd: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in sd.values())
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.reshape(-1).view(ints[a.element_size()]), b.reshape(-1).view(ints[b.element_size()])
+    )
+
+
+# --- the raw limits -------------------------------------------------------------------------
+
+
+def raw_write(path: str, sizes: list[int], src: torch.Tensor, threads: int) -> None:
+    """``len(sizes)`` files of these sizes from consecutive ranges of ``src``, written by
+    ``threads`` threads, each ``write`` + ``fsync``; then the directory is fsynced."""
+    os.makedirs(path)
+    view = memoryview(src.numpy())
+    offsets = [0]
+    for n in sizes[:-1]:
+        offsets.append(offsets[-1] + n)
+
+    def one(i: int) -> None:
+        fd = os.open(os.path.join(path, str(i)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            mv, done = view[offsets[i] : offsets[i] + sizes[i]], 0
+            while done < len(mv):
+                done += os.write(fd, mv[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(len(sizes))))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_read(path: str, sizes: list[int], dst: torch.Tensor, threads: int) -> None:
+    """Read the files of :func:`raw_write` with ``preadv`` into consecutive ranges of the
+    preallocated ``dst``, ``threads`` at a time."""
+    view = memoryview(dst.numpy())
+    offsets = [0]
+    for n in sizes[:-1]:
+        offsets.append(offsets[-1] + n)
+
+    def one(i: int) -> None:
+        fd = os.open(os.path.join(path, str(i)), os.O_RDONLY)
+        try:
+            mv, done = view[offsets[i] : offsets[i] + sizes[i]], 0
+            while done < len(mv):
+                n = os.preadv(fd, [mv[done:]], done)
+                if n == 0:
+                    raise OSError(f"{path}/{i}: short read")
+                done += n
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(len(sizes))))
+
+
+# --- ucp_zarr ---------------------------------------------------------------------------------
+
+
+def ucp_save(sd: dict[str, torch.Tensor], path: str, threads: int) -> None:
+    import ucp_zarr
+
+    ucp_zarr.save(sd, path, max_workers=threads)
+
+
+def ucp_load(dest: dict[str, torch.Tensor], path: str, threads: int) -> int:
+    """Load in place; return the bytes the store read."""
+    import ucp_zarr
+    import ucp_zarr.api as api
+
+    stores: list[Any] = []
+    real = api.open_store
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        stores.append(real(*args, **kwargs))
+        return stores[-1]
+
+    api.open_store = counting
+    try:
+        ucp_zarr.load(dest, path, max_workers=threads)
+    finally:
+        api.open_store = real
+    return sum(s.stats.bytes_read for s in stores)
+
+
+def object_sizes(path: str) -> list[int]:
+    """The sizes of every file under ``path``, largest first."""
+    return sorted((os.path.getsize(f) for f in files_under(path)), reverse=True)
+
+
+# --- one size -----------------------------------------------------------------------------------
+
+
+def measure(mib: float, repeat: int, threads: int, work: str, log: Any = print) -> dict[str, Any]:
+    """Every measurement of one state size; times in seconds, per repeat."""
+    sd = model_state(mib)
+    size = nbytes(sd)
+    dest = {k: torch.zeros_like(v) for k, v in sd.items()}
+    probe = os.path.join(work, "probe")
+    ucp_save(sd, probe, threads)  # untimed: first calls, and the object sizes raw writes
+    sizes = object_sizes(probe)
+    evict(probe)
+    ucp_load(dest, probe, threads)
+    shutil.rmtree(probe)
+    src = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8)
+    dst = torch.zeros(sum(sizes), dtype=torch.uint8)
+    out: dict[str, Any] = {
+        "mib": mib, "bytes": size, "tensors": len(sd), "objects": len(sizes), "object_bytes": sum(sizes),
+        "threads": threads, "save": [], "raw_write": [], "load": [], "raw_read": [], "bytes_read": [], "cached": {},
+    }
+    for rep in range(repeat):
+        order = ["ucp_zarr", "raw"] if rep % 2 == 0 else ["raw", "ucp_zarr"]
+        for m in order:
+            path = os.path.join(work, f"{m}.{rep}")
+            gc.collect()
+            if m == "ucp_zarr":
+                t0 = time.perf_counter()
+                ucp_save(sd, path, threads)
+                out["save"].append(time.perf_counter() - t0)
+            else:
+                t0 = time.perf_counter()
+                raw_write(path, sizes, src, threads)
+                out["raw_write"].append(time.perf_counter() - t0)
+            evict(path)
+            if rep == 0:
+                out["cached"][m] = cached_bytes(path)
+            if m == "ucp_zarr":
+                for t in dest.values():
+                    t.zero_()
+                t0 = time.perf_counter()
+                read = ucp_load(dest, path, threads)
+                out["load"].append(time.perf_counter() - t0)
+                out["bytes_read"].append(read)
+                if rep == 0:
+                    bad = [k for k in sd if not bit_equal(sd[k], dest[k])]
+                    if bad:
+                        raise SystemExit(f"ucp_zarr loaded {bad[:3]} wrong at {mib} MiB")
+            else:
+                dst.zero_()
+                t0 = time.perf_counter()
+                raw_read(path, sizes, dst, threads)
+                out["raw_read"].append(time.perf_counter() - t0)
+            shutil.rmtree(path)
+        log(
+            f"  {mib:g} MiB repeat {rep + 1}/{repeat}: save {size / MiB / out['save'][-1]:.0f} MiB/s vs raw "
+            f"{size / MiB / out['raw_write'][-1]:.0f}; load {size / MiB / out['load'][-1]:.0f} vs raw "
+            f"{size / MiB / out['raw_read'][-1]:.0f}"
+        )
+    return out
+
+
+def summary(r: dict[str, Any]) -> dict[str, float]:
+    """Medians (MiB/s) and the median of per-repeat ratios, with their spread."""
+    size = r["bytes"] / MiB
+    save_ratios = [w / s for s, w in zip(r["save"], r["raw_write"])]
+    load_ratios = [w / s for s, w in zip(r["load"], r["raw_read"])]
+    return {
+        "save": size / statistics.median(r["save"]),
+        "raw_write": size / statistics.median(r["raw_write"]),
+        "load": size / statistics.median(r["load"]),
+        "raw_read": size / statistics.median(r["raw_read"]),
+        "save_ratio": statistics.median(save_ratios), "save_ratio_min": min(save_ratios), "save_ratio_max": max(save_ratios),
+        "load_ratio": statistics.median(load_ratios), "load_ratio_min": min(load_ratios), "load_ratio_max": max(load_ratios),
+        "read_amplification": statistics.median(r["bytes_read"]) / r["bytes"],
+        "save_ms": 1000 * statistics.median(r["save"]), "raw_write_ms": 1000 * statistics.median(r["raw_write"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="16,64,256,1024", help="state sizes, MiB (default 16,64,256,1024)")
+    ap.add_argument("--repeat", type=int, default=3, help="repeats per size (default 3)")
+    ap.add_argument("--threads", type=int, default=4, help="I/O threads for ucp_zarr and the raw limits (default 4)")
+    ap.add_argument("--dir", default="/work/bench_tmp", help="scratch directory (default /work/bench_tmp)")
+    ap.add_argument("--json", help="write the raw results here")
+    args = ap.parse_args(argv)
+    import ucp_zarr
+
+    sizes = [float(s) for s in args.sizes.split(",")]
+    work = os.path.join(args.dir, f"bench_limits.{os.getpid()}")
+    os.makedirs(work)
+    print(f"ucp_zarr {ucp_zarr.__version__} from {os.path.dirname(ucp_zarr.__file__)}; {os.cpu_count()} CPUs; dir {work}")
+    results = []
+    try:
+        for mib in sizes:
+            results.append(measure(mib, args.repeat, args.threads, work))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return {"single": results}
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = [
+        "| state | tensors / objects | save MiB/s | raw write MiB/s | save / raw (min-max) | load MiB/s | raw read MiB/s "
+        "| load / raw (min-max) | bytes read / state |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        s = summary(r)
+        rows.append(
+            f"| {r['bytes'] / MiB:.0f} MiB | {r['tensors']} / {r['objects']} | {s['save']:.0f} | {s['raw_write']:.0f} "
+            f"| {s['save_ratio']:.2f}x ({s['save_ratio_min']:.2f}-{s['save_ratio_max']:.2f}) | {s['load']:.0f} "
+            f"| {s['raw_read']:.0f} | {s['load_ratio']:.2f}x ({s['load_ratio_min']:.2f}-{s['load_ratio_max']:.2f}) "
+            f"| {s['read_amplification']:.3f} |"
+        )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()
