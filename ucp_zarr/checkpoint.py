@@ -197,7 +197,7 @@ class Checkpoint:
         box, post = _index_to_box(index, tuple(shape))
         steps = [abs(p.step) if isinstance(p, slice) else 1 for p in post]
         flips = tuple(slice(None, None, -1) if isinstance(p, slice) and p.step < 0 else slice(None) for p in post)
-        picks = tuple(0 if isinstance(p, int) else slice(None) for p in post)
+        picks = tuple(0 if isinstance(p, int) else slice(None) for p in post) + (...,)  # (0-d: an array)
         if all(s == 1 for s in steps):
             return self.read_numpy(key, box, rank)[flips][picks]
         # a stepped selection: read, per chunk row/column, only the span of selected indices
@@ -363,9 +363,9 @@ class TensorView:
         import torch
 
         raw = self.checkpoint.select_numpy(self.key, index)
-        if any(s < 0 for s in raw.strides):
-            raw = np.ascontiguousarray(raw)
-        t = torch.from_numpy(raw) if raw.ndim else torch.from_numpy(raw.reshape(1)).reshape(())
+        if any(s < 0 for s in raw.strides):  # (flipped dims; a copy has positive strides even where a dim is 1 long)
+            raw = raw.copy(order="C")
+        t = torch.from_numpy(raw)
         return t.view(self.dtype) if stored_dtype_by_name(self.dtype_name).bits else t
 
     def _repr_html_(self) -> str:

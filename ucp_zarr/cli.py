@@ -256,11 +256,13 @@ def _ls_steps(args: argparse.Namespace, why: CheckpointError) -> int:
         _emit(data)
         return 0
     rows = [
-        [str(d.get("step")), "yes" if d.get("committed") else "no", _human(d["nbytes"]) if d.get("nbytes") is not None else "-",
-         str(d.get("world_size", "-")), str(d.get("created") or "-"), str(d.get("path"))]
+        [str(d.get("step")), str(d.get("state") or ("committed" if d.get("committed") else "-")),
+         "-" if d.get("nbytes") is None else _human(d["nbytes"]), _num(d.get("tensors")), _num(d.get("world_size")),
+         str(d.get("created") or "-"), str(d.get("path"))]
         for d in data
     ]
-    print(_table(["step", "committed", "size", "ranks", "created", "path"], rows, right={0, 2}))
+    print(_table(["step", "state", "size", "tensors", "ranks", "created", "path"], rows, right={0, 2, 3, 4}))
+    print(f"{len(data)} steps, {sum(bool(d.get('committed')) for d in data)} committed")
     return 0
 
 
@@ -380,7 +382,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             bar.end()
         if args.json:
             _emit({"ok": False, "url": ck.store.url, "error": str(e)})
-        print(f"error: verification failed: {e}", file=sys.stderr)
+        print(f"error: verify FAILED: {e}", file=sys.stderr)
         return 1
     if bar is not None:
         bar.end()

@@ -332,19 +332,24 @@ class _Moments:
     sq: float = 0.0
     lo: Any = None
     hi: Any = None
+    scratch: np.ndarray = field(default_factory=lambda: np.empty(0))
 
-    def add(self, x: np.ndarray) -> None:
+    def add(self, x: np.ndarray, lo: Any, hi: Any) -> None:
+        """Add the values ``x`` (1-D, finite), whose min and max are ``lo`` and ``hi``."""
         if not x.size:
             return
-        lo, hi = x.min(), x.max()
         self.lo = lo if self.lo is None else min(self.lo, lo)
         self.hi = hi if self.hi is None else max(self.hi, hi)
-        x64 = x.astype(np.float64, copy=False)
-        n = x64.size
-        mean = float(x64.mean())
-        dev = x64 - mean
-        m2 = float(np.dot(dev, dev))
-        self.sq += float(np.dot(x64, x64))
+        n = x.size
+        if self.scratch.size < n:
+            self.scratch = np.empty(n, dtype=np.float64)
+        dev = self.scratch[:n]  # (reused: no fresh pages per piece)
+        np.copyto(dev, x, casting="unsafe")
+        mean = float(dev.sum()) / n
+        dev -= mean
+        np.square(dev, out=dev)
+        m2 = float(dev.sum())
+        self.sq += m2 + n * mean * mean  # sum x^2 = sum (x - mean)^2 + n mean^2: no cancellation
         total = self.n + n
         delta = mean - self.mean
         self.mean += delta * n / total
@@ -379,13 +384,14 @@ def tensor_stats(
                 bad_inf = np.isinf(x) & ~bad_nan
                 nan, inf = nan + int(bad_nan.sum()), inf + int(bad_inf.sum())
                 x = np.abs(x[~(bad_nan | bad_inf)])
-            elif x.dtype.kind == "f":
+            lo, hi = (x.min(), x.max()) if x.size else (None, None)
+            if x.dtype.kind == "f" and not (np.isfinite(lo) and np.isfinite(hi)):  # (a NaN makes min NaN)
                 finite = np.isfinite(x)
-                if not finite.all():
-                    n_nan = int(np.isnan(x).sum())
-                    nan, inf = nan + n_nan, inf + int(x.size - finite.sum()) - n_nan
-                    x = x[finite]
-            m.add(x)
+                n_nan = int(np.isnan(x).sum())
+                nan, inf = nan + n_nan, inf + int(x.size - finite.sum()) - n_nan
+                x = x[finite]
+                lo, hi = (x.min(), x.max()) if x.size else (None, None)
+            m.add(x, lo, hi)
         done += block.size * meta.dtype.itemsize
         if progress is not None:
             progress(done, total)
