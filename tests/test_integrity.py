@@ -124,8 +124,11 @@ def test_array_metadata_this_library_did_not_write_is_refused(tmp_path, what, ed
     doc = json.loads((path / doc_path).read_text())
     edit(doc)
     (path / doc_path).write_text(json.dumps(doc))
+    # ucp_zarr reads the root's consolidated copy, checked against the digest, so the change
+    # cannot mislead a load; verify checks the stored documents that generic readers use
+    assert torch.equal(ucp_zarr.open(path)["a"][...], ucp_zarr.open(path)["a"].read())
     with pytest.raises(ucp_zarr.CorruptChunkError, match="changed or replaced"):
-        ucp_zarr.open(path)["a"][...]  # first line of defence: the document's digest
+        ucp_zarr.open(path).verify()  # first line of defence: the document's digest
     _refresh_digest(path, doc_path)
     _all_fail(path, ucp_zarr.FormatError, match)
 
@@ -167,13 +170,45 @@ def test_a_chunk_replaced_with_a_valid_crc_is_detected(tmp_path):
     _all_fail(path, ucp_zarr.CorruptChunkError, "chunk was replaced")
 
 
+def _drop_consolidated(path: Path) -> None:
+    """The root without its consolidated metadata (as older checkpoints are): readers read
+    each array's stored document."""
+    doc = _root(path)
+    del doc["consolidated_metadata"]
+    (path / "zarr.json").write_text(json.dumps(doc))
+
+
+def _only_verify_fails(path: Path, error: type, match: str) -> None:
+    """Reads use the root's consolidated copy of the documents (checked against their
+    digests), so they are right; ``verify`` finds the stored document a generic reader uses."""
+    expected = _sd()
+    assert torch.equal(ucp_zarr.open(path)["a"][...], expected["a"])
+    assert torch.equal(ucp_zarr.load(_zeros(), path)["a"], expected["a"])
+    with pytest.raises(error, match=match):
+        ucp_zarr.open(path).verify()
+
+
 def test_a_replaced_array_document_is_detected(tmp_path):
     path = tmp_path / "ck"
     _save(path)
     ck = ucp_zarr.open(path)
     src, dst = f"{ck.array_path('b')}/zarr.json", f"{ck.array_path('a')}/zarr.json"
     (path / dst).write_bytes((path / src).read_bytes())
+    _only_verify_fails(path, ucp_zarr.CorruptChunkError, "changed or replaced")
+    _drop_consolidated(path)
     _all_fail(path, ucp_zarr.CorruptChunkError, "changed or replaced")
+
+
+def test_a_changed_consolidated_copy_is_not_trusted(tmp_path):
+    path = tmp_path / "ck"
+    _save(path)
+    doc = _root(path)
+    node = ucp_zarr.open(path).array_path("a")
+    doc["consolidated_metadata"]["metadata"][node]["shape"] = [65, 32]
+    (path / "zarr.json").write_text(json.dumps(doc))
+    # the copy fails its digest, so the stored document is read instead
+    assert torch.equal(ucp_zarr.open(path)["a"][...], _sd()["a"])
+    assert ucp_zarr.open(path).verify() > 0
 
 
 def test_missing_shard_and_missing_document(tmp_path):
@@ -184,6 +219,8 @@ def test_missing_shard_and_missing_document(tmp_path):
     path2 = tmp_path / "ck2"
     _save(path2)
     (path2 / ucp_zarr.open(path2).array_path("a") / "zarr.json").unlink()
+    _only_verify_fails(path2, ucp_zarr.CorruptChunkError, "missing")
+    _drop_consolidated(path2)
     _all_fail(path2, ucp_zarr.CorruptChunkError, "missing")
 
 

@@ -52,6 +52,7 @@ def save(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     max_workers: int = DEFAULT_WORKERS,
     lease_s: float = DEFAULT_LEASE_S,
+    model: torch.nn.Module | None = None,
 ) -> SaveResult | Future:
     """Save ``state_dict`` at ``path``; every rank of ``process_group`` calls it.
 
@@ -81,6 +82,12 @@ def save(
     else a gloo group created once, by the ranks of ``process_group`` only. Errors surface
     on the future. Any save first waits for the previous one.
 
+    Optimizer state keyed by parameter number (a plain ``optimizer.state_dict()``) is
+    stored beside its parameter, in the parameter's Zarr group, when the names are
+    knowable: the optimizer was built from ``model.named_parameters()`` (its param groups
+    carry ``param_names``), or ``model`` is given and the optimizer was built from
+    ``model.parameters()``. Keys do not change (``optim.state.0.exp_avg``).
+
     Returns (or resolves to) this rank's :class:`~ucp_zarr.saver.SaveResult`.
     """
     wait_for_pending_save()
@@ -96,13 +103,13 @@ def save(
     )
     store = open_store(path, storage_options)
     if not async_save:
-        return prepare(lambda: collect(state_dict), store, comm, options, copy=False).finish()
+        return prepare(lambda: collect(state_dict, model), store, comm, options, copy=False).finish()
     background = comm
     if comm.active:
         background = Comm(async_group if async_group is not None else _background_group(process_group))
         if background.world != comm.world:
             raise CheckpointError(f"async_group has {background.world} ranks, process_group {comm.world}: give the same ranks")
-    prepared = prepare(lambda: collect(state_dict), store, comm, options, copy=True)
+    prepared = prepare(lambda: collect(state_dict, model), store, comm, options, copy=True)
     global _pending
     with _pending_lock:
         _pending = _background.submit(prepared.finish, background)

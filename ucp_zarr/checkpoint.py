@@ -113,13 +113,14 @@ class Checkpoint:
                 f"tensor {key!r} has no copy of rank {rank}; saved ranks: {sorted(entry.ranks or ())}"
             ) from None
 
-    def document(self, path: str) -> bytes:
-        """A metadata document (``<path>``), checked against its digest in the commit record."""
+    def document(self, path: str, *, stored: bool = False) -> bytes:
+        """A metadata document (``<path>``), checked against its digest in the commit record:
+        the root's consolidated copy when it matches, else (or with ``stored``) the object."""
         where = f"{self.store.url}/{path}"
         want = self.meta.documents.get(path)
         if want is None:
             raise FormatError(f"{where} is not a document of this checkpoint (no digest in its commit record)")
-        raw = self.meta.consolidated_document(path)  # the root's copy saves a read when it matches
+        raw = None if stored else self.meta.consolidated_document(path)
         if raw is not None and document_digest(raw) == want:
             return raw
         try:
@@ -261,9 +262,8 @@ class Checkpoint:
         tensor data checked; ``progress(done, total)`` is called after each shard.
 
         Raises :class:`~ucp_zarr.CorruptChunkError` naming the first bad object."""
-        for path in self.meta.documents:
-            if path.count("/") == 1:  # group documents (array documents are read below)
-                self.document(path)
+        for path in self.meta.documents:  # the stored objects, which generic readers read
+            self.document(path, stored=True)
         total = 0
         everything = sum(e.nbytes * len(e.ranks or (None,)) for e in self.meta.tensors.values())
         for key, entry in self.meta.tensors.items():

@@ -90,6 +90,8 @@ class ArrayMeta:
     regions: tuple[Region, ...]
     rank: int | None = None
     """Set for per-rank state: the rank whose copy this array holds."""
+    dims: tuple[str, ...] | None = None
+    """Zarr ``dimension_names`` (see :func:`dimension_names`); None in older checkpoints."""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -111,7 +113,7 @@ class ArrayMeta:
                 },
             }
         ]
-        return {
+        doc: dict[str, Any] = {
             "zarr_format": 3,
             "node_type": "array",
             "shape": list(self.grid.shape),
@@ -123,17 +125,21 @@ class ArrayMeta:
             "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
             "fill_value": self.dtype.fill_value,
             "codecs": codecs,
-            "attributes": {
-                ATTRIBUTE: {
-                    "format_version": FORMAT_VERSION,
-                    "key": self.key,
-                    "torch_dtype": self.dtype.name,
-                    "global_shape": list(self.grid.shape),
-                    "regions": [r.to_json() for r in self.regions],
-                }
-                | ({} if self.rank is None else {"rank": self.rank})
-            },
         }
+        if self.dims is not None:
+            doc["dimension_names"] = list(self.dims)
+        attributes: dict[str, Any] = {}
+        if self.dtype.bits:
+            attributes |= bit_dtype_hint(self.dtype)
+        attributes[ATTRIBUTE] = {
+            "format_version": FORMAT_VERSION,
+            "key": self.key,
+            "torch_dtype": self.dtype.name,
+            "global_shape": list(self.grid.shape),
+            "regions": [r.to_json() for r in self.regions],
+        } | ({} if self.rank is None else {"rank": self.rank})
+        doc["attributes"] = attributes
+        return doc
 
     @classmethod
     def from_zarr_json(cls, doc: Any, where: str) -> "ArrayMeta":
@@ -155,7 +161,10 @@ class ArrayMeta:
                 raise TypeError("key must be a string and rank an integer")
             if tuple(attrs["global_shape"]) != grid.shape:
                 raise ValueError(f"global_shape {attrs['global_shape']} differs from the array shape {list(grid.shape)}")
-            meta = cls(attrs["key"], dtype, grid, regions, rank)
+            dims = model.dimension_names
+            if dims is not None and not all(isinstance(d, str) for d in dims):
+                raise TypeError(f"dimension_names {list(dims)} must all be strings")
+            meta = cls(attrs["key"], dtype, grid, regions, rank, None if dims is None else tuple(dims))
         except FormatError:
             raise
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
@@ -174,6 +183,47 @@ class ArrayMeta:
         if math.prod(grid.chunks_per_shard) > MAX_CHUNKS_PER_SHARD:
             raise FormatError(f"{where}: {math.prod(grid.chunks_per_shard)} chunks per shard exceed {MAX_CHUNKS_PER_SHARD}")
         return meta
+
+
+BIT_DTYPE_ATTRIBUTE = "bit_dtype"
+"""The attribute, outside ucp_zarr's namespace, that tells generic readers a bit-stored
+array's real dtype (``bfloat16``, ``float8_*``): the values are raw bits to reinterpret."""
+
+
+def bit_dtype_hint(dtype: StoredDtype) -> dict[str, Any]:
+    """The readable hint of a bit-stored dtype for tools that do not know ucp_zarr."""
+    if dtype.name == "bfloat16":
+        how = "numpy: (a.astype(np.uint32) << 16).view(np.float32); ml_dtypes: a.view(ml_dtypes.bfloat16)"
+    else:
+        how = f"ml_dtypes: a.view(ml_dtypes.{dtype.name}); torch: torch.from_numpy(a).view(torch.{dtype.name})"
+    return {
+        BIT_DTYPE_ATTRIBUTE: {
+            "dtype": dtype.name,
+            "stored_as": dtype.zarr_dtype,
+            "note": f"the {dtype.zarr_dtype} values are the raw bits of {dtype.name}: reinterpret them, do not "
+            f"convert them ({how})",
+        }
+    }
+
+
+def dimension_names(names_shapes: list[tuple[str, tuple[int, ...]]]) -> list[tuple[str, ...]]:
+    """The ``dimension_names`` of the arrays of one group (``(name, shape)`` each, in order).
+
+    The group's *reference shape* is the most common shape among its arrays (ties go to the
+    shape of the first array whose name has no dot, such as the parameter ``model``; then to
+    the first name). Arrays of that shape get ``dim_0, dim_1, ...`` (a parameter and its
+    moments share dimensions, so xarray opens them as one dataset); any other array gets
+    ``<name>_dim_0, ...``, which no other array in the group uses."""
+    count: dict[tuple[int, ...], int] = {}
+    first: dict[tuple[int, ...], tuple[bool, str]] = {}
+    for name, shape in names_shapes:
+        count[shape] = count.get(shape, 0) + 1
+        rank = ("." in name, name)
+        first[shape] = min(first.get(shape, rank), rank)
+    ref = min(count, key=lambda s: (-count[s], first[s])) if count else ()
+    return [
+        tuple(f"dim_{i}" if shape == ref else f"{name}_dim_{i}" for i in range(len(shape))) for name, shape in names_shapes
+    ]
 
 
 def _same(got: Any, want: Any) -> bool:
@@ -328,10 +378,19 @@ class CheckpointMeta:
     """The SHA-256 of every group and array ``zarr.json`` (path -> ``sha256:<hex>``)."""
     signature: dict[str, str] | None = None
     """``{"alg": "HMAC-SHA256", "value": <hex>}`` for an authenticated checkpoint."""
+    consolidated: dict[str, Any] = field(default_factory=dict)
+    """The root's consolidated metadata: node path (``<group>/<array>``) -> its document,
+    as written. Not trusted by itself: a reader checks each against ``documents``."""
 
     @property
     def authenticated(self) -> bool:
         return self.signature is not None
+
+    def consolidated_document(self, path: str) -> bytes | None:
+        """The bytes of the document ``path`` (``.../zarr.json``) as the consolidated copy
+        holds it, or None; the caller checks them against :attr:`documents`."""
+        node = self.consolidated.get(path.removesuffix("/" + METADATA_FILE))
+        return None if node is None else dump_document(node)
 
     def attributes(self) -> dict[str, Any]:
         """``attributes.ucp_zarr`` of the root document."""
@@ -351,8 +410,13 @@ class CheckpointMeta:
             attrs["signature"] = self.signature
         return attrs
 
-    def to_zarr_json(self) -> dict[str, Any]:
-        return {"zarr_format": 3, "node_type": "group", "attributes": {ATTRIBUTE: self.attributes()}}
+    def to_zarr_json(self, attributes: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The root document, with ``attributes`` (default :meth:`attributes`) and the
+        consolidated metadata of every node (zarr-python's inline form)."""
+        doc: dict[str, Any] = {"zarr_format": 3, "node_type": "group", "attributes": {ATTRIBUTE: attributes or self.attributes()}}
+        if self.consolidated:
+            doc["consolidated_metadata"] = {"kind": "inline", "must_understand": False, "metadata": self.consolidated}
+        return doc
 
     @classmethod
     def from_zarr_json(cls, doc: Any, where: str) -> "CheckpointMeta":
@@ -387,6 +451,7 @@ class CheckpointMeta:
                 },
                 documents={check_document_path(k, where): _check_digest(v, where) for k, v in attrs["documents"].items()},
                 signature=signature,
+                consolidated=_consolidated(doc, where),
             )
             meta._check_values(where)
             meta._check_paths(where)
@@ -419,8 +484,39 @@ class CheckpointMeta:
                     raise FormatError(f"{where}: tensors {owner[p]!r} and {key!r} both name the array {p!r}")
 
 
+def _consolidated(doc: dict[str, Any], where: str) -> dict[str, Any]:
+    """The array documents of the root's consolidated metadata (empty when absent)."""
+    cm = doc.get("consolidated_metadata")
+    if cm is None:
+        return {}
+    nodes = cm.get("metadata") if isinstance(cm, dict) else None
+    if not isinstance(nodes, dict):
+        raise FormatError(f"{where}: consolidated_metadata has no metadata object")
+    return {k: v for k, v in nodes.items() if isinstance(v, dict) and v.get("node_type") == "array"}
+
+
 def group_zarr_json() -> dict[str, Any]:
     return {"zarr_format": 3, "node_type": "group", "attributes": {}}
+
+
+def consolidated_nodes(documents: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The root's consolidated metadata from every group and array document (``<path>/
+    zarr.json`` -> document): zarr-python's flat inline form, where a group lists its
+    children through the root."""
+    nodes: dict[str, Any] = {}
+    for path, doc in documents:
+        node = path.removesuffix("/" + METADATA_FILE)
+        if doc.get("node_type") == "group":
+            doc = doc | {"consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": {}}}
+        nodes[node] = doc
+    # in path order: zarr-python (3.1) groups a parent's children with itertools.groupby
+    # after sorting by depth only, so they must already be adjacent
+    return dict(sorted(nodes.items()))
+
+
+def dump_document(doc: dict[str, Any]) -> bytes:
+    """A metadata document's bytes as written (the digests in the commit record are of these)."""
+    return json.dumps(doc, indent=1, allow_nan=False).encode()
 
 
 def _check_version(attrs: Any, where: str) -> None:

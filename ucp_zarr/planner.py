@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .dtypes import stored_dtype
 from .errors import LayoutError
-from .format import ArrayMeta, Region
+from .format import ArrayMeta, Region, dimension_names
 from .layout import Box, ChunkGrid, choose_grid
 from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES, MIN_ALIGNED_CHUNK_BYTES
 from .statedict import assign_array_paths
@@ -48,6 +48,10 @@ class FragmentInfo:
     """What the consolidated tensor is, by the rule that placed it (canonical JSON)."""
     rule: str = ""
     """The rule pattern that placed it (for messages)."""
+    alias: str | None = None
+    """The key its array path is named after, when not ``key``: optimizer state keyed by
+    parameter number, named by its parameter (``optim.state.0.exp_avg`` ->
+    ``optim.state.fc.weight.exp_avg``), so that moments sit beside their parameter."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,7 @@ def plan_save(
             _check_replicas(key, held)
             layouts[key] = held
 
-    base_paths = assign_array_paths(list(by_key))
+    base_paths = assign_array_paths(list(by_key), {k: held[0][1].alias for k, held in by_key.items()})
     loads = [0] * len(infos)
     arrays: dict[str, tuple[str, ArrayMeta]] = {}
     shards: list[ShardTask] = []
@@ -128,6 +132,7 @@ def plan_save(
             shards.append(task)
         records = _region_records(held, regions, writers)
         arrays[akey] = (path, ArrayMeta(f0.key, sd, grid, tuple(records), rank=rank))
+    arrays = _name_dimensions(arrays)
     doc_writers = _spread_documents(arrays, shards, len(infos))
     meanings = {k: held[0][1].meaning for k, held in by_key.items() if held[0][1].meaning is not None}
     return SavePlan(arrays, shards, per_rank, doc_writers, meanings)
@@ -307,6 +312,20 @@ def _assign(
         sources.append((src, inter))
     loads[writer] += nbytes
     return ShardTask(akey, path, index, writer, nbytes, tuple(sources))
+
+
+def _name_dimensions(arrays: dict[str, tuple[str, ArrayMeta]]) -> dict[str, tuple[str, ArrayMeta]]:
+    """Every array with its ``dimension_names``, chosen per group (see :func:`format.dimension_names`)."""
+    by_group: dict[str, list[str]] = defaultdict(list)
+    for akey, (path, _) in arrays.items():
+        by_group[path.split("/")[0]].append(akey)
+    out = dict(arrays)
+    for akeys in by_group.values():
+        dims = dimension_names([(arrays[a][0].split("/")[1], arrays[a][1].shape) for a in akeys])
+        for a, d in zip(akeys, dims):
+            path, meta = arrays[a]
+            out[a] = (path, replace(meta, dims=d))
+    return out
 
 
 def _spread_documents(arrays: dict[str, tuple[str, ArrayMeta]], shards: list[ShardTask], world: int) -> dict[str, int]:

@@ -22,7 +22,7 @@ import datetime
 import json
 import logging
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -32,10 +32,11 @@ from .codec import checksum
 from .distributed import Comm, describe, raise_failures
 from .errors import LayoutError
 from .exchange import Exchange, build_exchange, check_sizes
-from .format import METADATA_FILE, ArrayRef, CheckpointMeta, TensorEntry, group_zarr_json
+from .format import METADATA_FILE, ArrayRef, CheckpointMeta, TensorEntry, consolidated_nodes, dump_document, group_zarr_json
 from .fragments import Fragment, PerRank, Placed, is_fragment_value, to_fragment
 from .integrity import array_digest, document_digest, sign
 from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
+from .optimizer_names import alias, state_names
 from .planner import FragmentInfo, SavePlan, ShardTask, plan_save
 from .staging import Staging
 from .statedict import iter_leaves, to_json
@@ -86,12 +87,16 @@ class Collected:
     """The rules that placed this state dict (``Rules.to_dict()``), if any."""
     used: frozenset[str] = frozenset()
     """The rule patterns that matched a parameter on this rank."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Tensor key -> the key its array is named after (see :mod:`.optimizer_names`)."""
 
 
-def collect(state_dict: Mapping[str, Any]) -> Collected:
+def collect(state_dict: Mapping[str, Any], model: Any = None) -> Collected:
     """A state dict's tensors as fragments and its other leaves as JSON, by flattened key
     (a :class:`~ucp_zarr.Placed` tensor under its consolidated key; two placed on one key,
-    such as tied weights, are merged)."""
+    such as tied weights, are merged). Optimizer state keyed by parameter number is named
+    after its parameter where the name is knowable (``param_names``, or ``model``)."""
+    paths: dict[str, tuple[Any, ...]] = {}
     fragments: dict[str, Fragment] = {}
     values: dict[str, Any] = {}
     per_rank: set[str] = set()
@@ -121,6 +126,7 @@ def collect(state_dict: Mapping[str, Any]) -> Collected:
                 _merge(fragments[frag.key], frag, leaf.key)
             else:
                 fragments[frag.key] = frag
+                paths[frag.key] = leaf.path
         else:
             values[leaf.key] = to_json(value, leaf.key)
             if wrapped:
@@ -128,7 +134,9 @@ def collect(state_dict: Mapping[str, Any]) -> Collected:
     clash = sorted(set(fragments) & set(values))
     if clash:
         raise LayoutError(f"keys {clash} are both a placed tensor and a value")
-    return Collected(fragments, values, frozenset(per_rank), rules, frozenset(used))
+    names = state_names(state_dict, model)  # (after iter_leaves refused cycles and deep nesting)
+    aliases = {k: a for k, p in paths.items() if (a := alias(k, p, names)) is not None} if names else {}
+    return Collected(fragments, values, frozenset(per_rank), rules, frozenset(used), aliases)
 
 
 def _merge(into: Fragment, other: Fragment, leaf_key: str) -> None:
@@ -280,6 +288,7 @@ class PreparedSave:
             meta = plan.arrays[ranks[min(ranks)]][1]
             entries[key] = TensorEntry(first.path, meta.shape, meta.dtype.name, first.digest, copies)
         position = {k: i for i, k in enumerate(self.order)}
+        docs = document_dicts(plan)
         global_values, rank_values = self.values
         meta = CheckpointMeta(
             tensors=dict(sorted(entries.items(), key=lambda kv: position.get(kv[0], 0))),
@@ -290,12 +299,13 @@ class PreparedSave:
             world_size=self.comm.world,
             layout=self.layout,
             rank_values=rank_values,
-            documents={k: document_digest(d) for k, d in documents(plan)},
+            documents={k: document_digest(dump_document(d)) for k, d in docs},
+            consolidated=consolidated_nodes(docs),
         )
         attrs = meta.attributes()
         if self.options.hmac_key is not None:
             attrs["signature"] = sign(attrs, self.options.hmac_key)
-        return dumps({"zarr_format": 3, "node_type": "group", "attributes": {"ucp_zarr": attrs}})
+        return dump_document(meta.to_zarr_json(attrs))
 
 
 def _first_failure(jobs: list[Future]) -> None:
@@ -309,15 +319,17 @@ def _first_failure(jobs: list[Future]) -> None:
             raise job.exception()  # type: ignore[misc]
 
 
-def documents(plan: SavePlan) -> list[tuple[str, bytes]]:
-    """Every group and array ``zarr.json`` of the checkpoint, as written."""
-    docs = [(f"{g}/{METADATA_FILE}", dumps(group_zarr_json())) for g in plan.groups]
-    docs += [(f"{p}/{METADATA_FILE}", dumps(m.to_zarr_json())) for p, m in plan.arrays.values()]
+def document_dicts(plan: SavePlan) -> list[tuple[str, dict[str, Any]]]:
+    """Every group and array ``zarr.json`` of the checkpoint."""
+    docs = [(f"{g}/{METADATA_FILE}", group_zarr_json()) for g in plan.groups]
+    docs += [(f"{p}/{METADATA_FILE}", m.to_zarr_json()) for p, m in plan.arrays.values()]
     return docs
 
 
-def dumps(doc: dict[str, Any]) -> bytes:
-    return json.dumps(doc, indent=1, allow_nan=False).encode()
+def documents(plan: SavePlan) -> list[tuple[str, bytes]]:
+    """Every group and array ``zarr.json`` of the checkpoint, as written."""
+    return [(k, dump_document(d)) for k, d in document_dicts(plan)]
+
 
 
 def _agreed_rules(per_rank: list[tuple[dict[str, Any] | None, frozenset[str]]]) -> dict[str, Any] | None:
@@ -351,7 +363,7 @@ def _average(fragments: dict[str, Fragment], per_rank: list[dict[str, torch.Tens
         frag.pieces[0] = (box, (total / len(copies)).to(frag.dtype))
 
 
-def _infos(fragments: dict[str, Fragment]) -> list[FragmentInfo]:
+def _infos(fragments: dict[str, Fragment], aliases: dict[str, str]) -> list[FragmentInfo]:
     return [
         FragmentInfo(
             f.key,
@@ -364,6 +376,7 @@ def _infos(fragments: dict[str, Fragment]) -> list[FragmentInfo]:
             f.per_rank,
             None if f.meaning is None else json.dumps(f.meaning, sort_keys=True),
             f.rule,
+            aliases.get(f.key),
         )
         for f in fragments.values()
     ]
@@ -437,7 +450,7 @@ def prepare(
     averaged: dict[str, torch.Tensor] = {}
     try:
         col = collected()
-        infos = _infos(col.fragments)
+        infos = _infos(col.fragments, col.aliases)
         averaged = {k: f.pieces[0][1].detach().cpu() for k, f in col.fragments.items() if f.average and f.pieces}
     except BaseException as e:
         error = e
