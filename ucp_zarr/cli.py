@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Any, Callable, Collection
@@ -67,11 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = reader("ls", "list a checkpoint's tensors (or the steps under a checkpoint manager's root)")
     s.add_argument("path", help="checkpoint, or a folder of checkpoints")
     s.add_argument("pattern", nargs="?", default=None,
-                   help="glob over keys and array paths ('model.*'), or a key prefix ('model.layers.0')")
+                   help="glob over keys ('model.*'), or a key with what is under it ('model.layers.0')")
     s = reader("show", "print values of a tensor (a slice of it)")
     s.add_argument("path")
     s.add_argument("key", help="the tensor's key, e.g. model.layers.0.weight")
-    s.add_argument("slice", nargs="?", default="", help="numpy-style selection, e.g. '3:5, 0:4', '-1', ':, ::2'")
+    s.add_argument("slice", nargs="?", default="", help="numpy-style selection, e.g. '3:5, 0:4', '-1', '-3:', ':, ::2'")
+    # a selection may start with '-' ('-3:', '-1, 0'): argument, not option (argparse itself
+    # only lets plain negative numbers through)
+    s._negative_number_matcher = re.compile(r"^-\d")
     s.add_argument("--limit", type=int, default=SHOW_LIMIT, help=f"most elements read (default {SHOW_LIMIT:,})")
     s.add_argument("--full", action="store_true", help="print every value (default: numpy's summary with '...')")
     s = reader("stats", "min, max, mean, std, L2 norm and NaN/Inf counts, chunk by chunk", progress=True)

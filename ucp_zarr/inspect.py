@@ -223,15 +223,16 @@ class TensorRow:
         }
 
 
-def matches(key: str, pattern: str | None, path: str = "") -> bool:
-    """Whether ``key`` (or its array ``path``) is selected by ``pattern``: a glob
-    (``*``, ``?``, ``[...]``, matched with :func:`fnmatch.fnmatchcase`), or a plain name that
-    selects itself and everything under it (``model.layers.0`` selects ``model.layers.0.w``)."""
+def matches(key: str, pattern: str | None) -> bool:
+    """Whether ``key`` is selected by ``pattern``: a glob (``*``, ``?``, ``[...]``, matched
+    with :func:`fnmatch.fnmatchcase`; ``*`` crosses dots), or a plain key that selects itself
+    and everything under it (``model.layers.0`` selects ``model.layers.0.weight``); None
+    selects everything."""
     if pattern is None:
         return True
     if any(c in pattern for c in "*?["):
-        return fnmatch.fnmatchcase(key, pattern) or bool(path) and fnmatch.fnmatchcase(path, pattern)
-    return key == pattern or key.startswith(pattern + ".") or path == pattern or path.startswith(pattern + "/")
+        return fnmatch.fnmatchcase(key, pattern)
+    return key == pattern or key.startswith(pattern + ".")
 
 
 def select_keys(ck: Checkpoint, patterns: Iterable[str] | None) -> list[str]:
@@ -239,7 +240,7 @@ def select_keys(ck: Checkpoint, patterns: Iterable[str] | None) -> list[str]:
     if patterns is None:
         return ck.keys()
     pats = list(patterns)
-    return [k for k in ck.keys() if any(matches(k, p, ck.meta.tensors[k].path) for p in pats)]
+    return [k for k in ck.keys() if any(matches(k, p) for p in pats)]
 
 
 def list_tensors(ck: Checkpoint, pattern: str | None = None) -> list[TensorRow]:

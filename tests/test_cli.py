@@ -1,0 +1,386 @@
+"""The ``ucp-zarr`` command line: every command in text and JSON, errors, progress, that the
+read-only commands never import torch, how fast they start, and bounded memory on a
+checkpoint of several GiB."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ucp_zarr
+from ucp_zarr import inspect as I
+from ucp_zarr.cli import main
+
+SMALL = dict(chunk_bytes=1 << 9, shard_bytes=1 << 11)
+PY = sys.executable
+
+
+def _state(step: int = 5) -> dict:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 30, generator=g)
+    w[1, 2] = float("nan")
+    return {
+        "model": {"layers": {"0": {"weight": w, "bias": torch.randn(30, generator=g).bfloat16()},
+                             "1": {"weight": torch.arange(12, dtype=torch.int32).reshape(3, 4)}},
+                  "scale": torch.tensor(1.5)},
+        "optim": {"state": {"model.layers.0.weight": {"exp_avg": torch.zeros(40, 30)}}},
+        "step": step,
+    }
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("cli")
+    out = {"a": base / "a", "b": base / "b", "root": base / "root"}
+    ucp_zarr.save(_state(), out["a"], **SMALL)
+    s = _state(6)
+    s["model"]["layers"]["0"]["weight"][0, 0] += 1.0
+    del s["model"]["scale"]
+    ucp_zarr.save(s, out["b"], **SMALL)
+    from ucp_zarr.ops import step_name
+
+    for step in (100, 200):
+        ucp_zarr.save(_state(step), out["root"] / step_name(step))
+    return out
+
+
+def run(capsys, *args: object) -> tuple[int, str, str]:
+    rc = main([str(a) for a in args])
+    got = capsys.readouterr()
+    return rc, got.out, got.err
+
+
+def run_json(capsys, *args: object) -> tuple[int, object]:
+    rc, out, err = run(capsys, *args, "--json")
+    assert out.count("\n") == 1, "one JSON document on one line"
+    return rc, json.loads(out)
+
+
+# --- commands -----------------------------------------------------------------------------------
+
+
+def test_help(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for cmd in ("info", "ls", "show", "stats", "verify", "diff", "convert", "export", "demo"):
+        assert f"\n    {cmd} " in out, cmd
+    assert "examples:" in out and "ucp-zarr show ckpt/step_100 model.weight '3:5, 0:4'" in out and "exit status" in out
+    with pytest.raises(SystemExit):
+        main(["show", "--help"])
+    out = capsys.readouterr().out
+    assert "numpy-style selection" in out and "--json" in out and "--storage-options" in out
+
+
+def test_info(capsys, paths) -> None:
+    rc, out, err = run(capsys, "info", paths["a"])
+    ck = ucp_zarr.open(paths["a"])
+    assert rc == 0 and err == ""
+    assert out.startswith(repr(ck)) and '"world_size": 1' in out and 'values: {"step": 5}' in out
+    rc, data = run_json(capsys, "info", paths["a"])
+    assert rc == 0 and data == json.loads(json.dumps(I.checkpoint_info(ck)))
+    assert data["step"] == 5 and data["index"]["model.layers.0.bias"]["dtype"] == "bfloat16"
+
+
+def test_ls(capsys, paths) -> None:
+    rc, out, _ = run(capsys, "ls", paths["a"])
+    lines = out.splitlines()
+    assert rc == 0 and lines[0].split() == ["key", "shape", "dtype", "size", "chunks", "shards"]
+    w = next(line.split() for line in lines if line.startswith("model.layers.0.weight "))
+    row = next(r for r in I.list_tensors(ucp_zarr.open(paths["a"])) if r.key == "model.layers.0.weight")
+    assert w == ["model.layers.0.weight", "40x30", "float32", "4.7", "KiB", "x".join(map(str, row.chunks)), str(row.shards)]
+    assert lines[-1] == f"5 tensors, {ucp_zarr.checkpoint._human(ucp_zarr.open(paths['a']).nbytes())}"
+    rc, data = run_json(capsys, "ls", paths["a"], "model.layers.*")
+    assert rc == 0 and [d["key"] for d in data] == ["model.layers.0.weight", "model.layers.0.bias", "model.layers.1.weight"]
+    assert data[1] == next(r for r in I.list_tensors(ucp_zarr.open(paths["a"])) if r.key == "model.layers.0.bias").to_dict()
+    rc, out, _ = run(capsys, "ls", paths["a"], "model.layers.1")  # a plain name: its subtree
+    assert rc == 0 and "model.layers.1.weight" in out and "model.layers.0" not in out
+    rc, out, err = run(capsys, "ls", paths["a"], "nothing*")
+    assert rc == 2 and out == "" and err == f"error: no tensor of {paths['a']} matches 'nothing*'\n"
+
+
+def test_ls_manager_root(capsys, paths) -> None:
+    rc, out, err = run(capsys, "ls", paths["root"])
+    lines = out.splitlines()
+    assert rc == 0 and err == "" and lines[0].split()[:3] == ["step", "state", "size"]
+    assert [line.split()[:2] for line in lines[1:3]] == [["100", "committed"], ["200", "committed"]]
+    assert lines[-1] == "2 steps, 2 committed"
+    rc, data = run_json(capsys, "ls", paths["root"])
+    assert [(d["step"], d["committed"], d["tensors"]) for d in data] == [(100, True, 5), (200, True, 5)]
+
+
+def test_show(capsys, paths) -> None:
+    w = _state()["model"]["layers"]["0"]["weight"].numpy()
+    rc, out, _ = run(capsys, "show", paths["a"], "model.layers.0.weight", "0:3, 1:4")
+    head, body = out.split("\n", 1)
+    assert rc == 0 and head == "model.layers.0.weight[0:3, 1:4]: shape [3, 3], float32"
+    assert body == np.array2string(w[0:3, 1:4], separator=", ") + "\n"  # numpy's formatting, with its nan
+    rc, data = run_json(capsys, "show", paths["a"], "model.layers.0.weight", "1, ::-7")
+    assert rc == 0 and data["shape"] == [5] and data["index"] == "1, ::-7"
+    want = w[1, ::-7]
+    assert data["values"] == [("nan" if np.isnan(v) else float(v)) for v in want]
+    rc, out, _ = run(capsys, "show", paths["a"], "model.layers.0.bias", "-3:")
+    bias = _state()["model"]["layers"]["0"]["bias"].float().numpy()
+    assert out.splitlines()[0] == "model.layers.0.bias[-3:]: shape [3], bfloat16 (shown as float32)"
+    assert out.splitlines()[1] == np.array2string(bias[-3:], separator=", ")
+    rc, out, _ = run(capsys, "show", paths["a"], "model.scale")
+    assert out == "model.scale: shape [], float32\n1.5\n"
+    rc, data = run_json(capsys, "show", paths["a"], "model.layers.1.weight", "..., 2")
+    assert data["values"] == [2, 6, 10] and data["dtype"] == "int32"
+    rc, out, _ = run(capsys, "show", paths["a"], "model.layers.0.weight")  # big: numpy's summary
+    assert rc == 0 and "..." in out and len(out) < 3000
+    rc, out, _ = run(capsys, "show", paths["a"], "model.layers.0.weight", "--full")
+    assert rc == 0 and "..." not in out and out.count("\n") >= 40
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["model.layers.0.wieght"], "error: no tensor 'model.layers.0.wieght' in {a} (did you mean 'model.layers.0.weight'"),
+        (["model.layers.0.weight", "1:2:3:4"], "error: bad selection '1:2:3:4': '1:2:3:4' is not a slice"),
+        (["model.layers.0.weight", "os.system('x')"], "error: bad selection \"os.system('x')\""),
+        (["model.layers.0.weight", "40"], "error: tensor 'model.layers.0.weight' of shape [40, 30]: index 40 is out of bounds"),
+        (["model.layers.0.weight", "0, 0, 0"], "error: tensor 'model.layers.0.weight' of shape [40, 30]: too many indices"),
+        (["model.layers.0.weight", ":, :", "--limit", "100"],
+         "error: model.layers.0.weight[:, :] selects 1,200 elements, more than --limit 100: narrow the selection"),
+    ],
+)
+def test_show_errors(capsys, paths, args: list[str], message: str) -> None:
+    rc, out, err = run(capsys, "show", paths["a"], *args)
+    assert rc == 2 and out == "" and err.startswith(message.format(a=paths["a"])) and err.count("\n") == 1, err
+
+
+def test_stats(capsys, paths) -> None:
+    ck = ucp_zarr.open(paths["a"])
+    rc, data = run_json(capsys, "stats", paths["a"], "model.layers.*", "model.scale", "model.layers.0.bias")
+    keys = ["model.layers.0.weight", "model.layers.0.bias", "model.layers.1.weight", "model.scale"]
+    assert rc == 0 and [d["key"] for d in data] == keys  # each key once, in the order asked
+    assert data == [json.loads(json.dumps(I.tensor_stats(ck, k).to_dict())) for k in keys]
+    assert data[0]["nan"] == 1 and (data[2]["min"], data[2]["max"]) == (0, 11)
+    rc, out, err = run(capsys, "stats", paths["a"], "model.layers.0.weight")
+    lines = out.splitlines()
+    assert rc == 0 and err == "" and lines[0].split() == ["key", "dtype", "shape", "min", "max", "mean", "std", "norm", "nan", "inf"]
+    s = I.tensor_stats(ck, "model.layers.0.weight")
+    assert lines[1].split() == ["model.layers.0.weight", "float32", "40x30", f"{s.min:.6g}", f"{s.max:.6g}", f"{s.mean:.6g}",
+                                f"{s.std:.6g}", f"{s.norm:.6g}", "1", "0"]
+    rc, out, err = run(capsys, "stats", paths["a"], "model.layers.0.weight", "optim.*.nope")
+    assert rc == 2 and out == "" and err == f"error: no tensor of {paths['a']} matches 'optim.*.nope'\n"
+
+
+def _damage(path: Path, key: str) -> None:
+    ck = ucp_zarr.open(path)
+    shard = sorted(p for p in (path / ck.array_path(key)).rglob("*") if p.is_file() and p.name != "zarr.json")[0]
+    raw = bytearray(shard.read_bytes())
+    raw[3] ^= 0x10
+    shard.write_bytes(bytes(raw))
+
+
+def test_verify(capsys, paths, tmp_path) -> None:
+    nbytes = ucp_zarr.open(paths["a"]).nbytes()
+    rc, out, err = run(capsys, "verify", paths["a"])
+    assert rc == 0 and out.startswith(f"ok: 5 tensors, {nbytes} bytes checked in ") and out.endswith(" s (unsigned)\n")
+    rc, data = run_json(capsys, "verify", paths["a"])
+    assert rc == 0 and data["ok"] is True and data["bytes"] == nbytes and data["tensors"] == 5
+    bad = tmp_path / "bad"
+    shutil.copytree(paths["a"], bad)
+    _damage(bad, "model.layers.0.weight")
+    rc, out, err = run(capsys, "verify", bad)
+    assert rc == 1 and out == "" and err.startswith("error: verify FAILED: crc32c mismatch in ") and "model.layers.0.weight" in err
+    rc, out, err = run(capsys, "verify", bad, "--json")
+    data = json.loads(out)
+    assert rc == 1 and data["ok"] is False and "crc32c mismatch" in data["error"]
+
+
+def test_verify_with_key_file(capsys, tmp_path) -> None:
+    ucp_zarr.save({"w": torch.ones(3)}, tmp_path / "signed", hmac_key=b"k" * 32)
+    (tmp_path / "key").write_bytes(b"k" * 32)
+    rc, out, _ = run(capsys, "verify", tmp_path / "signed", "--key-file", tmp_path / "key")
+    assert rc == 0 and "(signature verified)" in out
+    (tmp_path / "other").write_bytes(b"x" * 32)
+    rc, out, err = run(capsys, "info", tmp_path / "signed", "--key-file", tmp_path / "other")
+    assert rc == 2 and "signature does not verify" in err and err.startswith("error: ")
+    rc, out, err = run(capsys, "verify", tmp_path / "signed", "--key-file", tmp_path / "missing")
+    assert rc == 2 and err.startswith(f"error: cannot read the key file {tmp_path / 'missing'}: No such file")
+
+
+def test_diff(capsys, paths) -> None:
+    rc, out, err = run(capsys, "diff", paths["a"], paths["a"])
+    assert rc == 0 and out == "identical: 5 equal; 0 value(s) differ\n"
+    rc, out, err = run(capsys, "diff", paths["a"], paths["b"])
+    lines = out.splitlines()
+    assert rc == 1 and err == ""
+    assert lines[0].split() == ["key", "status", "a", "b", "ndiff", "max_abs", "max_rel", "nan_mismatch"]
+    assert lines[1].split()[:8] == ["model.layers.0.weight", "differs", "40x30", "float32", "40x30", "float32", "1", "1"]
+    assert lines[2].split() == ["model.scale", "only_a", "()", "float32", "-", "-", "-", "-", "-"]
+    assert lines[3] == "value step: differs: 5 -> 6"
+    assert lines[4] == "different: 3 equal, 1 differs, 1 only_a; 1 value(s) differ"
+    rc, out, _ = run(capsys, "diff", paths["a"], paths["b"], "--all")
+    assert rc == 1 and "model.layers.0.bias" in out and "equal" in out
+    rc, data = run_json(capsys, "diff", paths["a"], paths["b"])
+    assert rc == 1 and data == json.loads(json.dumps(I.diff(paths["a"], paths["b"]).to_dict()))
+    assert data["counts"]["differs"] == 1 and data["values"] == [{"key": "step", "status": "differs", "a": 5, "b": 6}]
+    rc, data = run_json(capsys, "diff", paths["a"], paths["b"], "--keys", "model.layers.1", "--keys", "model.layers.0.b*")
+    assert rc == 0 and [r["key"] for r in data["rows"]] == ["model.layers.0.bias", "model.layers.1.weight"]
+    rc, out, err = run(capsys, "diff", paths["a"], paths["b"], "--keys", "zzz")
+    assert rc == 2 and err == "error: no tensor of either checkpoint matches 'zzz'\n"
+
+
+def test_progress(capsys, paths) -> None:
+    rc, out, err = run(capsys, "verify", paths["a"], "--progress")
+    assert rc == 0 and err.startswith("\r[") and "100.0%" in err and err.endswith("\n")
+    for cmd in (["stats", paths["a"], "model.*"], ["diff", paths["a"], paths["b"]]):
+        rc, out, err = run(capsys, *cmd, "--progress")
+        assert "100.0%" in err, cmd
+        rc, out, err = run(capsys, *cmd)
+        assert err == "", cmd  # not a terminal: no bar
+
+
+@pytest.mark.parametrize("cmd", ["info", "ls", "verify", "stats x", "show x"])
+def test_bad_path(capsys, tmp_path, cmd: str) -> None:
+    rc, out, err = run(capsys, *cmd.split()[:1], tmp_path / "nothing", *cmd.split()[1:])
+    assert rc == 2 and out == "" and err == f"error: no checkpoint at {tmp_path / 'nothing'}\n"
+
+
+def test_bad_options(capsys, paths) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["info", str(paths["a"]), "--storage-options", "{not json"])
+    assert e.value.code == 2 and "--storage-options: not JSON" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["info", str(paths["a"]), "--storage-options", "[1]"])
+    assert "must be a JSON object" in capsys.readouterr().err
+
+
+def test_remote_checkpoint(capsys, paths) -> None:
+    """fsspec URLs with --storage-options (an in-memory file system)."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.put(str(paths["a"]), "/cli_remote/a", recursive=True)
+    try:
+        rc, data = run_json(capsys, "stats", "memory://cli_remote/a", "model.layers.1.weight", "--storage-options", "{}")
+        assert rc == 0 and data[0]["max"] == 11
+        rc, out, _ = run(capsys, "diff", "memory://cli_remote/a", paths["a"])
+        assert rc == 0 and out.startswith("identical")
+    finally:
+        fs.rm("/cli_remote", recursive=True)
+
+
+# --- processes ----------------------------------------------------------------------------------
+
+_READ_ONLY = """
+import contextlib, io, json, sys, time
+import ucp_zarr.cli
+a, b = sys.argv[1], sys.argv[2]
+codes, times = [], {}
+for args in (["info", a], ["ls", a], ["ls", a, "model.*", "--json"], ["show", a, "model.layers.0.bias", "0:4"],
+             ["stats", a, "model.*"], ["verify", a], ["diff", a, b], ["info", a, "--json"]):
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        codes.append(ucp_zarr.cli.main(args + sys.argv[3:]))
+    times[args[0]] = time.perf_counter() - t0
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+print(json.dumps({"codes": codes, "torch": "torch" in sys.modules, "hwm_kib": hwm, "times": times}))
+"""
+
+
+def _read_only_run(a: Path, b: Path, *extra: str, timeout: int = 120) -> dict:
+    r = subprocess.run([PY, "-c", _READ_ONLY, str(a), str(b), *extra], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+def test_read_only_commands_never_import_torch(paths) -> None:
+    got = _read_only_run(paths["a"], paths["b"])
+    assert got["codes"] == [0, 0, 0, 0, 0, 0, 1, 0] and got["torch"] is False
+
+
+def test_errors_are_one_line_without_traceback(tmp_path) -> None:
+    r = subprocess.run([PY, "-m", "ucp_zarr.cli", "show", str(tmp_path), "x"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr == f"error: no checkpoint at {tmp_path}\n"
+    (tmp_path / "zarr.json").write_text("{bad")
+    r = subprocess.run([PY, "-m", "ucp_zarr.cli", "info", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
+
+
+def _seconds(cmd: list[str], runs: int = 3) -> float:
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def test_info_starts_fast(paths) -> None:
+    """``ucp-zarr info`` against ``python -c "import zarr"`` (target: at most 1.5x; asserted
+    with room for a loaded machine), and no torch."""
+    script = shutil.which("ucp-zarr", path=os.path.dirname(PY)) or ""
+    info = [script, "info", str(paths["a"])] if script else [PY, "-m", "ucp_zarr.cli", "info", str(paths["a"])]
+    zarr_s, info_s = _seconds([PY, "-c", "import zarr"]), _seconds(info)
+    print(f"\nstartup: ucp-zarr info {info_s:.3f} s, python -c 'import zarr' {zarr_s:.3f} s: {info_s / zarr_s:.2f}x")
+    assert info_s < 2.5 * zarr_s
+
+
+# --- several GiB --------------------------------------------------------------------------------
+
+
+def test_multi_gib_checkpoint_in_bounded_memory(tmp_path) -> None:
+    """A 2 GiB checkpoint: info, ls, show, stats, verify and diff run in a process whose peak
+    RSS stays far below it (the tensors are 512 MiB each)."""
+    if shutil.disk_usage(tmp_path).free < 6 << 30:
+        pytest.skip("needs 6 GiB of free disk")
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(1, 16384, generator=g) for _ in range(4)]
+    # expanded rows: 2 GiB of tensors from 256 KiB of memory (saving copies chunk by chunk)
+    state = {"model": {f"w{i}": r.expand(8192, 16384) for i, r in enumerate(rows)}, "step": 1}
+    path = tmp_path / "big"
+    ucp_zarr.save(state, path)
+    nbytes = ucp_zarr.open(path).nbytes()
+    assert nbytes == 2 << 30
+    code = textwrap.dedent("""
+        import contextlib, io, json, sys, time
+        import ucp_zarr.cli
+        p = sys.argv[1]
+        out = {}
+        for args in (["info", p], ["ls", p], ["show", p, "model.w1", "8190:, 16380:"], ["stats", p, "model.*"],
+                     ["verify", p], ["diff", p, p]):
+            t0 = time.perf_counter()
+            with contextlib.redirect_stdout(io.StringIO()) as f:
+                rc = ucp_zarr.cli.main(args + ["--json"])
+            out[args[0]] = {"rc": rc, "s": round(time.perf_counter() - t0, 2), "out": json.loads(f.getvalue())}
+        out["hwm_kib"] = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+        out["torch"] = "torch" in sys.modules
+        print(json.dumps(out))
+    """)
+    r = subprocess.run([PY, "-c", code, str(path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    peak = got.pop("hwm_kib") << 10
+    print(f"\n2 GiB checkpoint: peak RSS {peak / 2**20:.0f} MiB; " + ", ".join(f"{k} {v['s']} s" for k, v in got.items()
+                                                                         if isinstance(v, dict)))
+    assert got.pop("torch") is False
+    assert all(v["rc"] == 0 for v in got.values()), {k: v["rc"] for k, v in got.items()}
+    assert peak < 600 << 20 and peak < nbytes / 3
+    assert got["info"]["out"]["nbytes"] == nbytes and len(got["ls"]["out"]) == 4
+    assert got["show"]["out"]["values"] == [[float(v) for v in rows[1][0, 16380:]]] * 2
+    assert len(got["stats"]["out"]) == 4
+    for s, row in zip(got["stats"]["out"], rows):
+        r64 = row.double()
+        assert (s["count"], s["nan"], s["min"], s["max"]) == (8192 * 16384, 0, float(row.min()), float(row.max()))
+        assert s["mean"] == pytest.approx(float(r64.mean()), rel=1e-9, abs=1e-12)
+        assert s["std"] == pytest.approx(float(r64.std(unbiased=False)), rel=1e-9)
+        assert s["norm"] == pytest.approx(float(r64.norm()) * 8192**0.5, rel=1e-9)
+    assert got["verify"]["out"]["bytes"] == nbytes
+    assert got["diff"]["out"]["equal"] is True and got["diff"]["out"]["counts"]["equal"] == 4
