@@ -297,5 +297,6 @@ def test_listing_on_s3_takes_a_handful_of_requests(seaweed: Any, tmp_path: Path)
     n_arrays = len(sd["model"]) * 4  # weight/bias, each with step and two moments
     assert counts[True]["arrays"] == counts[False]["arrays"] == n_arrays
     print("requests to list:", counts)
-    assert counts[True]["requests"] <= 3
-    assert counts[False]["requests"] >= n_arrays
+    # zarr-python's opening probes (the root document, v2 names) plus nothing per node
+    assert counts[True]["requests"] <= 10
+    assert counts[False]["requests"] >= 2 * n_arrays
