@@ -46,15 +46,16 @@ _PALETTE = (
     "#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948",
     "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac", "#1f77b4", "#2ca02c",
 )
-_STYLE = (
+_STYLE = (  # ".ucpz.ucpz.ucpz" outranks JupyterLab's table rules (specificity 0,2,1)
     "<style>.ucpz{font-family:var(--jp-content-font-family,sans-serif);font-size:13px;line-height:1.4}"
-    ".ucpz table{border-collapse:collapse;margin:2px 0 4px 18px}"
-    ".ucpz td,.ucpz th{padding:1px 8px;text-align:left;border-bottom:1px solid #8882;vertical-align:top}"
-    ".ucpz th{font-weight:600}.ucpz .num{text-align:right;font-variant-numeric:tabular-nums}"
+    ".ucpz.ucpz.ucpz table{border-collapse:collapse;margin:2px 0 4px 18px;border:none}"
+    ".ucpz.ucpz.ucpz table td,.ucpz.ucpz.ucpz table th{padding:1px 8px;text-align:left;border:none;border-bottom:1px solid #8882;"
+    "vertical-align:top}"
+    ".ucpz.ucpz.ucpz table th{font-weight:600}.ucpz.ucpz.ucpz table td.num{text-align:right;font-variant-numeric:tabular-nums}"
     ".ucpz details>details,.ucpz details>div{margin-left:16px}.ucpz summary{cursor:pointer}"
     ".ucpz .dim{color:#888}.ucpz .bad{color:#c0392b;font-weight:600}"
-    ".ucpz tr.only{background:#f8d7da80}.ucpz tr.differs{background:#fff3cd80}"
-    ".ucpz .facts td:first-child{color:#888}</style>"
+    ".ucpz.ucpz.ucpz table tr.only{background:#f8d7da80}.ucpz.ucpz.ucpz table tr.differs{background:#fff3cd80}"
+    ".ucpz.ucpz.ucpz table.facts td:first-child{color:#888}</style>"
 )
 
 
@@ -193,12 +194,15 @@ def _node_html(ck: "Checkpoint", node: _Node, budget: _Budget, opened: bool) -> 
         budget.rows = 0
         body = (f"<div class='dim'>{len(node.arrays)} arrays not listed (over the tree's row limit): "
                 "use <code>ck.keys()</code> and <code>ck[key]</code></div>")
-    return f"<details class='group'>{summary}{body}</details>"
+    return f"<details class='group'{' open' * opened}>{summary}{body}</details>"
 
 
-def _children_html(ck: "Checkpoint", children: list[_Node], budget: _Budget, opened: bool) -> str:
+def _children_html(ck: "Checkpoint", children: list[_Node], budget: _Budget, opened: bool, open_first_group: bool = False) -> str:
+    """Tree nodes; module nodes ``opened`` or not, groups closed but for the first one when
+    ``open_first_group`` (an example of what a group holds)."""
     shown = children[:MAX_CHILDREN]
-    out = [_node_html(ck, c, budget, opened) for c in shown]
+    first = next((c for c in shown if c.group), None) if open_first_group else None
+    out = [_node_html(ck, c, budget, c is first if c.group else opened) for c in shown]
     rest = children[MAX_CHILDREN:]
     if rest:
         n, b = sum(c.count for c in rest), sum(c.nbytes for c in rest)
@@ -248,7 +252,7 @@ def checkpoint_html(ck: "Checkpoint", *, max_rows: int = MAX_ROWS) -> str:
     groups are listed with their totals only)."""
     tree = checkpoint_tree(ck)
     head = f"<div><b>ucp_zarr checkpoint</b> <code>{_e(ck.store.url)}</code></div>"
-    body = _children_html(ck, list(tree.children.values()), _Budget(max_rows), opened=len(ck.meta.tensors) <= 40)
+    body = _children_html(ck, list(tree.children.values()), _Budget(max_rows), len(ck.meta.tensors) <= 40, True)
     return f"{_STYLE}<div class='ucpz'>{head}{_facts_html(ck)}<div class='ucpz-tree'>{body}</div></div>"
 
 
@@ -492,7 +496,7 @@ def plot_norms(ck: "Checkpoint", pattern: str | None = None, ax: "Axes | None" =
         ax.set_xlabel("layer")
         ax.set_ylabel("L2 norm")
         if len(series) <= 12:
-            ax.legend(fontsize="small")
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     else:
         ax.barh(range(len(norms)), list(norms.values()), tick_label=list(norms))
         ax.invert_yaxis()

@@ -280,6 +280,34 @@ def _resume_fsdp3(rank: int, world: int, steps: int, ckpt: str, work: str) -> No
 # --------------------------------------------------------------------------------------------
 
 
+def train_and_resume(ckpt: str, steps: int = 20, save_at: int = 10) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The two jobs: train on TP2xDP2 (4 processes) saving at ``save_at`` into ``ckpt``, then
+    resume from ``ckpt`` on FSDP2(3) (3 new processes). Returns the records of the reference
+    run (``losses`` of steps ``0..steps-1``, ``save_s``, ``hyper``, ``wall_s``) and of the
+    resumed run (``start``, ``losses`` of steps ``save_at..steps-1``, ``load_s``,
+    ``n_tensors``, ``mismatched``: the tensors not bit-identical to the saved ones, ``hyper``,
+    ``wall_s``)."""
+    if not 0 < save_at < steps:
+        raise ValueError(f"need 0 < save_at < steps, got save_at={save_at}, steps={steps}")
+    with tempfile.TemporaryDirectory(prefix="ucp_zarr_demo_") as work:
+        print(f"[1+2] 4 processes, TP=2 x DP=2 (DTensor TP + FSDP2): train {steps} steps, save at step {save_at}")
+        t0 = time.perf_counter()
+        _spawn(4, _train_tp2_dp2, steps, save_at, ckpt, work)
+        t_ref = time.perf_counter() - t0
+        from ucp_zarr import open as open_checkpoint
+
+        print(f"      checkpoint {ckpt}: {len(open_checkpoint(ckpt))} tensors")
+        print(f"[3]   3 processes, FSDP2(3), fresh model (other seed): load, train steps {save_at}..{steps - 1}")
+        t0 = time.perf_counter()
+        _spawn(3, _resume_fsdp3, steps, ckpt, work)
+        t_res = time.perf_counter() - t0
+        with open(os.path.join(work, "reference.json")) as f:
+            ref = json.load(f) | {"wall_s": t_ref}
+        with open(os.path.join(work, "resumed.json")) as f:
+            res = json.load(f) | {"wall_s": t_res}
+    return ref, res
+
+
 def run(steps: int = 20, save_at: int = 10, directory: str | None = None) -> bool:
     """Train on TP2xDP2, save at ``save_at``, resume on FSDP2(3), compare with the reference.
 
@@ -289,25 +317,10 @@ def run(steps: int = 20, save_at: int = 10, directory: str | None = None) -> boo
     if not 0 < save_at < steps:
         raise ValueError(f"need 0 < save_at < steps, got save_at={save_at}, steps={steps}")
     t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="ucp_zarr_demo_") as work:
-        root = tempfile.mkdtemp(prefix="ucp_zarr_demo_", dir=directory) if directory else work
-        ckpt = os.path.join(root, f"step_{save_at}")
-        print(f"[1+2] 4 processes, TP=2 x DP=2 (DTensor TP + FSDP2): train {steps} steps, save at step {save_at}")
-        t0 = time.perf_counter()
-        _spawn(4, _train_tp2_dp2, steps, save_at, ckpt, work)
-        t_ref = time.perf_counter() - t0
-        from ucp_zarr import open as open_checkpoint
-
-        ck = open_checkpoint(ckpt)
-        print(f"      checkpoint {ckpt}: {len(ck)} tensors")
-        print(f"[3]   3 processes, FSDP2(3), fresh model (other seed): load, train steps {save_at}..{steps - 1}")
-        t0 = time.perf_counter()
-        _spawn(3, _resume_fsdp3, steps, ckpt, work)
-        t_res = time.perf_counter() - t0
-        with open(os.path.join(work, "reference.json")) as f:
-            ref = json.load(f)
-        with open(os.path.join(work, "resumed.json")) as f:
-            res = json.load(f)
+    with tempfile.TemporaryDirectory(prefix="ucp_zarr_demo_") as tmp:
+        root = tempfile.mkdtemp(prefix="ucp_zarr_demo_", dir=directory) if directory else tmp
+        ref, res = train_and_resume(os.path.join(root, f"step_{save_at}"), steps, save_at)
+        t_ref, t_res = ref["wall_s"], res["wall_s"]
 
     print(f"      save {ref['save_s'] * 1e3:.0f} ms (4 ranks), reshard load {res['load_s'] * 1e3:.0f} ms (3 ranks); "
           f"runs took {t_ref:.1f} s and {t_res:.1f} s")

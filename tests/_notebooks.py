@@ -1,0 +1,78 @@
+"""Execute the notebooks of ``notebooks/`` with nbclient, on a kernel of this interpreter.
+
+A kernel spec pointing at ``sys.executable`` is written to a temporary directory put first
+on ``JUPYTER_PATH``, so the notebooks run in this virtual environment on any machine (no
+``ipykernel install`` needed, no other environment's ``python3`` kernel picked up).
+Executions are cached per process, so the notebook tests and the browser test share them.
+
+``python tests/_notebooks.py [NAME ...]`` re-executes the notebooks in place (refreshing the
+outputs kept in git), dropping outputs too large to keep.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import nbformat
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+KERNEL = "ucp-zarr-tests"
+MAX_OUTPUT_BYTES = 120_000
+"""An output larger than this (serialised) is dropped from the copy kept in git."""
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_dir() -> str:
+    root = tempfile.mkdtemp(prefix="ucp_zarr_kernels_")
+    spec = Path(root, "kernels", KERNEL)
+    spec.mkdir(parents=True)
+    spec.joinpath("kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": f"Python ({sys.executable})",
+        "language": "python",
+    }))
+    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [root, os.environ.get("JUPYTER_PATH")]))
+    return root
+
+
+@functools.lru_cache(maxsize=None)
+def execute(name: str, timeout_s: int = 300) -> tuple[nbformat.NotebookNode, float]:
+    """The notebook ``notebooks/<name>`` executed top to bottom (cached), and its run time in
+    seconds. Raises ``nbclient.exceptions.CellExecutionError`` on the first failing cell."""
+    from nbclient import NotebookClient
+
+    _kernel_dir()
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    client = NotebookClient(nb, timeout=timeout_s, kernel_name=KERNEL, resources={"metadata": {"path": str(NOTEBOOKS)}})
+    t0 = time.perf_counter()
+    client.execute()
+    return nb, time.perf_counter() - t0
+
+
+def kept(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """A copy of an executed notebook for git: outputs over :data:`MAX_OUTPUT_BYTES` dropped,
+    execution timings removed, the kernel spec named ``python3``."""
+    out = nbformat.from_dict(json.loads(json.dumps(nb)))
+    for cell in out.cells:
+        cell.metadata.pop("execution", None)
+        if cell.cell_type == "code":
+            cell.outputs = [o for o in cell.outputs if len(json.dumps(o)) <= MAX_OUTPUT_BYTES]
+    out.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return out
+
+
+def main(names: list[str]) -> None:
+    for name in names or sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")):
+        nb, seconds = execute(name)
+        nbformat.write(kept(nb), NOTEBOOKS / name)
+        print(f"{name}: {seconds:.1f} s, {(NOTEBOOKS / name).stat().st_size:,} bytes")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
