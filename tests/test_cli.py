@@ -384,3 +384,15 @@ def test_multi_gib_checkpoint_in_bounded_memory(tmp_path) -> None:
         assert s["norm"] == pytest.approx(float(r64.norm()) * 8192**0.5, rel=1e-9)
     assert got["verify"]["out"]["bytes"] == nbytes
     assert got["diff"]["out"]["equal"] is True and got["diff"]["out"]["counts"]["equal"] == 4
+
+
+def test_per_rank_state(capsys, tmp_path) -> None:
+    ucp_zarr.save({"rng": ucp_zarr.PerRank(torch.arange(5)), "x": torch.ones(2)}, tmp_path / "pr")
+    rc, data = run_json(capsys, "show", tmp_path / "pr", "rng", "--rank", "0", "1:")
+    assert rc == 0 and data["values"] == [1, 2, 3, 4]
+    rc, data = run_json(capsys, "stats", tmp_path / "pr", "rng", "--rank", "0")
+    assert rc == 0 and (data[0]["min"], data[0]["max"]) == (0, 4)
+    rc, out, err = run(capsys, "show", tmp_path / "pr", "rng", "--rank", "3")
+    assert rc == 2 and err == "error: tensor 'rng' has no copy of rank 3; saved ranks: [0]\n"
+    rc, out, _ = run(capsys, "ls", tmp_path / "pr")
+    assert rc == 0 and "1 x 1 ranks" in out

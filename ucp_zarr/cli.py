@@ -76,11 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     # a selection may start with '-' ('-3:', '-1, 0'): argument, not option (argparse itself
     # only lets plain negative numbers through)
     s._negative_number_matcher = re.compile(r"^-\d")
+    s.add_argument("--rank", type=int, default=None, help="the saving rank's copy of per-rank state (default: the lowest)")
     s.add_argument("--limit", type=int, default=SHOW_LIMIT, help=f"most elements read (default {SHOW_LIMIT:,})")
     s.add_argument("--full", action="store_true", help="print every value (default: numpy's summary with '...')")
     s = reader("stats", "min, max, mean, std, L2 norm and NaN/Inf counts, chunk by chunk", progress=True)
     s.add_argument("path")
     s.add_argument("keys", nargs="+", metavar="KEY", help="keys, key prefixes or globs ('optim.*.exp_avg')")
+    s.add_argument("--rank", type=int, default=None, help="the saving rank's copy of per-rank state (default: the lowest)")
     s = reader("verify", "check every document, chunk and array digest (and the signature, with --key-file)",
                progress=True)
     s.add_argument("path")
@@ -122,7 +124,14 @@ def _json_dict(text: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.cmd == "show" and not args.slice and len(extra) == 1 and not extra[0].startswith("--"):
+        # argparse (< 3.12) gives an optional positional its value before any option:
+        # 'show PATH KEY --rank 1 3:5' leaves the selection over
+        args.slice, extra = extra[0], []
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return COMMANDS[args.cmd](args)
     except KeyboardInterrupt:
@@ -299,7 +308,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             f"{args.key}[{format_index(index)}] selects {n:,} elements, more than --limit {args.limit:,}: "
             "narrow the selection (e.g. '0:4, 0:8') or raise --limit"
         )
-    values = widen(ck.select_numpy(args.key, index), entry.dtype)
+    values = widen(ck.select_numpy(args.key, index, args.rank), entry.dtype)
     where = f"{args.key}[{format_index(index)}]" if index else args.key
     if args.json:
         _emit({"key": args.key, "index": format_index(index), "shape": list(shape), "dtype": entry.dtype,
@@ -361,7 +370,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     out = []
     for k in keys:
         base = done
-        out.append(tensor_stats(ck, k, progress=None if bar is None else lambda d, _t: bar(base + d, total)))
+        out.append(tensor_stats(ck, k, rank=args.rank, progress=None if bar is None else lambda d, _t: bar(base + d, total)))
         done += ck.meta.tensors[k].nbytes
     if bar is not None:
         bar.end()

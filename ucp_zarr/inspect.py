@@ -88,7 +88,9 @@ def widen(raw: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def _value_itemsize(dtype: str) -> int:
-    return 4 if stored_dtype_by_name(dtype).bits else stored_dtype_by_name(dtype).itemsize
+    """Bytes per value as :func:`widen` gives them."""
+    stored = stored_dtype_by_name(dtype)
+    return 4 if stored.bits else stored.itemsize
 
 
 def block_shape(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, max_bytes: int) -> tuple[int, ...]:
@@ -560,9 +562,11 @@ def _max_finite_abs(w: np.ndarray) -> float:
         w = np.abs(w)
     elif w.dtype == np.bool_:
         w = w.view(np.uint8)
-    lo, hi = w.min(), w.max()
-    if w.dtype.kind in "iu" or (math.isfinite(lo) and math.isfinite(hi)):
-        return float(max(abs(int(lo)) if w.dtype.kind in "iu" else abs(float(lo)), abs(float(hi))))
+    if w.dtype.kind in "iu":
+        return float(max(abs(int(w.min())), abs(int(w.max()))))  # (np.abs of the lowest int overflows)
+    lo, hi = float(w.min()), float(w.max())
+    if math.isfinite(lo) and math.isfinite(hi):
+        return max(-lo, hi)
     finite = w[np.isfinite(w)]
     return _max_finite_abs(finite) if finite.size else 0.0
 
@@ -573,7 +577,7 @@ def _compare(
     ma, mb = a.array_meta(key, rank), b.array_meta(key, rank)
     dta, dtb = ma.dtype.name, mb.dtype.name
     if ma.shape != mb.shape:
-        tick(max(math.prod(ma.shape) * ma.dtype.itemsize, 0))
+        tick(math.prod(ma.shape) * ma.dtype.itemsize)
         return DiffRow(key, "shape", ma.shape, mb.shape, dta, dtb, rank=rank)
     # both sides are read in the same boxes (a's chunk-aligned blocks): the raw values of both
     # and their widened copies fit the budget together
