@@ -10,8 +10,12 @@ import os
 from typing import Any
 
 import torch
+from _faulty import Crash, FaultyStore, Log
 
+import ucp_zarr.saver
 from ucp_zarr.ops import CheckpointManager
+from ucp_zarr.ops.steps import ReadLease, delete_step
+from ucp_zarr.storage import LocalStore
 
 CHUNK_BYTES, SHARD_BYTES = 4096, 16384
 
@@ -35,19 +39,51 @@ def empty_state() -> dict[str, Any]:
     }
 
 
-def save_until_killed(root: str, keep_last: int, keep_every: int | None) -> None:
-    """Resume from the newest step (holding a reader lease), then save step after step,
-    every other one asynchronously, until killed."""
+def save_until_killed(root: str, keep_last: int, ready: Any) -> None:
+    """Resume from the newest step (holding a reader lease), set ``ready``, then save step
+    after step, every other one asynchronously, until killed."""
     torch.set_num_threads(1)
-    manager = CheckpointManager(root, keep_last=keep_last, keep_every=keep_every, lease_s=5.0)
+    manager = CheckpointManager(root, keep_last=keep_last, lease_s=5.0)
     state = empty_state()
     start = manager.load_latest(state)
     if start is not None and not torch.equal(state["model"]["w"], crash_state(start)["model"]["w"]):
         os._exit(3)  # the parent sees the exit code
+    ready.set()
     step = start or 0
     while True:
         step += 1
         manager.save(step, crash_state(step), async_save=step % 2 == 0, chunk_bytes=CHUNK_BYTES, shard_bytes=SHARD_BYTES)
+
+
+def vanish(fn: Any, *args: Any) -> None:
+    """Run ``fn(*args)`` and exit at once, without any clean-up, as a killed process would:
+    code 7 when ``fn`` raised the injected :class:`Crash`, 0 when it returned."""
+    code = 0
+    try:
+        fn(*args)
+    except Crash:
+        code = 7
+    os._exit(code)
+
+
+def interrupted_save(root: str, step: int) -> None:
+    """Save ``step`` through a manager and die in the middle of writing its shards."""
+
+    def die(*args: Any, **kwargs: Any) -> None:
+        os._exit(0)
+
+    ucp_zarr.saver.write_shard = die
+    CheckpointManager(root).save(step, crash_state(step), chunk_bytes=CHUNK_BYTES, shard_bytes=SHARD_BYTES)
+
+
+def hold_lease(folder: str) -> None:
+    """Take a reader lease on the step folder and keep it (until the process dies)."""
+    ReadLease(LocalStore(folder)).__enter__()
+
+
+def delete_crashing(folder: str, crash_at: int) -> None:
+    """Delete the step folder, crashing at its ``crash_at``-th mutating storage operation."""
+    delete_step(FaultyStore(LocalStore(folder), Log(crash_at=crash_at)))
 
 
 # --- elastic restart ---------------------------------------------------------------------------

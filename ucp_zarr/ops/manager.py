@@ -214,7 +214,7 @@ class CheckpointManager:
         if self._comm.rank == 0:
             t1 = time.perf_counter()
             try:
-                deleted = self._retain()
+                deleted = self._retain(step)
             except Exception as e:  # the checkpoint is committed; keep training
                 error = f"{type(e).__name__}: {e}"
                 log.warning("ucp_zarr: retention under %s failed after saving step %d: %s", self.root, step, error)
@@ -232,11 +232,12 @@ class CheckpointManager:
             self.on_saved(metrics)
         return metrics
 
-    def _retain(self) -> tuple[int, ...]:
-        """Apply the retention policy and remove dead saves' and deletions' leftovers."""
+    def _retain(self, saved: int) -> tuple[int, ...]:
+        """Apply the retention policy (never to the step just ``saved``) and remove dead
+        saves' and deletions' leftovers."""
         folders = scan(self._store, self._liveness())
         committed = [f.step for f in folders if f.committed]
-        protected = {f.step for f in folders if f.live_readers or f.deleter_alive}
+        protected = {saved} | {f.step for f in folders if f.live_readers or f.deleter_alive}
         deleted = []
         for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protected=protected):
             if delete_step(self._step(s), lease_s=self.lease_s):
@@ -350,7 +351,7 @@ class CheckpointManager:
         the last save or load (each step counted at ``step_time_s`` if given, else at its
         measured wall-clock time, blocking saves excluded) reaches :meth:`interval_s`; the
         first save comes at the first call, unless ``save_cost_s`` was given (it measures the
-        cost). Never for a step at or before the last one saved or loaded. In the adaptive
+        cost). The first call counts as one step of ``step_time_s`` (nothing when measured). Never for a step at or before the last one saved or loaded. In the adaptive
         mode rank 0 decides and broadcasts (a collective)."""
         step_name(step)
         if step_time_s is not None:
@@ -365,8 +366,9 @@ class CheckpointManager:
                 step_time = step_time_s
             self._step_time_s = step_time
             self._progress_s += n * step_time
-        elif step_time_s is not None:
+        elif self._prev is None and step_time_s is not None:  # the first call counts one step
             self._step_time_s = step_time_s
+            self._progress_s += step_time_s
         self._prev, self._stalled_s = (step, now), 0.0
         if self._last_saved is not None and step <= self._last_saved:
             return False

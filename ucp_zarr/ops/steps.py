@@ -15,7 +15,7 @@ ignored and removed with the step.
 
 **Deletion** (:func:`delete_step`) first creates ``.ucp_zarr_deleting`` (an Owner record),
 then looks for live reader leases (any: it backs off), then deletes the root ``zarr.json``
-(from here on the step is not committed), then every other object, the record last. Readers
+(from here on the step is not committed), then the folder. Readers
 write their lease before looking for the record, deleters their record before looking for
 leases, so one of the two always sees the other. A crash at any point leaves either a
 complete committed step or an uncommitted folder that the next retention removes: the
@@ -308,22 +308,14 @@ def delete_step(store: Store, *, lease_s: float = DEFAULT_LEASE_S, liveness: Liv
         if other is not None and _alive(store, other, liveness):
             return False
         store.write_atomic(DELETING, me.to_bytes())  # resume a dead deleter's work
-    beat = _Heartbeat(store, me.save_id, lease_s)
-    try:
-        for name in child_names(store):
-            if name.startswith(READER):
-                reader = read_owner(store, name)
-                if reader is not None and _alive(store, reader, liveness):
-                    _withdraw(store, me)
-                    return False
-        store.delete(METADATA_FILE)  # the commit record first: from here on, not committed
-        mine = {DELETING, HEARTBEAT + me.save_id}
-        for key in store.list():
-            if key not in mine:
-                store.delete(key)
-    finally:
-        beat.stop()
-    store.remove()
+    for name in child_names(store):
+        if name.startswith(READER):
+            reader = read_owner(store, name)
+            if reader is not None and _alive(store, reader, liveness):
+                _withdraw(store, me)
+                return False
+    store.delete(METADATA_FILE)  # the commit record first: from here on, not committed
+    store.remove()  # in any order: whatever a crash leaves now is an uncommitted leftover
     return True
 
 
@@ -332,7 +324,6 @@ def _withdraw(store: Store, me: Owner) -> None:
     current = read_owner(store, DELETING)
     if current is not None and current.save_id == me.save_id:
         store.delete(DELETING)
-    store.delete(HEARTBEAT + me.save_id)
 
 
 def drop_interrupted(store: Store, *, lease_s: float = DEFAULT_LEASE_S) -> bool:
