@@ -358,10 +358,12 @@ def tensor_html(view: "TensorView", stats: "TensorStats | None" = None) -> str:
     entry = ck.meta.tensors[key]
     meta = ck.array_meta(key)
     g = meta.grid
-    stored = f"{_e(meta.dtype.zarr_dtype)} bits (reinterpret, do not convert)" if meta.dtype.bits else _e(meta.dtype.zarr_dtype)
+    stored = (f" <span class='dim'>stored as its {_e(meta.dtype.zarr_dtype)} bits (reinterpret them, do not convert)</span>"
+              if meta.dtype.bits else "")
+    dims = getattr(meta, "dims", None)
     facts = [
-        ("shape", _shape(meta.shape)),
-        ("dtype", f"{_e(meta.dtype.name)} <span class='dim'>stored as {stored}</span>"),
+        ("shape", _shape(meta.shape) + ("" if not dims else f" <span class='dim'>dims {_e(', '.join(dims))}</span>")),
+        ("dtype", f"{_e(meta.dtype.name)}{stored}"),
         ("size", f"{human_bytes(entry.nbytes)} ({math.prod(meta.shape):,} elements)"),
         ("array", f"<code>{_e(ck.store.url)}/{_e(entry.path)}</code>"),
         ("chunks", f"{_x(g.chunk_shape)} <span class='dim'>({math.prod(g.chunks_per_shard)} per shard)</span>"),
