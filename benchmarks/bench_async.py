@@ -1,0 +1,202 @@
+"""Asynchronous save: what it blocks, and what its background write costs a training loop.
+
+    python benchmarks/bench_async.py [--d-model 512] [--layers 6] [--repeat 3] [--dir DIR] [--json OUT]
+
+A small transformer (``nn.TransformerEncoder``, AdamW, fp32) trains on random tokens on the
+CPU, one process. Per repeat:
+
+* **blocking stage**: ``ucp_zarr.save(state, path, async_save=True)`` until it returns,
+  against a plain copy of the same state to host memory (``t.clone()`` of every tensor,
+  the least an asynchronous save must do before training may change the tensors), and a
+  copy into preallocated buffers (``dst.copy_(t)``), alternating in order;
+* **training slowdown**: the training step time while the background write runs (from the
+  return of the save until its future is done), against the step time of the steps right
+  before the save, on the same warmed-up loop.
+
+The machine may have 2 cores: the background writer (its copies, checksums, system calls)
+competes with the training step's threads for them, which is what this measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+if importlib.util.find_spec("ucp_zarr") is None:  # run from a checkout without PYTHONPATH
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MiB = 1 << 20
+
+
+class Model(nn.Module):
+    def __init__(self, d: int, layers: int, vocab: int = 8000) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        layer = nn.TransformerEncoderLayer(d, nhead=8, dim_feedforward=4 * d, batch_first=True)
+        self.body = nn.TransformerEncoder(layer, layers)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(x)))
+
+
+def state_bytes(state: Any) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def clone(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: clone(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(clone(v) for v in state)
+    return state
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    if isinstance(src, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(src, dict):
+        for k, v in src.items():
+            copy_into(dst[k], v)
+    elif isinstance(src, (list, tuple)):
+        for a, b in zip(dst, src):
+            copy_into(a, b)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument(
+        "--threads", type=int, default=1,
+        help="torch threads of the training step (default 1: on a shared 2-core machine, 2 OpenMP threads "
+        "spin against other processes and a step's time swings 10x)",
+    )
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default="/work/bench_tmp")
+    ap.add_argument("--json", help="write the raw results here")
+    args = ap.parse_args(argv)
+    import ucp_zarr
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = Model(args.d_model, args.layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, 8000, (args.batch, args.seq))
+    y = torch.randint(0, 8000, (args.batch, args.seq))
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    for _ in range(5):  # warm up, and create the optimizer state
+        step()
+
+    def state() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+    size = state_bytes(state())
+    work = os.path.join(args.dir, f"bench_async.{os.getpid()}")
+    os.makedirs(work)
+    print(
+        f"ucp_zarr {ucp_zarr.__version__}; transformer d={args.d_model} x {args.layers} layers, state {size / MiB:.0f} MiB; "
+        f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs",
+        flush=True,
+    )
+    ucp_zarr.save(state(), os.path.join(work, "warm"), async_save=True).result()  # first calls, untimed
+    pre = clone(state())
+    res: dict[str, Any] = {"bytes": size, "blocking": [], "clone": [], "copy_into": [], "background": [],
+                           "steps_before": [], "steps_during": []}
+    try:
+        for rep in range(args.repeat):
+            before = [step() for _ in range(8)]
+            order = ["clone", "copy_into", "save"] if rep % 2 == 0 else ["save", "copy_into", "clone"]
+            during: list[float] = []
+            for what in order:
+                if what == "clone":
+                    t0 = time.perf_counter()
+                    kept = clone(state())
+                    res["clone"].append(time.perf_counter() - t0)
+                    del kept
+                elif what == "copy_into":
+                    t0 = time.perf_counter()
+                    copy_into(pre, state())
+                    res["copy_into"].append(time.perf_counter() - t0)
+                else:
+                    t0 = time.perf_counter()
+                    fut = ucp_zarr.save(state(), os.path.join(work, f"ck{rep}"), async_save=True)
+                    t1 = time.perf_counter()
+                    while not fut.done():
+                        during.append(step())
+                    fut.result()
+                    res["blocking"].append(t1 - t0)
+                    res["background"].append(time.perf_counter() - t1)
+            res["steps_before"].append(statistics.median(before))
+            # a step that started during the write counts as during it (the last may end after)
+            res["steps_during"].append(statistics.median(during) if during else float("nan"))
+            print(
+                f"  repeat {rep + 1}/{args.repeat}: blocking {1000 * res['blocking'][-1]:.0f} ms, clone "
+                f"{1000 * res['clone'][-1]:.0f} ms, copy into {1000 * res['copy_into'][-1]:.0f} ms; background write "
+                f"{1000 * res['background'][-1]:.0f} ms with {len(during)} steps of {1000 * res['steps_during'][-1]:.0f} ms "
+                f"(before: {1000 * res['steps_before'][-1]:.0f} ms)",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    s = summary(res)
+    print(
+        f"\nblocking stage / clone = {s['blocking_vs_clone']:.2f}x (target <= 1.2), / copy into preallocated = "
+        f"{s['blocking_vs_copy']:.2f}x; training step during the background write = {s['slowdown']:.2f}x the step "
+        f"before it (target <= 1.10)"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+def summary(res: dict[str, Any]) -> dict[str, float]:
+    """Medians of the per-repeat ratios."""
+    def med(xs: list[float]) -> float:
+        xs = [x for x in xs if x == x]
+        return statistics.median(xs) if xs else float("nan")
+
+    return {
+        "blocking_ms": 1000 * med(res["blocking"]),
+        "clone_ms": 1000 * med(res["clone"]),
+        "blocking_vs_clone": med([b / c for b, c in zip(res["blocking"], res["clone"])]),
+        "blocking_vs_copy": med([b / c for b, c in zip(res["blocking"], res["copy_into"])]),
+        "slowdown": med([d / b for d, b in zip(res["steps_during"], res["steps_before"])]),
+        "slowdown_min": min(d / b for d, b in zip(res["steps_during"], res["steps_before"])),
+        "slowdown_max": max(d / b for d, b in zip(res["steps_during"], res["steps_before"])),
+        "step_ms": 1000 * med(res["steps_before"]),
+        "background_ms": 1000 * med(res["background"]),
+    }
+
+
+if __name__ == "__main__":
+    main()
