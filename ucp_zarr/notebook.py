@@ -360,9 +360,8 @@ def tensor_html(view: "TensorView", stats: "TensorStats | None" = None) -> str:
     g = meta.grid
     stored = (f" <span class='dim'>stored as its {_e(meta.dtype.zarr_dtype)} bits (reinterpret them, do not convert)</span>"
               if meta.dtype.bits else "")
-    dims = getattr(meta, "dims", None)
     facts = [
-        ("shape", _shape(meta.shape) + ("" if not dims else f" <span class='dim'>dims {_e(', '.join(dims))}</span>")),
+        ("shape", _shape(meta.shape) + ("" if not meta.dims else f" <span class='dim'>dims {_e(', '.join(meta.dims))}</span>")),
         ("dtype", f"{_e(meta.dtype.name)}{stored}"),
         ("size", f"{human_bytes(entry.nbytes)} ({math.prod(meta.shape):,} elements)"),
         ("array", f"<code>{_e(ck.store.url)}/{_e(entry.path)}</code>"),
