@@ -396,3 +396,14 @@ def test_per_rank_state(capsys, tmp_path) -> None:
     assert rc == 2 and err == "error: tensor 'rng' has no copy of rank 3; saved ranks: [0]\n"
     rc, out, _ = run(capsys, "ls", tmp_path / "pr")
     assert rc == 0 and "1 x 1 ranks" in out
+
+
+def test_closed_pipe_is_quiet(tmp_path) -> None:
+    """``ucp-zarr show ... | head -1``: the command stops when its reader goes, without a traceback."""
+    ucp_zarr.save({"w": torch.randn(200, 200)}, tmp_path / "ck")
+    p = subprocess.Popen([PY, "-m", "ucp_zarr.cli", "show", str(tmp_path / "ck"), "w", "--full"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stdout.readline().startswith(b"w: shape [200, 200]")
+    p.stdout.close()
+    err = p.stderr.read() if p.stderr else b""
+    assert p.wait(timeout=60) == 141 and err == b""

@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`ucp-zarr ls ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the final flush must not fail again)
+        return 141
     except Exception as e:  # every failure is one line (--traceback for the whole story)
         if args.traceback:
             raise
