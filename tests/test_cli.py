@@ -290,6 +290,11 @@ for args in (["info", a], ["ls", a], ["ls", a, "model.*", "--json"], ["show", a,
     with contextlib.redirect_stdout(io.StringIO()):
         codes.append(ucp_zarr.cli.main(args + sys.argv[3:]))
     times[args[0]] = time.perf_counter() - t0
+import ucp_zarr  # the package's torch-free names, and a tensor view's numpy face
+names = [ucp_zarr.open, ucp_zarr.Checkpoint, ucp_zarr.TensorView, ucp_zarr.diff, ucp_zarr.CheckpointManager,
+         ucp_zarr.optimal_interval, ucp_zarr.CheckpointError, ucp_zarr.__version__]
+view = ucp_zarr.open(a)["model.layers.0.bias"]
+view.stats(), view.numpy(slice(0, 3)), repr(view), view.ndim, view.numel()
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
 print(json.dumps({"codes": codes, "torch": "torch" in sys.modules, "hwm_kib": hwm, "times": times}))
 """
