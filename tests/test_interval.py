@@ -109,3 +109,17 @@ def test_monte_carlo_agrees_with_the_chosen_interval():
         assert s == pytest.approx(expected_lost_fraction(t, c, m, restart_cost_s=r), rel=0.03)
     # a poorly chosen interval loses measurably more
     assert simulated[0] > at_chosen * 1.1 and simulated[-1] > at_chosen * 1.1
+
+
+def test_interval_plot(tmp_path):
+    """docs/make_interval_plot.py draws the lost-time curve with the optima marked."""
+    pytest.importorskip("matplotlib")
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "docs" / "make_interval_plot.py"
+    spec = importlib.util.spec_from_file_location("make_interval_plot", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = module.main(tmp_path / "interval.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

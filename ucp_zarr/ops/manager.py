@@ -200,6 +200,8 @@ class CheckpointManager:
         """Remove an uncommitted folder of ``step`` nobody alive works on, so the save can
         claim it (errors are left to the save, which reports them on every rank)."""
         try:
+            if step not in step_numbers(self._store):
+                return
             folder = _inspect(self._store, step, self._liveness())
             if not folder.committed and folder.names:
                 clean_folder(folder, lease_s=self.lease_s)
