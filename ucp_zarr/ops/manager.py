@@ -29,7 +29,6 @@ from .steps import (
     delete_step,
     is_committed,
     read_meta,
-    scan,
     step_name,
     step_numbers,
     step_store,
@@ -235,18 +234,19 @@ class CheckpointManager:
         return metrics
 
     def _retain(self, saved: int) -> tuple[int, ...]:
-        """Apply the retention policy (never to the step just ``saved``) and remove dead
-        saves' and deletions' leftovers."""
-        folders = scan(self._store, self._liveness())
-        committed = [f.step for f in folders if f.committed]
-        protected = {saved} | {f.step for f in folders if f.live_readers or f.deleter_alive}
+        """Apply the retention policy (never to the step just ``saved``; :func:`delete_step`
+        backs off from steps being read) and remove uncommitted folders nobody alive works on."""
+        numbers = step_numbers(self._store)
+        committed = [s for s in numbers if is_committed(self._step(s))]
         deleted = []
-        for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protected=protected):
+        for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protected={saved}):
             if delete_step(self._step(s), lease_s=self.lease_s):
                 deleted.append(s)
-        for f in folders:
-            if not f.committed and clean_folder(f, lease_s=self.lease_s):
-                log.info("ucp_zarr: removed the %s step folder %s", f.state, f.store.url)
+        liveness = self._liveness()
+        for s in sorted(set(numbers) - set(committed)):
+            folder = _inspect(self._store, s, liveness)
+            if not folder.committed and clean_folder(folder, lease_s=self.lease_s):
+                log.info("ucp_zarr: removed the %s step folder %s", folder.state, folder.store.url)
         return tuple(deleted)
 
     def wait(self) -> SaveMetrics | None:
