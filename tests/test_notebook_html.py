@@ -7,6 +7,7 @@ computed here with torch; rendering over S3 reads metadata documents only."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import subprocess
 import sys
@@ -23,7 +24,10 @@ from _dist import run
 
 import ucp_zarr
 from ucp_zarr import notebook
+from ucp_zarr.checkpoint import Checkpoint
+from ucp_zarr.format import CheckpointMeta, TensorEntry
 from ucp_zarr.inspect import diff
+from ucp_zarr.storage import open_store
 
 matplotlib.use("Agg")
 
@@ -151,17 +155,32 @@ def test_odd_keys_and_values_are_escaped(tmp_path: Path) -> None:
 
 
 def test_huge_checkpoint_html_is_bounded(tmp_path: Path) -> None:
-    n = 400
+    n = 150
     ucp_zarr.save({"model": {f"p{i}": torch.full((2,), float(i)) for i in range(n)}}, tmp_path / "ck")
     ck = ucp_zarr.open(tmp_path / "ck")
     html = notebook.checkpoint_html(ck, max_rows=30)
     dom = Dom(html)
-    rows = dom.find("td", **{"class": "key"})
-    assert len(rows) == 30
+    assert len(dom.find("td", **{"class": "key"})) == 30
     assert len(dom.find("details", **{"class": "group"})) == notebook.MAX_CHILDREN
     assert f"and {n - notebook.MAX_CHILDREN} more groups ({n - notebook.MAX_CHILDREN} tensors" in html
     assert "arrays not listed" in html
-    assert len(html) < 60_000
+
+
+def test_tree_of_20k_tensors_is_bounded() -> None:
+    """A commit record of 20,000 tensors in 4 levels of modules (no save: the tree is drawn
+    from the index; with ``max_rows=0`` no array document is needed)."""
+    digest = "sha256:" + "0" * 64
+    tensors = {}
+    for layer, expert, name in itertools.product(range(20), range(100), ("w1", "w2", "w3", "b1", "b2", "g", "h", "k", "q", "v")):
+        fqn = f"layers.{layer}.experts.{expert}.{name}"
+        tensors[f"model.{fqn}"] = TensorEntry(f"{fqn}/model", (4,), "float32", digest)
+    meta = CheckpointMeta(tensors, {}, "2026-01-01T00:00:00+00:00", "ucp_zarr", "0" * 32)
+    ck = Checkpoint(open_store(f"memory://nb-{uuid.uuid4().hex[:8]}/huge"), meta)
+    html = notebook.checkpoint_html(ck, max_rows=0, max_nodes=500)
+    dom = Dom(html)
+    assert len(dom.find("details")) == 500
+    assert len(html) < 200_000
+    assert "<td>tensors</td><td>20,000, 312.5 KiB</td>" in html
 
 
 # --- the rank picture of a multi-rank save ---------------------------------------------------

@@ -3,8 +3,9 @@
 A thin layer over :class:`~ucp_zarr.checkpoint.Checkpoint` and :mod:`ucp_zarr.inspect`:
 
 * :func:`checkpoint_html` (``Checkpoint._repr_html_``) and :func:`tensor_html`
-  (``TensorView._repr_html_``) read metadata only (the commit record, and the ``zarr.json``
-  of the arrays they show), never tensor data, so they are cheap on object stores;
+  (``TensorView._repr_html_``) read metadata only (the commit record, whose consolidated
+  metadata holds every array's ``zarr.json``), never tensor data: no request beyond
+  :func:`ucp_zarr.open`'s on object stores, and bounded in size for any checkpoint;
 * :func:`stats_html`, :func:`diff_html` render what :func:`ucp_zarr.inspect.tensor_stats` and
   :func:`ucp_zarr.inspect.diff` computed;
 * :func:`plot_norms` and :func:`plot_histogram` stream tensors block by block (bounded memory)
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 
 MAX_ROWS = 200
 """Array rows a checkpoint's tree shows in full; further groups show their totals only."""
+MAX_NODES = 1000
+"""Tree nodes (groups and modules) a checkpoint's tree shows; the rest are summed up."""
 MAX_CHILDREN = 64
 """Children one tree node lists; the rest are summed up in one line."""
 MAX_VALUES = 40
@@ -117,17 +120,20 @@ class _Node:
     count: int = 0
     nbytes: int = 0
 
-    def add(self, parts: list[str], row: tuple[str, str, "TensorEntry"]) -> None:
-        self.count += 1
-        self.nbytes += row[2].nbytes
-        if self.group:
-            self.arrays.append(row)
-            return
-        at = (parts[0], len(parts) == 1)
-        child = self.children.get(at)
-        if child is None:
-            child = self.children[at] = _Node(parts[0], group=at[1])
-        child.add(parts[1:], row)
+    def add(self, parts: list[str], row: tuple[str, str, "TensorEntry"], nbytes: int) -> None:
+        """Add an array under the module path ``parts[:-1]``, in the group ``parts[-1]``."""
+        node = self
+        for i, part in enumerate(parts):
+            node.count += 1
+            node.nbytes += nbytes
+            at = (part, i == len(parts) - 1)
+            child = node.children.get(at)
+            if child is None:
+                child = node.children[at] = _Node(part, group=at[1])
+            node = child
+        node.count += 1
+        node.nbytes += nbytes
+        node.arrays.append(row)
 
     def collapsed(self) -> "_Node":
         """This node with single-child module chains merged (``head`` > ``weight`` -> ``head.weight``)."""
@@ -145,7 +151,7 @@ def checkpoint_tree(ck: "Checkpoint") -> _Node:
     root = _Node("")
     for key, entry in ck.meta.tensors.items():
         group, _, name = (urllib.parse.unquote(p) for p in entry.path.partition("/"))
-        root.add([p for p in group.split(".") if p] or [group], (name, key, entry))
+        root.add([p for p in group.split(".") if p] or [group], (name, key, entry), entry.nbytes)
     root.children = {k: c.collapsed() for k, c in root.children.items()}
     return root
 
@@ -159,10 +165,11 @@ def _grid_text(meta: "ArrayMeta") -> str:
 
 
 class _Budget:
-    """How many more array rows the tree may show in full."""
+    """How many more array rows, and tree nodes, the tree may show."""
 
-    def __init__(self, rows: int) -> None:
+    def __init__(self, rows: int, nodes: int) -> None:
         self.rows = rows
+        self.nodes = nodes
 
 
 def _array_rows(ck: "Checkpoint", arrays: list[tuple[str, str, "TensorEntry"]]) -> str:
@@ -184,9 +191,10 @@ def _node_html(ck: "Checkpoint", node: _Node, budget: _Budget, opened: bool) -> 
     totals = f"{node.count} tensor{'s' * (node.count != 1)}, {human_bytes(node.nbytes)}"
     if not node.group:
         summary = f"<summary><b>{_e(node.name)}</b> <span class='dim'>{totals}</span></summary>"
-        return f"<details class='module'{' open' * opened}>{summary}{_children_html(ck, list(node.children.values()), budget, False)}</details>"
-    names = ", ".join(name for name, _, _ in node.arrays[:6]) + (", …" if len(node.arrays) > 6 else "")
-    summary = f"<summary><code>{_e(node.name)}</code> <span class='dim'>{_e(names)} · {totals}</span></summary>"
+        inner = _children_html(ck, list(node.children.values()), budget, False)
+        return f"<details class='module'{' open' * opened}>{summary}{inner}</details>"
+    names = ", ".join(name for name, _, _ in node.arrays[:6]) + (", \u2026" if len(node.arrays) > 6 else "")
+    summary = f"<summary><code>{_e(node.name)}</code> <span class='dim'>{_e(names)} \u00b7 {totals}</span></summary>"
     if budget.rows >= len(node.arrays):
         budget.rows -= len(node.arrays)
         body = _array_rows(ck, node.arrays)
@@ -197,25 +205,28 @@ def _node_html(ck: "Checkpoint", node: _Node, budget: _Budget, opened: bool) -> 
     return f"<details class='group'{' open' * opened}>{summary}{body}</details>"
 
 
-def _children_html(ck: "Checkpoint", children: list[_Node], budget: _Budget, opened: bool, open_first_group: bool = False) -> str:
-    """Tree nodes; module nodes ``opened`` or not, groups closed but for the first one when
-    ``open_first_group`` (an example of what a group holds)."""
-    shown = children[:MAX_CHILDREN]
+def _children_html(ck: "Checkpoint", children: list[_Node], budget: _Budget, opened: bool,
+                   open_first_group: bool = False) -> str:
+    """Tree nodes (at most :data:`MAX_CHILDREN`, while the budget lasts); module nodes
+    ``opened`` or not, groups closed but for the first one when ``open_first_group`` (an
+    example of what a group holds)."""
+    shown = children[: max(0, min(MAX_CHILDREN, budget.nodes))]
+    budget.nodes -= len(shown)
     first = next((c for c in shown if c.group), None) if open_first_group else None
     out = [_node_html(ck, c, budget, c is first if c.group else opened) for c in shown]
-    rest = children[MAX_CHILDREN:]
+    rest = children[len(shown):]
     if rest:
         n, b = sum(c.count for c in rest), sum(c.nbytes for c in rest)
-        out.append(f"<div class='dim'>\u2026 and {len(rest)} more groups ({n} tensors, {human_bytes(b)})</div>")
+        out.append(f"<div class='dim'>\u2026 and {len(rest):,} more groups ({n:,} tensors, {human_bytes(b)})</div>")
     return "".join(out)
 
 
-def _facts_html(ck: "Checkpoint") -> str:
+def _facts_html(ck: "Checkpoint", nbytes: int) -> str:
     meta = ck.meta
     md = ck.metadata
     facts: list[tuple[str, str]] = [
         ("step", _e(repr(md["step"]))),
-        ("tensors", f"{len(meta.tensors):,}, {human_bytes(sum(e.nbytes for e in meta.tensors.values()))}"),
+        ("tensors", f"{len(meta.tensors):,}, {human_bytes(nbytes)}"),
         ("saved by", f"{meta.world_size} rank{'s' * (meta.world_size != 1)}"),
         ("created", _e(meta.created)),
         ("library", _e(meta.library)),
@@ -239,21 +250,25 @@ def _facts_html(ck: "Checkpoint") -> str:
         rows = "".join(f"<tr><td><code>{_e(k)}</code></td><td><code>{_e(_short(v))}</code></td></tr>"
                        for k, v in list(values.items())[:MAX_VALUES])
         more = f"<div class='dim'>\u2026 and {len(values) - MAX_VALUES} more</div>" if len(values) > MAX_VALUES else ""
-        facts.append(("values", f"<details><summary>{len(values)} non-tensor values</summary><table>{rows}</table>{more}</details>"))
+        summary = f"<summary>{len(values)} non-tensor values</summary>"
+        facts.append(("values", f"<details>{summary}<table>{rows}</table>{more}</details>"))
     return "<table class='facts'>" + "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in facts) + "</table>"
 
 
-def checkpoint_html(ck: "Checkpoint", *, max_rows: int = MAX_ROWS) -> str:
+def checkpoint_html(ck: "Checkpoint", *, max_rows: int = MAX_ROWS, max_nodes: int = MAX_NODES) -> str:
     """A checkpoint as HTML: its facts (step, size, saving world, date, signature, layout and
     rules, non-tensor values) and a collapsible tree of its groups, each parameter with its
     optimizer moments, listing shape, dtype, chunk and shard grid and size per array.
 
-    Reads the commit record and the ``zarr.json`` of at most ``max_rows`` arrays (further
-    groups are listed with their totals only)."""
+    At most ``max_rows`` arrays are listed (further groups show their totals only) and
+    ``max_nodes`` groups and modules (the rest are summed up), so the HTML stays small for
+    any checkpoint. Reads metadata only: the commit record (with its consolidated copy of
+    the arrays' ``zarr.json``)."""
     tree = checkpoint_tree(ck)
     head = f"<div><b>ucp_zarr checkpoint</b> <code>{_e(ck.store.url)}</code></div>"
-    body = _children_html(ck, list(tree.children.values()), _Budget(max_rows), len(ck.meta.tensors) <= 40, True)
-    return f"{_STYLE}<div class='ucpz'>{head}{_facts_html(ck)}<div class='ucpz-tree'>{body}</div></div>"
+    budget = _Budget(max_rows, max_nodes)
+    body = _children_html(ck, list(tree.children.values()), budget, len(ck.meta.tensors) <= 40, True)
+    return f"{_STYLE}<div class='ucpz'>{head}{_facts_html(ck, tree.nbytes)}<div class='ucpz-tree'>{body}</div></div>"
 
 
 # --------------------------------------------------------------------------------------
@@ -303,7 +318,7 @@ def rank_picture_svg(meta: "ArrayMeta", *, width: int = 360, height: int = 180) 
         return offset[1] * sx, offset[0] * sy, size[1] * sx, size[0] * sy
 
     out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{w + 2:.0f}' height='{h + 2:.0f}' "
-           f"viewBox='-1 -1 {w + 2:.1f} {h + 2:.1f}' role='img'><title>writers of {_e(meta.key)}</title>"]
+           f"viewBox='-1 -1 {w + 2:.1f} {h + 2:.1f}' role='img'><title>regions of {_e(meta.key)} by rank</title>"]
     drawn = skipped = 0
     for region in meta.regions:
         holder = _holder(region)
@@ -352,7 +367,7 @@ def _legend(meta: "ArrayMeta") -> str:
 
 def tensor_html(view: "TensorView", stats: "TensorStats | None" = None) -> str:
     """A tensor as HTML: shape, dtype, where it is stored, chunk and shard grid, size, the
-    regions the saving ranks held (a picture, coloured by writer), and ``stats`` when given
+    regions the saving ranks held (a picture, coloured by rank), and ``stats`` when given
     (statistics are never computed here: call ``view.stats()``)."""
     ck, key = view.checkpoint, view.key
     entry = ck.meta.tensors[key]
@@ -371,7 +386,8 @@ def tensor_html(view: "TensorView", stats: "TensorStats | None" = None) -> str:
         ("regions", f"{len(meta.regions)} held by the {ck.meta.world_size} saving rank{'s' * (ck.meta.world_size != 1)}"),
     ]
     if entry.ranks is not None:
-        facts.append(("per rank", f"one copy per saving rank ({_ranks_text(list(entry.ranks))}); shown: rank {min(entry.ranks)}'s"))
+        copies = _ranks_text(list(entry.ranks))
+        facts.append(("per rank", f"one copy per saving rank ({copies}); shown: rank {min(entry.ranks)}'s"))
     if entry.rule is not None:
         facts.append(("rule", f"<code>{_e(json.dumps(entry.rule))}</code>"))
     table = "<table class='facts'>" + "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in facts) + "</table>"
