@@ -163,6 +163,14 @@ def elastic_job(rank: int, world: int, root: str, out: str, steps: int, stop_at:
         if done <= stop_at and manager.should_save(done):
             manager.save(done, _state(model, opt, done), async_save=True)
     manager.close()
+    if resume and world == 2:  # the adaptive schedule is rank 0's decision on every rank
+        import torch.distributed as dist
+
+        adaptive = CheckpointManager(root, mtbf_s=600.0)
+        decisions = [adaptive.should_save(s) for s in range(100, 104)]
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, decisions)
+        assert decisions[0] and all(d == decisions for d in every), every
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"start": start, "losses": losses, "world": world}, f)

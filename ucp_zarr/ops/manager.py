@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, MutableMapping
 
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, NotACheckpointError
@@ -61,6 +61,9 @@ class SaveMetrics:
     """Steps retention deleted after this commit (rank 0)."""
     retention_error: str | None = None
     """Why retention failed, if it did (the checkpoint itself is committed)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 class CheckpointManager:

@@ -345,8 +345,8 @@ def drop_interrupted(store: Store, *, lease_s: float = DEFAULT_LEASE_S) -> bool:
 def clean_folder(folder: _Folder, *, lease_s: float = DEFAULT_LEASE_S) -> bool:
     """Remove an uncommitted step folder that nobody alive is working on; True if removed."""
     state = folder.state
-    if state == "interrupted":
+    if state == "interrupted":  # (the transaction refuses a live owner and a committed path)
         return drop_interrupted(folder.store, lease_s=lease_s)
-    if state in ("deleting", "leftover") and not folder.deleter_alive:
+    if state in ("deleting", "leftover") and not folder.deleter_alive and not is_committed(folder.store):
         return delete_step(folder.store, lease_s=lease_s)
     return False
