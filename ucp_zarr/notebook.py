@@ -510,6 +510,9 @@ def plot_norms(ck: "Checkpoint", pattern: str | None = None, ax: "Axes | None" =
         for name, points in series.items():
             xs = sorted(points)
             ax.plot(xs, [points[x] for x in xs], marker="o", label=name)
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("layer")
         ax.set_ylabel("L2 norm")
         if len(series) <= 12:
