@@ -118,8 +118,14 @@ def test_block_shape() -> None:
     assert I.block_shape((100, 10), (8, 10), 4, 1 << 20) == (100, 10)  # all fits
     assert I.block_shape((100, 10), (8, 10), 4, 40 * 17) == (16, 10)  # whole rows, chunk multiples
     assert I.block_shape((100, 10), (8, 5), 4, 8) == (8, 5)  # at least one chunk
+    # strips of whole chunks along dim 0 (read without a copy), when big enough
+    assert I.block_shape((8192, 16384), (512, 2048), 4, 64 << 20) == (8192, 2048)
+    assert I.block_shape((8192, 16384), (512, 2048), 4, 16 << 20) == (2048, 2048)
+    assert I.block_shape((64, 64, 64), (4, 8, 16), 1, 64 * 8 * 16) == (64, 8, 16)
+    # ...else the largest block cut from the leading dims
     assert I.block_shape((64, 64, 64), (4, 8, 16), 1, 4 * 64 * 64) == (4, 64, 64)
-    assert I.block_shape((64, 64, 64), (4, 8, 16), 1, 4 * 64 * 32) == (4, 32, 64)
+    assert I.block_shape((64, 64, 64), (4, 8, 16), 1, 4 * 64 * 32 + 1) == (4, 32, 64)
+    assert I.block_shape((3, 10**6), (3, 4096), 4, 64 << 20) == (3, 10**6)
     assert I.block_shape((), (), 8, 1) == ()
 
 

@@ -93,9 +93,22 @@ def _value_itemsize(dtype: str) -> int:
     return 4 if stored.bits else stored.itemsize
 
 
+MIN_STRIP_BYTES = 1 << 20
+"""Blocks one chunk wide (see :func:`block_shape`) are used when at least this large."""
+
+
 def block_shape(shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, max_bytes: int) -> tuple[int, ...]:
-    """The largest chunk-aligned block, cut from the leading dims first, of at most
-    ``max_bytes`` (at least one chunk): whole trailing dims, rows in multiples of the chunk's."""
+    """The shape of chunk-aligned blocks of at most ``max_bytes`` (at least one chunk).
+
+    Preferably a strip of whole chunks stacked along dim 0 (the chunk's other dims), which
+    read straight into the block, chunk by chunk, without a copy; when such strips would be
+    small (under :data:`MIN_STRIP_BYTES`), the largest block cut from the leading dims first:
+    whole trailing dims, rows in multiples of the chunk's."""
+    if len(shape) > 1 and tuple(chunk[1:]) != tuple(shape[1:]):
+        row = math.prod(chunk[1:]) * itemsize
+        rows = min(shape[0], max(chunk[0], max_bytes // row // chunk[0] * chunk[0]))
+        if rows * row >= min(max_bytes, MIN_STRIP_BYTES):
+            return (rows, *chunk[1:])
     block = list(shape)
     for d in range(len(shape)):
         unit = math.prod(block[:d]) * math.prod(shape[d + 1 :]) * itemsize
@@ -350,7 +363,7 @@ class _Moments:
         np.copyto(dev, x, casting="unsafe")
         mean = float(dev.sum()) / n
         dev -= mean
-        np.square(dev, out=dev)
+        np.square(dev, out=dev)  # (not np.dot: BLAS threads fight over a busy machine's cores)
         m2 = float(dev.sum())
         self.sq += m2 + n * mean * mean  # sum x^2 = sum (x - mean)^2 + n mean^2: no cancellation
         total = self.n + n
