@@ -412,3 +412,10 @@ def test_closed_pipe_is_quiet(tmp_path) -> None:
     p.stdout.close()
     err = p.stderr.read() if p.stderr else b""
     assert p.wait(timeout=60) == 141 and err == b""
+
+
+def test_ls_manager_root_without_ops(capsys, paths, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "ucp_zarr.ops", None)  # as if ucp_zarr.ops were not installed
+    rc, out, err = run(capsys, "ls", paths["root"])
+    assert rc == 2 and out == "" and err.startswith(f"error: {paths['root']} holds files but no commit record")
+    assert err.endswith("(and listing a manager's steps needs ucp_zarr.ops, which is not available)\n")
