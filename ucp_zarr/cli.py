@@ -8,15 +8,20 @@ with a one-line ``error: ...`` on stderr and a non-zero exit status.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import re
 import sys
 import time
-from typing import Any, Callable, Collection
+from typing import TYPE_CHECKING, Any, Callable, Collection
 
+from .checkpoint import _human
 from .errors import CheckpointError, IncompleteCheckpointError, NotACheckpointError
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
 
 EXAMPLES = """\
 examples:
@@ -160,7 +165,7 @@ def _reason(e: BaseException) -> str:
 # --- shared -------------------------------------------------------------------------------
 
 
-def _open(path: str, args: argparse.Namespace) -> Any:
+def _open(path: str, args: argparse.Namespace) -> "Checkpoint":
     from .checkpoint import open as open_checkpoint
 
     return open_checkpoint(path, storage_options=args.storage_options, hmac_key=_key(args))
@@ -184,14 +189,6 @@ def _emit(data: Any) -> None:
 def _bar(args: argparse.Namespace) -> "_Progress | None":
     on = args.progress if args.progress is not None else sys.stderr.isatty()
     return _Progress() if on else None
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _table(header: list[str], rows: list[list[str]], right: Collection[int] = ()) -> str:
@@ -267,27 +264,17 @@ def _ls_steps(args: argparse.Namespace, why: CheckpointError) -> int:
     steps = list_steps(args.path, storage_options=args.storage_options)
     if not steps:
         raise why
-    data = [_plain_step(s) for s in steps]
     if args.json:
-        _emit(data)
+        _emit([dataclasses.asdict(s) for s in steps])
         return 0
     rows = [
-        [str(d.get("step")), str(d.get("state") or ("committed" if d.get("committed") else "-")),
-         "-" if d.get("nbytes") is None else _human(d["nbytes"]), _num(d.get("tensors")), _num(d.get("world_size")),
-         str(d.get("created") or "-"), str(d.get("path"))]
-        for d in data
+        [str(s.step), s.state, "-" if s.nbytes is None else _human(s.nbytes), _num(s.tensors), _num(s.world_size),
+         s.created or "-", s.path]
+        for s in steps
     ]
     print(_table(["step", "state", "size", "tensors", "ranks", "created", "path"], rows, right={0, 2, 3, 4}))
-    print(f"{len(data)} steps, {sum(bool(d.get('committed')) for d in data)} committed")
+    print(f"{len(steps)} steps, {sum(s.committed for s in steps)} committed")
     return 0
-
-
-def _plain_step(step: Any) -> dict[str, Any]:
-    import dataclasses
-
-    if dataclasses.is_dataclass(step):
-        return {f.name: getattr(step, f.name) for f in dataclasses.fields(step)}
-    return dict(vars(step))
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -350,7 +337,7 @@ def _near(key: str, keys: list[str]) -> str:
     return f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
 
 
-def _selected(ck: Any, patterns: list[str]) -> list[str]:
+def _selected(ck: "Checkpoint", patterns: list[str]) -> list[str]:
     from .inspect import select_keys
 
     keys: list[str] = []
