@@ -245,6 +245,10 @@ def test_stats_details(ck: ucp_zarr.Checkpoint) -> None:
     assert (e.count, e.min, e.mean, e.std, e.norm) == (0, None, None, None, 0.0)
     n = I.tensor_stats(ck, "model.nans")
     assert (n.count, n.nan, n.min, n.mean) == (6, 6, None, None)
+    path = ck.store.url + "_complex"
+    ucp_zarr.save({"z": torch.tensor([complex(float("nan"), 1), complex(2, float("inf"))])}, path)
+    z = I.tensor_stats(ucp_zarr.open(path), "z")
+    assert (z.count, z.nan, z.inf, z.min, z.max, z.norm) == (2, 1, 1, None, None, 0.0)
     done = []
     I.tensor_stats(ck, "model.w", max_bytes=100, progress=lambda d, t: done.append((d, t)))
     assert len(done) > 3 and done[-1] == (37 * 29 * 4, 37 * 29 * 4)

@@ -401,7 +401,7 @@ def tensor_stats(
                 nan, inf = nan + int(bad_nan.sum()), inf + int(bad_inf.sum())
                 x = np.abs(x[~(bad_nan | bad_inf)])
             lo, hi = (x.min(), x.max()) if x.size else (None, None)
-            if x.dtype.kind == "f" and not (np.isfinite(lo) and np.isfinite(hi)):  # (a NaN makes min NaN)
+            if x.size and x.dtype.kind == "f" and not (np.isfinite(lo) and np.isfinite(hi)):  # (NaN: min is NaN)
                 finite = np.isfinite(x)
                 n_nan = int(np.isnan(x).sum())
                 nan, inf = nan + n_nan, inf + int(x.size - finite.sum()) - n_nan
