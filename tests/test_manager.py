@@ -238,7 +238,7 @@ def test_latest_under_sigkill_at_random_points(tmp_path):
             time.sleep(rng.uniform(0.0, 0.3))
         else:
             assert ready.wait(60)
-            time.sleep(rng.uniform(0.0, 0.6))
+            time.sleep(rng.uniform(0.0, 0.4))
         os.kill(p.pid, signal.SIGKILL)
         p.join(30)
         assert p.exitcode == -signal.SIGKILL, (trial, p.exitcode)
@@ -399,15 +399,18 @@ def test_on_loopback_s3(seaweed):
     store = open_store(url, options)
     assert sorted({k.split("/")[0] for k in store.list()}) == [step_name(2)]  # step 1 is gone
     with ReadLease(step_store(store, 2)):  # a reader holds step 2, which keep_last=1 would delete
-        _save(m, 3)
+        _save(m, 3, async_save=True)
+        m.wait()
     assert m.steps() == [2, 3]
-    _save(m, 4, async_save=True)
     m.close()
-    assert [(i.step, i.state) for i in list_steps(url, storage_options=options)] == [(4, "committed")]
-    resumed = CheckpointManager(url, storage_options=options)
+    assert [(i.step, i.state) for i in list_steps(url, storage_options=options)] == [(2, "committed"), (3, "committed")]
+    resumed = CheckpointManager(url, storage_options=options, keep_last=1)
     state = empty_state()
-    assert resumed.load_latest(state) == 4
-    for key, want in crash_state(4)["model"].items():
+    assert resumed.load_latest(state) == 3
+    for key, want in crash_state(3)["model"].items():
         assert torch.equal(state["model"][key], want)
-    assert state["step"] == 4 and state["optim"]["step"] == 4
+    assert state["step"] == 3 and state["optim"]["step"] == 3
+    _assert_loads(resumed, 2)
+    _save(resumed, 4)
+    assert resumed.steps() == [4]
     assert all(k.startswith(step_name(4) + "/") for k in store.list())  # no lease, claim or record left behind

@@ -24,9 +24,9 @@ from .retention import check_policy, steps_to_delete
 from .steps import (
     ReadLease,
     StepGoneError,
-    _inspect,
     clean_folder,
     delete_step,
+    inspect_step,
     is_committed,
     read_meta,
     step_name,
@@ -130,6 +130,7 @@ class CheckpointManager:
         self.lease_s = _positive("lease_s", lease_s)
         self._store = open_store(self.root, storage_options)
         self._comm = Comm(process_group)
+        self._stores: dict[int, Store] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ucp_zarr-manager")
         self._inflight: Future | None = None
         self._history: list[SaveMetrics] = []
@@ -150,7 +151,7 @@ class CheckpointManager:
 
     def path(self, step: int) -> str:
         """Where ``step`` is (or would be) saved."""
-        return step_store(self._store, step, self.storage_options).url
+        return self._step(step).url
 
     def steps(self) -> list[int]:
         """The committed steps, ascending."""
@@ -204,7 +205,7 @@ class CheckpointManager:
         try:
             if step not in step_numbers(self._store):
                 return
-            folder = _inspect(self._store, step, self._liveness())
+            folder = inspect_step(self._step(step), step, self._liveness())
             if not folder.committed and folder.names:
                 clean_folder(folder, lease_s=self.lease_s)
         except Exception as e:
@@ -245,9 +246,10 @@ class CheckpointManager:
         for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protected={saved}):
             if delete_step(self._step(s), lease_s=self.lease_s):
                 deleted.append(s)
+                self._stores.pop(s, None)
         liveness = self._liveness()
         for s in sorted(set(numbers) - set(committed)):
-            folder = _inspect(self._store, s, liveness)
+            folder = inspect_step(self._step(s), s, liveness)
             if not folder.committed and clean_folder(folder, lease_s=self.lease_s):
                 log.info("ucp_zarr: removed the %s step folder %s", folder.state, folder.store.url)
         return tuple(deleted)
@@ -397,7 +399,11 @@ class CheckpointManager:
     # --- plumbing ---------------------------------------------------------------------------
 
     def _step(self, step: int) -> Store:
-        return step_store(self._store, step, self.storage_options)
+        """The store of ``step``'s folder, made once (an fsspec filesystem may be costly to set up)."""
+        store = self._stores.get(step)
+        if store is None:
+            store = self._stores[step] = step_store(self._store, step, self.storage_options)
+        return store
 
     def _liveness(self) -> Liveness:
         return Liveness.here()

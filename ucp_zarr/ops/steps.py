@@ -196,8 +196,8 @@ def _alive(store: Store, owner: Owner, liveness: Liveness) -> bool:
     return not liveness.is_dead(owner, last_heartbeat(store, owner.save_id))
 
 
-def _inspect(root: Store, step: int, liveness: Liveness) -> _Folder:
-    store = step_store(root, step)
+def inspect_step(store: Store, step: int, liveness: Liveness) -> _Folder:
+    """What the step folder ``store`` holds: one listing, and the owner records it names."""
     names = frozenset(child_names(store))
     committed = METADATA_FILE in names or (REPLACE_RECORD in names and is_committed(store))
     folder = _Folder(step, store, names, committed)
@@ -217,7 +217,7 @@ def _inspect(root: Store, step: int, liveness: Liveness) -> _Folder:
 def scan(root: Store, liveness: Liveness | None = None) -> list[_Folder]:
     """Every step folder under ``root``, ascending."""
     liveness = liveness or Liveness.here()
-    return [_inspect(root, s, liveness) for s in step_numbers(root)]
+    return [inspect_step(step_store(root, s), s, liveness) for s in step_numbers(root)]
 
 
 def list_steps(root: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> list[StepInfo]:
