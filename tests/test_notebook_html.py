@@ -117,22 +117,28 @@ def _groups(html: str) -> dict[str, set[str]]:
     return out
 
 
-@pytest.mark.parametrize("named", [False, True], ids=["param_ids", "param_names"])
-def test_tree_shows_moments_beside_their_parameter(tmp_path: Path, named: bool) -> None:
-    net, opt = _trained(named)
-    state = {"model": net.state_dict(), "optim": opt.state_dict(), "step": 7}
-    ucp_zarr.save(state, tmp_path / "ck", model=None if named else net)  # names from param_names, or the model
+@pytest.mark.parametrize("keys", ["param_ids", "param_names", "fqns"])
+def test_tree_shows_moments_beside_their_parameter(tmp_path: Path, keys: str) -> None:
+    """Moments keyed by parameter number (names from the model given to save, or from the
+    optimizer's ``param_names``) or by FQN (as ``get_state_dict`` keys them) sit in their
+    parameter's group."""
+    net, opt = _trained(named=keys == "param_names")
+    fqns = [k for k, _ in net.named_parameters()]
+    optim = opt.state_dict()
+    if keys == "fqns":
+        optim = {"state": {fqns[i]: st for i, st in optim["state"].items()}}
+    state = {"model": net.state_dict(), "optim": optim, "step": 7}
+    ucp_zarr.save(state, tmp_path / "ck", model=net if keys == "param_ids" else None)
     ck = ucp_zarr.open(tmp_path / "ck")
     html = ck._repr_html_()
     groups = _groups(html)
-    fqns = [k for k, _ in net.named_parameters()]
     assert sorted(groups) == sorted(fqns)
     for i, fqn in enumerate(fqns):
-        moment = f"optim.state.{i}"
+        moment = f"optim.state.{fqn if keys == 'fqns' else i}"
         assert groups[fqn] == {f"model.{fqn}", f"{moment}.exp_avg", f"{moment}.exp_avg_sq", f"{moment}.step"}, fqn
     text = "".join(n["text"] for n in Dom(html).find("table", **{"class": "facts"})).replace(" ", "")
     assert "step7" in text and "signedno" in text and "savedby1rank" in text
-    assert len(Dom(html).find("details", **{"class": "module"})) >= 1  # blocks > 0, 1, 2
+    assert len(Dom(html).find("details", **{"class": "module"})) == 4  # blocks > 0, 1, 2
 
 
 def test_odd_keys_and_values_are_escaped(tmp_path: Path) -> None:
