@@ -136,7 +136,7 @@ class CheckpointManager:
         self._history: list[SaveMetrics] = []
         self._lock = threading.Lock()
         self._closed = False
-        # the interval advisor's measurements (rank 0's decide)
+        # what the interval advisor measures (rank 0's measurements decide)
         self._save_cost_s = None if save_cost_s is None else _positive("save_cost_s", save_cost_s)
         self._step_time_s: float | None = None
         self._progress_s = 0.0
@@ -356,10 +356,11 @@ class CheckpointManager:
 
         With ``every_n_steps``: at multiples of it. Adaptively: once the training time since
         the last save or load (each step counted at ``step_time_s`` if given, else at its
-        measured wall-clock time, blocking saves excluded) reaches :meth:`interval_s`; the
-        first save comes at the first call, unless ``save_cost_s`` was given (it measures the
-        cost). The first call counts as one step of ``step_time_s`` (nothing when measured). Never for a step at or before the last one saved or loaded. In the adaptive
-        mode rank 0 decides and broadcasts (a collective)."""
+        measured wall-clock time, blocking saves excluded; the first call counts one step of
+        ``step_time_s``, nothing when measured) reaches :meth:`interval_s`; the first save
+        comes at the first call, unless ``save_cost_s`` was given (it measures the cost).
+        Never for a step at or before the last one saved or loaded. In the adaptive mode
+        rank 0 decides and broadcasts (a collective)."""
         step_name(step)
         if step_time_s is not None:
             step_time_s = _positive("step_time_s", step_time_s)
