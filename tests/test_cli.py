@@ -351,7 +351,14 @@ def test_multi_gib_checkpoint_in_bounded_memory(tmp_path) -> None:
     # expanded rows: 2 GiB of tensors from 256 KiB of memory (saving copies chunk by chunk)
     state = {"model": {f"w{i}": r.expand(8192, 16384) for i, r in enumerate(rows)}, "step": 1}
     path = tmp_path / "big"
-    ucp_zarr.save(state, path)
+    try:
+        ucp_zarr.save(state, path)
+        _check_big(path, rows)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)  # (pytest keeps the temp folders of recent runs)
+
+
+def _check_big(path: Path, rows: list[torch.Tensor]) -> None:
     nbytes = ucp_zarr.open(path).nbytes()
     assert nbytes == 2 << 30
     code = textwrap.dedent("""
