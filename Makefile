@@ -17,6 +17,8 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# every benchmark, one table and the plots in benchmarks/results/ (about 15 minutes on 2 cores);
+# zarrs (the Rust codec pipeline for zarr-python) is a peer of the codec benchmark only
 bench: $(VENV)/.installed
-	$(PY) benchmarks/bench_single.py
-	$(PY) benchmarks/bench_distributed.py
+	$(PY) -m pip install -q -c constraints.txt zarrs
+	$(PY) benchmarks/run_all.py

@@ -40,7 +40,6 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-
 from pagecache import cached_bytes, evict, files_under
 
 if importlib.util.find_spec("ucp_zarr") is None:  # run from a checkout without PYTHONPATH

@@ -41,7 +41,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-
 from pagecache import cached_bytes, evict, files_under
 
 if importlib.util.find_spec("ucp_zarr") is None:  # run from a checkout without PYTHONPATH
@@ -198,29 +197,36 @@ def measure(mib: float, repeat: int, threads: int, work: str, log: Any = print) 
     out: dict[str, Any] = {
         "mib": mib, "bytes": size, "tensors": len(sd), "objects": len(sizes), "object_bytes": sum(sizes),
         "threads": threads, "save": [], "raw_write": [], "load": [], "raw_read": [], "bytes_read": [], "cached": {},
+        "cpu": {"save": [], "raw_write": [], "load": [], "raw_read": []},
     }
+
+    def cpu() -> float:
+        t = os.times()
+        return t.user + t.system
+
     for rep in range(repeat):
         order = ["ucp_zarr", "raw"] if rep % 2 == 0 else ["raw", "ucp_zarr"]
         for m in order:
             path = os.path.join(work, f"{m}.{rep}")
             gc.collect()
+            op = "save" if m == "ucp_zarr" else "raw_write"
+            c0, t0 = cpu(), time.perf_counter()
             if m == "ucp_zarr":
-                t0 = time.perf_counter()
                 ucp_save(sd, path, threads)
-                out["save"].append(time.perf_counter() - t0)
             else:
-                t0 = time.perf_counter()
                 raw_write(path, sizes, src, threads)
-                out["raw_write"].append(time.perf_counter() - t0)
+            out[op].append(time.perf_counter() - t0)
+            out["cpu"][op].append(cpu() - c0)
             evict(path)
             if rep == 0:
                 out["cached"][m] = cached_bytes(path)
             if m == "ucp_zarr":
                 for t in dest.values():
                     t.zero_()
-                t0 = time.perf_counter()
+                c0, t0 = cpu(), time.perf_counter()
                 read = ucp_load(dest, path, threads)
                 out["load"].append(time.perf_counter() - t0)
+                out["cpu"]["load"].append(cpu() - c0)
                 out["bytes_read"].append(read)
                 if rep == 0:
                     bad = [k for k in sd if not bit_equal(sd[k], dest[k])]
@@ -228,9 +234,10 @@ def measure(mib: float, repeat: int, threads: int, work: str, log: Any = print) 
                         raise SystemExit(f"ucp_zarr loaded {bad[:3]} wrong at {mib} MiB")
             else:
                 dst.zero_()
-                t0 = time.perf_counter()
+                c0, t0 = cpu(), time.perf_counter()
                 raw_read(path, sizes, dst, threads)
                 out["raw_read"].append(time.perf_counter() - t0)
+                out["cpu"]["raw_read"].append(cpu() - c0)
             shutil.rmtree(path)
         log(
             f"  {mib:g} MiB repeat {rep + 1}/{repeat}: save {size / MiB / out['save'][-1]:.0f} MiB/s vs raw "
@@ -254,6 +261,7 @@ def summary(r: dict[str, Any]) -> dict[str, float]:
         "load_ratio": statistics.median(load_ratios), "load_ratio_min": min(load_ratios), "load_ratio_max": max(load_ratios),
         "read_amplification": statistics.median(r["bytes_read"]) / r["bytes"],
         "save_ms": 1000 * statistics.median(r["save"]), "raw_write_ms": 1000 * statistics.median(r["raw_write"]),
+        **{f"cpu_{k}": statistics.median(v) for k, v in r.get("cpu", {}).items() if v},
     }
 
 
@@ -288,8 +296,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def table(results: list[dict[str, Any]]) -> str:
     rows = [
         "| state | tensors / objects | save MiB/s | raw write MiB/s | save / raw (min-max) | load MiB/s | raw read MiB/s "
-        "| load / raw (min-max) | bytes read / state |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| load / raw (min-max) | bytes read / state | CPU s: save / raw write / load / raw read |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         s = summary(r)
@@ -297,7 +305,8 @@ def table(results: list[dict[str, Any]]) -> str:
             f"| {r['bytes'] / MiB:.0f} MiB | {r['tensors']} / {r['objects']} | {s['save']:.0f} | {s['raw_write']:.0f} "
             f"| {s['save_ratio']:.2f}x ({s['save_ratio_min']:.2f}-{s['save_ratio_max']:.2f}) | {s['load']:.0f} "
             f"| {s['raw_read']:.0f} | {s['load_ratio']:.2f}x ({s['load_ratio_min']:.2f}-{s['load_ratio_max']:.2f}) "
-            f"| {s['read_amplification']:.3f} |"
+            f"| {s['read_amplification']:.3f} | {s.get('cpu_save', 0):.2f} / {s.get('cpu_raw_write', 0):.2f} / "
+            f"{s.get('cpu_load', 0):.2f} / {s.get('cpu_raw_read', 0):.2f} |"
         )
     return "\n".join(rows)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import os
 import shutil
 import statistics
@@ -42,10 +43,7 @@ from typing import Callable
 
 import numpy as np
 import torch
-
 from pagecache import cached_bytes, evict
-
-import importlib.util
 
 if importlib.util.find_spec("ucp_zarr") is None:  # run from a checkout without PYTHONPATH
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

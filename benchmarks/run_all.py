@@ -1,0 +1,224 @@
+"""Every benchmark of issue 9's measurement half, one command, one table, plots.
+
+    python benchmarks/run_all.py [--quick] [--dir DIR] [--out benchmarks/results]
+
+Runs, each in its own process (fresh memory), with bounded sizes and repeats:
+
+1. ``bench_limits.py``: single-process save/load of 16 MiB ... 1 GiB states against the
+   parallel raw write+fsync and in-place ``preadv`` limits;
+2. ``bench_distributed.py``: 4-process save against the raw 4-process aggregate and DCP
+   (``thread_count`` 1 and 4, the better one compared), reshard load 4 -> 3 against DCP, bytes
+   read per rank;
+3. ``bench_async.py``: the blocking stage of an async save against a host copy, and the
+   training-step slowdown during the background write;
+4. ``bench_codecs.py``: ucp_zarr's codec path against zarr-python (default and zarrs
+   pipelines) and TensorStore; zstd/blosc compression of weights and moments.
+
+Then it prints one markdown table (figure, ours, the peer or limit, the ratio with its
+per-repeat range, the target) and writes ``results.json``, ``table.md`` and the plots
+(``throughput_vs_size.png``, ``peers.png``) into ``--out``. About 15 minutes on a 2-core VM
+(``--quick``: about 5); each step is killed after ``--step-timeout`` seconds (default 1200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def run_step(name: str, args: list[str], out: str, timeout: float) -> Any:
+    """Run ``benchmarks/<name>.py args --json out`` and return its JSON (None if it failed)."""
+    cmd = [sys.executable, os.path.join(HERE, f"{name}.py"), *args, "--json", out]
+    print(f"\n== {' '.join(cmd[1:])}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=HERE, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"!! {name} did not finish in {timeout:.0f} s", flush=True)
+        return None
+    print(f"== {name}: {time.perf_counter() - t0:.0f} s, exit {proc.returncode}", flush=True)
+    if proc.returncode != 0 or not os.path.exists(out):
+        return None
+    with open(out) as f:
+        return json.load(f)
+
+
+def rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
+    """(figure, ours, peer or limit, ratio (range), target, verdict) for every measured target."""
+    sys.path.insert(0, HERE)
+    out: list[tuple[str, str, str, str, str, str]] = []
+
+    def verdict(ok: bool) -> str:
+        return "meets" if ok else "**short**"
+
+    def rng(lo: float, hi: float) -> str:
+        return f"({lo:.2f}-{hi:.2f})"
+
+    if res.get("limits"):
+        from bench_limits import summary
+
+        for r in res["limits"]:
+            s = summary(r)
+            size = f"{r['bytes'] / MiB:.0f} MiB"
+            target = 0.8 if r["bytes"] < 100 * MiB else 0.9
+            out.append((f"save {size}, 1 process", f"{s['save']:.0f} MiB/s", f"raw write+fsync, {r['threads']} threads: "
+                        f"{s['raw_write']:.0f} MiB/s", f"{s['save_ratio']:.2f}x {rng(s['save_ratio_min'], s['save_ratio_max'])}",
+                        f">= {target}x", verdict(s["save_ratio"] >= target)))
+            out.append((f"load {size}, 1 process, cold", f"{s['load']:.0f} MiB/s", f"raw preadv, {r['threads']} threads: "
+                        f"{s['raw_read']:.0f} MiB/s", f"{s['load_ratio']:.2f}x {rng(s['load_ratio_min'], s['load_ratio_max'])}",
+                        ">= 0.9x", verdict(s["load_ratio"] >= 0.9)))
+    if res.get("distributed"):
+        from bench_distributed import summarize
+
+        d = res["distributed"]
+        s = summarize(d["bytes"], d["runs"], d["own"])
+        g = s["gibs"]
+        size = f"{d['bytes'] / GiB:.2f} GiB"
+        best = "DCP thread_count=4" if s["best_dcp"] == "dcp_t4" else "DCP thread_count=1"
+        out.append((f"save {size}, 4 processes", f"{g['save:ucp_zarr']:.2f} GiB/s", f"raw 4-process aggregate: "
+                    f"{g['save:raw']:.2f} GiB/s", f"{s['save_vs_raw'][0]:.2f}x {rng(*s['save_vs_raw'][1:])}", ">= 0.9x",
+                    verdict(s["save_vs_raw"][0] >= 0.9)))
+        out.append((f"save {size}, 4 processes", f"{g['save:ucp_zarr']:.2f} GiB/s", f"{best} (best of 1, 4): "
+                    f"{g['save:' + s['best_dcp']]:.2f} GiB/s", f"{s['save_vs_dcp'][0]:.2f}x {rng(*s['save_vs_dcp'][1:])}",
+                    ">= 1.5x", verdict(s["save_vs_dcp"][0] >= 1.5)))
+        out.append((f"reshard load 4 -> 3, {size}, cold", f"{g['load:ucp_zarr']:.2f} GiB/s", f"DCP: {g['load:dcp']:.2f} GiB/s",
+                    f"{s['load_vs_dcp'][0]:.2f}x {rng(*s['load_vs_dcp'][1:])}", ">= 1.5x", verdict(s["load_vs_dcp"][0] >= 1.5)))
+        out.append(("reshard load: bytes read per rank / its slice", f"{s['read_per_need']:.3f}x (worst rank)", "", "",
+                    "<= 1.1x", verdict(s["read_per_need"] <= 1.1)))
+    if res.get("async"):
+        from bench_async import summary
+
+        s = summary(res["async"])
+        out.append((f"async save, blocking stage ({res['async']['bytes'] / MiB:.0f} MiB)", f"{s['blocking_ms']:.0f} ms",
+                    f"clone of the state: {s['clone_ms']:.0f} ms", f"{s['blocking_vs_clone']:.2f}x", "<= 1.2x",
+                    verdict(s["blocking_vs_clone"] <= 1.2)))
+        out.append(("training step during the background write", f"{s['slowdown']:.2f}x the step before",
+                    f"step {s['step_ms']:.0f} ms, write {s['background_ms']:.0f} ms",
+                    f"{s['slowdown']:.2f}x {rng(s['slowdown_min'], s['slowdown_max'])}", "<= 1.10x",
+                    verdict(s["slowdown"] <= 1.10)))
+    lib = (res.get("codecs") or {}).get("libraries")
+    if lib:
+        import statistics
+
+        size = lib["bytes"] / MiB
+        for m in lib["write"]:
+            if m == "ucp_zarr":
+                continue
+            for op in ("write", "read"):
+                rs = [b / a for a, b in zip(lib[op]["ucp_zarr"], lib[op][m])]
+                med = statistics.median(rs)
+                out.append((f"codec path, {op} {size:.0f} MiB", f"{size / statistics.median(lib[op]['ucp_zarr']):.0f} MiB/s",
+                            f"{m}: {size / statistics.median(lib[op][m]):.0f} MiB/s", f"{med:.2f}x {rng(min(rs), max(rs))}",
+                            "library within 10% -> use it", "ours stays" if med > 1.1 else "**use the library**"))
+    return out
+
+
+def table(res: dict[str, Any]) -> str:
+    lines = ["| figure | ucp_zarr | peer or limit | ratio (per-repeat range) | target | |", "|---|---:|---|---:|---|---|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows(res)]
+    comp = (res.get("codecs") or {}).get("compression")
+    if comp:
+        sys.path.insert(0, HERE)
+        from bench_codecs import compression_table
+
+        lines += ["", "Compression (one core, 4 MiB chunks):", "", compression_table(comp)]
+    return "\n".join(lines)
+
+
+def plots(res: dict[str, Any], out: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sys.path.insert(0, HERE)
+    made = []
+    if res.get("limits"):
+        from bench_limits import summary
+
+        sizes = [r["bytes"] / MiB for r in res["limits"]]
+        ss = [summary(r) for r in res["limits"]]
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for key, label, style in (("save", "ucp_zarr save", "o-"), ("raw_write", "raw write+fsync (limit)", "o--"),
+                                  ("load", "ucp_zarr load (cold)", "s-"), ("raw_read", "raw preadv (limit)", "s--")):
+            ax.plot(sizes, [s[key] for s in ss], style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("state size, MiB")
+        ax.set_ylabel("MiB/s (median)")
+        ax.set_title("Single process, 4 I/O threads: ucp_zarr against the disk's limits")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        path = os.path.join(out, "throughput_vs_size.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    bars: list[tuple[str, float]] = []
+    if res.get("distributed"):
+        from bench_distributed import summarize
+
+        d = res["distributed"]
+        g = summarize(d["bytes"], d["runs"], d["own"])["gibs"]
+        bars += [("save ucp_zarr", g["save:ucp_zarr"]), ("save raw", g["save:raw"]), ("save DCP t=1", g["save:dcp"]),
+                 ("save DCP t=4", g["save:dcp_t4"]), ("load ucp_zarr", g["load:ucp_zarr"]), ("load DCP", g["load:dcp"])]
+    if bars:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.bar([b[0] for b in bars], [b[1] for b in bars], color=["C0", "C7", "C1", "C1", "C0", "C1"][: len(bars)])
+        ax.set_ylabel("GiB/s (median, max over ranks)")
+        ax.set_title(f"4-process save, 4 -> 3 reshard load, {res['distributed']['bytes'] / GiB:.2f} GiB")
+        plt.setp(ax.get_xticklabels(), rotation=20)
+        path = os.path.join(out, "peers.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (about 5 minutes)")
+    ap.add_argument("--dir", default="/work/bench_tmp", help="scratch directory (default /work/bench_tmp)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="where results and plots go")
+    ap.add_argument("--only", default="limits,distributed,async,codecs", help="comma-separated subset")
+    ap.add_argument("--step-timeout", type=float, default=1200)
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    q = args.quick
+    steps = {
+        "limits": ("bench_limits", ["--sizes", "16,64,256" if q else "16,64,256,1024", "--repeat", "3" if q else "5"]),
+        "distributed": ("bench_distributed", ["--gib", "0.5" if q else "1.0", "--repeat", "2" if q else "3"]),
+        "async": ("bench_async", ["--repeat", "2" if q else "3"]),
+        "codecs": ("bench_codecs", ["--mib", "256" if q else "1024", "--repeat", "2" if q else "3"]),
+    }
+    res: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    for key in [k.strip() for k in args.only.split(",") if k.strip()]:
+        name, extra = steps[key]
+        got = run_step(name, [*extra, "--dir", args.dir], os.path.join(args.out, f"{key}.json"), args.step_timeout)
+        res[key] = got["single"] if key == "limits" and isinstance(got, dict) and "single" in got else got
+    text = table(res)
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    header = f"Run {stamp}, {time.perf_counter() - t0:.0f} s, {os.cpu_count()} CPUs, load average at the end {load}."
+    print("\n" + header + "\n\n" + text)
+    with open(os.path.join(args.out, "table.md"), "w") as f:
+        f.write(header + "\n\n" + text + "\n")
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(res, f)
+    for p in plots(res, args.out):
+        print(f"wrote {p}")
+
+
+if __name__ == "__main__":
+    main()
