@@ -207,6 +207,7 @@ def _fragments(rank: int, world: int) -> dict[str, Any]:
         "cols": ucp_zarr.Shard(w[:, cols[rank] : cols[rank + 1]].clone(), COLS, (0, cols[rank])),
         "flat": ucp_zarr.FlatShard(f.reshape(-1)[lo:hi].clone(), FLAT, lo),
         "rep": torch.arange(12.0),
+        "rng": ucp_zarr.PerRank(torch.tensor([rank, 7])),
     }
 
 
@@ -259,6 +260,34 @@ def test_rank_picture_of_flat_ranges_covers_the_tensor(multirank: ucp_zarr.Check
     for rank in range(WORLD):
         share = (n * (rank + 1) // WORLD - n * rank // WORLD) / n
         assert sum(r[3] * r[4] for r in rects if r[0] == rank) == pytest.approx(share * w * h, rel=1e-3)
+
+
+def test_per_rank_state(multirank: ucp_zarr.Checkpoint) -> None:
+    html = multirank["rng"]._repr_html_()
+    assert f"one copy per saving rank ({', '.join(map(str, range(WORLD)))}); shown: rank 0's" in html
+    tree = multirank._repr_html_()
+    assert "per rank \u00d73" in tree and "per-rank state</td><td>1 tensor, 0 values" in tree
+
+
+def test_facts_of_a_signed_converted_rules_checkpoint() -> None:
+    """Layout, rules, signature and per-rank values as the facts table shows them (drawn from
+    an index alone: nothing is read)."""
+    rules = {"params": [{"kind": "fused", "patterns": ["qkv"], "sizes": [8, 8, 8]}, {"kind": "replicated", "patterns": ["norm"]}]}
+    meta = CheckpointMeta(
+        {"model.qkv": TensorEntry("qkv/model", (24, 8), "bfloat16", "sha256:" + "0" * 64, rule={"kind": "fused", "sizes": [8, 8, 8]})},
+        {"step": 12}, "2026-01-01T00:00:00+00:00", "ucp_zarr 0.2.0", "0" * 32, world_size=8,
+        layout={"rules": rules, "source": {"format": "deepspeed", "zero_stage": 2}}, rank_values={"seed": {0: 1, 1: 2}},
+        signature={"alg": "HMAC-SHA256", "value": "00"},
+    )
+    ck = Checkpoint(open_store(f"memory://nb-{uuid.uuid4().hex[:8]}/facts"), meta)
+    dom = Dom(notebook.checkpoint_html(ck, max_rows=0))
+    facts = {tr_td[0]["text"]: tr_td[1]["text"] for tr_td in (
+        dom.inside(tr, "td") for tr in dom.find("tr")) if len(tr_td) == 2 and tr_td[0]["text"] in (
+        "step", "saved by", "signed", "rules", "source", "per-rank state", "tensors")}
+    assert facts["step"] == "12" and facts["saved by"] == "8 ranks" and facts["signed"] == "yes (HMAC-SHA256)"
+    assert facts["rules"].startswith("2 parameter rules (ck.rules)") and '"fused"' in facts["rules"]
+    assert facts["source"] == '{"format": "deepspeed", "zero_stage": 2}'
+    assert facts["per-rank state"] == "0 tensors, 1 value" and facts["tensors"] == "1, 384 B"
 
 
 def _shape_text(shape: tuple[int, ...]) -> str:

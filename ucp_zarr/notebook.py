@@ -75,6 +75,11 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
 
 
+def _n(count: int, noun: str) -> str:
+    """``3, "rank"`` -> ``"3 ranks"``."""
+    return f"{count:,} {noun}{'s' * (count != 1)}"
+
+
 def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
@@ -161,7 +166,7 @@ def _grid_text(meta: "ArrayMeta") -> str:
     chunks = math.prod(g.chunks_per_shard)
     shards = math.prod(g.shard_counts)
     return (f"chunks {_x(g.chunk_shape)}, shards {_x(g.shard_shape)} "
-            f"<span class='dim'>({shards} shard{'s' * (shards != 1)} \u00d7 {chunks} chunk{'s' * (chunks != 1)})</span>")
+            f"<span class='dim'>({_n(shards, 'shard')} \u00d7 {_n(chunks, 'chunk')})</span>")
 
 
 class _Budget:
@@ -188,7 +193,7 @@ def _array_rows(ck: "Checkpoint", arrays: list[tuple[str, str, "TensorEntry"]]) 
 
 
 def _node_html(ck: "Checkpoint", node: _Node, budget: _Budget, opened: bool) -> str:
-    totals = f"{node.count} tensor{'s' * (node.count != 1)}, {human_bytes(node.nbytes)}"
+    totals = f"{_n(node.count, 'tensor')}, {human_bytes(node.nbytes)}"
     if not node.group:
         summary = f"<summary><b>{_e(node.name)}</b> <span class='dim'>{totals}</span></summary>"
         inner = _children_html(ck, list(node.children.values()), budget, False)
@@ -227,7 +232,7 @@ def _facts_html(ck: "Checkpoint", nbytes: int) -> str:
     facts: list[tuple[str, str]] = [
         ("step", _e(repr(md["step"]))),
         ("tensors", f"{len(meta.tensors):,}, {human_bytes(nbytes)}"),
-        ("saved by", f"{meta.world_size} rank{'s' * (meta.world_size != 1)}"),
+        ("saved by", _n(meta.world_size, "rank")),
         ("created", _e(meta.created)),
         ("library", _e(meta.library)),
         ("signed", "yes (HMAC-SHA256)" if meta.authenticated else "no"),
@@ -239,12 +244,12 @@ def _facts_html(ck: "Checkpoint", nbytes: int) -> str:
         if name == "rules" and isinstance(value, dict):
             n = len(value.get("params", []))
             text = _e(_short(value, 4000))
-            facts.append(("rules", f"<details><summary>{n} parameter rule{'s' * (n != 1)}"
+            facts.append(("rules", f"<details><summary>{_n(n, 'parameter rule')}"
                                    f" (<code>ck.rules</code>)</summary><code>{text}</code></details>"))
         else:
             facts.append((_e(name), f"<code>{_e(_short(value))}</code>"))
     if md["per_rank_tensors"] or md["rank_values"]:
-        facts.append(("per-rank state", f"{len(md['per_rank_tensors'])} tensors, {len(md['rank_values'])} values"))
+        facts.append(("per-rank state", f"{_n(len(md['per_rank_tensors']), 'tensor')}, {_n(len(md['rank_values']), 'value')}"))
     values = md["values"]
     if values:
         rows = "".join(f"<tr><td><code>{_e(k)}</code></td><td><code>{_e(_short(v))}</code></td></tr>"
@@ -383,7 +388,7 @@ def tensor_html(view: "TensorView", stats: "TensorStats | None" = None) -> str:
         ("chunks", f"{_x(g.chunk_shape)} <span class='dim'>({math.prod(g.chunks_per_shard)} per shard)</span>"),
         ("shards", f"{_x(g.shard_shape)} <span class='dim'>(grid {_x(g.shard_counts)} = "
                    f"{math.prod(g.shard_counts)} objects)</span>"),
-        ("regions", f"{len(meta.regions)} held by the {ck.meta.world_size} saving rank{'s' * (ck.meta.world_size != 1)}"),
+        ("regions", f"{len(meta.regions)} held by {_n(ck.meta.world_size, 'saving rank')}"),
     ]
     if entry.ranks is not None:
         copies = _ranks_text(list(entry.ranks))
@@ -461,7 +466,7 @@ def diff_html(diff: "CheckpointDiff", *, max_rows: int = MAX_DIFF_ROWS) -> str:
             f"<td><code>{_e(_short(v.b))}</code></td></tr>"
             for v in diff.values[:max_rows]
         )
-        values = (f"<div><b>{len(diff.values)} non-tensor value{'s' * (len(diff.values) != 1)} differ</b></div>"
+        values = (f"<div><b>{_n(len(diff.values), 'non-tensor value')} differ</b></div>"
                   f"<table class='values'><tr><th>key</th><th>A</th><th>B</th></tr>{cells}</table>")
     title = f"<div>{verdict}: <code>{_e(diff.a)}</code> vs <code>{_e(diff.b)}</code>, {len(rows)} tensors ({_e(summary)})</div>"
     return f"{_STYLE}<div class='ucpz'>{title}<table class='diff'>{head}{''.join(body)}</table>{more}{values}</div>"
