@@ -738,7 +738,7 @@ def test_zero_flat_4_to_tp2(root, saved4, loaded2):
     _expect_ok(root, saved4, "save.zero", 4)
     _expect_ok(root, loaded2, "load2.zero", 2)
     meta = ucp_zarr.open(root / "ck_zero").array_meta("optim.state.big.weight.master")
-    assert meta.grid.shard_counts[0] > 1  # chunk-sized shards, cut by the partitions
+    assert meta.grid.shard_counts[0] > 1  # shards about one partition each, cut by the partitions
 
 
 def test_manual_tp4_to_one_process(root, saved4):
@@ -788,7 +788,7 @@ def test_each_object_is_written_by_exactly_one_rank(root, saved4):
     files = _files(path)
     # every stored file, except the commit record, was reported by exactly one rank
     assert files - {"zarr.json"} <= union, sorted(files - union)
-    assert len(files) > 20
+    assert len(files) > 12
 
     ck = ucp_zarr.open(path)
     # the flat partitions cut the chunk grid: some shards hold elements of two ranks, and

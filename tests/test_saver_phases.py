@@ -61,6 +61,9 @@ class ThreadComm(Comm):
     def broadcast(self, obj: Any) -> Any:
         return self.all_gather(obj)[0]
 
+    def scatter(self, parts: list[Any] | None) -> Any:
+        return self.all_gather(parts)[0][self.rank]
+
     def exchange(self, sends: dict[int, torch.Tensor], recv_sizes: dict[int, int]) -> dict[int, torch.Tensor]:
         w = self._w
         w.barrier.wait()
@@ -169,6 +172,7 @@ def test_a_failure_on_one_rank_in_any_phase_fails_every_rank(tmp_path, monkeypat
 
 
 def test_exchange_sizes_are_checked_against_the_plan_before_any_transfer():
+    from ucp_zarr.exchange import Exchange
     from ucp_zarr.layout.flat import flat_range_boxes
     from ucp_zarr.planner import FragmentInfo, plan_save
 
@@ -176,11 +180,18 @@ def test_exchange_sizes_are_checked_against_the_plan_before_any_transfer():
     plan = plan_save(infos, chunk_bytes=2048)
     sizes = planned_sizes(plan)
     assert sizes  # this layout moves boundary pieces
-    announced: list[dict[int, int]] = [{} for _ in range(3)]
-    for (src, dst), n in sizes.items():
-        announced[src][dst] = n
-    check_sizes(plan, announced)
     (src, dst), n = next(iter(sizes.items()))
-    announced[src][dst] = n + 64
-    with pytest.raises(LayoutError, match="boundary exchange mismatch"):
-        check_sizes(plan, announced)
+    for rank, part in enumerate(plan.split(3)):
+        mine = {k: v for k, v in planned_sizes(part).items() if rank in k}
+        assert mine == {k: v for k, v in sizes.items() if rank in k}  # each rank's part knows its pairs
+    part = plan.split(3)[src]
+    built = Exchange(sends={d: torch.zeros(m, dtype=torch.uint8) for (s_, d), m in sizes.items() if s_ == src})
+    built.expect = {}
+    for n_, task in part.numbered():  # what the rank expects to receive, as build_exchange would
+        for i, (s_, box) in enumerate(task.sources):
+            if task.writer == src and s_ != src:
+                built.expect.setdefault(s_, []).append(((n_, i), box, part.arrays[task.key][1]))
+    check_sizes(part, src, built)
+    built.sends[dst] = torch.zeros(n + 64, dtype=torch.uint8)
+    with pytest.raises(LayoutError, match="boundary exchange mismatch on rank"):
+        check_sizes(part, src, built)

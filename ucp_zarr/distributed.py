@@ -12,7 +12,7 @@ blocked in the next collective until the process group times out.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,35 @@ class Comm:
         box = [obj]
         dist.broadcast_object_list(box, src=self._global(0), group=self.group)
         return box[0]
+
+    def scatter(self, parts: list[Any] | None) -> Any:
+        """Rank 0's ``parts[r]`` on each rank ``r`` (``parts`` is only read on rank 0)."""
+        if not self.active:
+            assert parts is not None
+            return parts[0]
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, parts if self.rank == 0 else None, src=self._global(0), group=self.group)
+        return out[0]
+
+    def coordinate(self, error: BaseException | None, what: str, payload: Any, plan: Callable[[list[Any]], list[Any]]) -> Any:
+        """Gather ``(error, payload)`` on rank 0, which (when no rank failed) runs ``plan``
+        on every rank's payload and sends each rank ``r`` its part ``plan(...)[r]``. Only
+        rank 0 receives every payload; any failure (``plan``'s too) is raised on every rank,
+        as :meth:`agree` does."""
+        gathered = self.gather((describe(error), payload))
+        parts: list[Any] | None = None
+        if gathered is not None:
+            failures = {r: e for r, (e, _) in enumerate(gathered) if e is not None}
+            if not failures:
+                try:
+                    parts = [(None, p) for p in plan([p for _, p in gathered])]
+                except BaseException as e:
+                    error, failures = e, {0: describe(e)}  # type: ignore[dict-item]
+            if failures:
+                parts = [(failures, None)] * self.world
+        failures, part = self.scatter(parts)
+        raise_failures(self, failures or {}, error, what)
+        return part
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank

@@ -124,7 +124,7 @@ def agreed_error(message: str, failures: dict[int, tuple[str, str]]) -> SaveErro
     failed a collective step: a :class:`SaveError`, which is also an instance of the
     failing ranks' error class when they all failed with the same ucp_zarr error."""
     names = {name for name, _ in failures.values()}
-    cls = globals().get(names.pop()) if len(names) == 1 else None
+    cls = _error_class(names.pop()) if len(names) == 1 else None
     if not (isinstance(cls, type) and issubclass(cls, CheckpointError)) or cls in (SaveError, KeyMismatchError, PerRankStateError):
         return SaveError(message, {r: f"{n}: {m}" for r, (n, m) in failures.items()})
     if cls not in _AGREED:
@@ -133,3 +133,15 @@ def agreed_error(message: str, failures: dict[int, tuple[str, str]]) -> SaveErro
         attrs = {"__module__": __name__, "__qualname__": name, "__doc__": cls.__doc__}
         _AGREED[cls] = globals()[name] = type(name, (cls, SaveError), attrs)
     return _AGREED[cls](message, {r: f"{n}: {m}" for r, (n, m) in failures.items()})
+
+
+def _error_class(name: str) -> type | None:
+    """The ucp_zarr error class of that name (defined here or elsewhere, such as
+    ``RuleError``), or None."""
+    todo = [CheckpointError]
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ == name and not cls.__name__.startswith("Agreed"):
+            return cls
+        todo += cls.__subclasses__()
+    return None

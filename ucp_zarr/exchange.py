@@ -4,8 +4,9 @@ Where fragments cut chunks (ZeRO's flat ranges cutting rows), the planner gives 
 shard one writer, and the other holders send it their pieces (each under one chunk). The
 pieces for one peer travel as one byte buffer, each at a 64-byte aligned offset so that it
 can be viewed in its dtype. Building the buffers is fallible per rank (it copies), so it
-happens inside an agreed phase, and every rank checks that what its peers announce to send
-is exactly what the plan implies before any point-to-point transfer starts.
+happens inside an agreed phase, in which every rank also checks that what it built to send
+and expects to receive is exactly what its part of the plan implies, before any
+point-to-point transfer starts.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ class Exchange:
 
 
 def planned_sizes(plan: SavePlan) -> dict[tuple[int, int], int]:
-    """Bytes each rank sends each other rank, by ``(source, destination)``: what the plan
-    implies, the same on every rank."""
+    """Bytes each rank sends each other rank, by ``(source, destination)``, as the plan (or
+    a rank's part of it) implies."""
     sizes: dict[tuple[int, int], int] = {}
     for task in plan.shards:
         meta = plan.arrays[task.key][1]
@@ -66,22 +67,27 @@ def planned_sizes(plan: SavePlan) -> dict[tuple[int, int], int]:
     return sizes
 
 
-def check_sizes(plan: SavePlan, announced: list[dict[int, int]]) -> None:
-    """``announced[src]`` is what rank ``src`` built to send to each destination; it must be
-    exactly what the plan implies, or the transfers would block or corrupt. Every rank
-    checks the same data, so every rank raises the same error."""
-    got = {(src, dst): n for src, sizes in enumerate(announced) for dst, n in sizes.items() if n}
-    want = {pair: n for pair, n in planned_sizes(plan).items() if n}
-    if got != want:
-        bad = sorted(set(got.items()) ^ set(want.items()))
-        raise LayoutError(f"boundary exchange mismatch: announced {got}, planned {want} (first difference: {bad[0]})")
+def check_sizes(plan: SavePlan, rank: int, exchange: "Exchange") -> None:
+    """What this rank built to send and expects to receive must be exactly what its part of
+    the plan implies, or the transfers would block or corrupt. (Every rank's part comes from
+    one coordinator, so what a rank sends is what its peer expects.)"""
+    planned = planned_sizes(plan)
+    want_send = {dst: n for (src, dst), n in planned.items() if src == rank and n}
+    want_recv = {src: n for (src, dst), n in planned.items() if dst == rank and n}
+    got_send = {d: n for d, n in exchange.send_sizes().items() if n}
+    got_recv = {s: n for s, n in exchange.recv_sizes().items() if n}
+    if (got_send, got_recv) != (want_send, want_recv):
+        raise LayoutError(
+            f"boundary exchange mismatch on rank {rank}: built sends {got_send} and receives {got_recv}, "
+            f"planned sends {want_send} and receives {want_recv}"
+        )
 
 
 def build_exchange(plan: SavePlan, rank: int, staging: Staging) -> Exchange:
     """The pieces this rank sends (copied into one buffer per destination) and receives."""
     parts: dict[int, list[torch.Tensor]] = {}
     ex = Exchange()
-    for n, task in enumerate(plan.shards):
+    for n, task in plan.numbered():
         meta = plan.arrays[task.key][1]
         for i, (src, box) in enumerate(task.sources):
             if src == task.writer:

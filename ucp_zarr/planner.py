@@ -24,7 +24,7 @@ import torch
 
 from .dtypes import stored_dtype
 from .errors import LayoutError
-from .format import ArrayMeta, Region, dimension_names
+from .format import METADATA_FILE, ArrayMeta, Region, dimension_names
 from .layout import Box, ChunkGrid, choose_grid
 from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES, MIN_ALIGNED_CHUNK_BYTES
 from .statedict import assign_array_paths
@@ -80,10 +80,38 @@ class SavePlan:
     """zarr.json path -> the rank that writes it."""
     meanings: dict[str, str] = field(default_factory=dict)
     """key -> what its consolidated tensor is, for tensors placed by rules (canonical JSON)."""
+    groups: list[str] = field(default_factory=list)
+    """The Zarr groups (one per parameter)."""
+    numbers: list[int] | None = None
+    """In a rank's part of a plan (:meth:`for_rank`): the plan-wide number of each task."""
 
-    @property
-    def groups(self) -> list[str]:
-        return sorted({path.split("/")[0] for path, _ in self.arrays.values()})
+    def numbered(self) -> list[tuple[int, ShardTask]]:
+        """``(number, task)`` of every task here, numbered as in the whole plan."""
+        return list(zip(self.numbers, self.shards)) if self.numbers is not None else list(enumerate(self.shards))
+
+    def split(self, world: int) -> list["SavePlan"]:
+        """Each rank's part of the plan (what a coordinator sends it): the tasks it writes or
+        sends a piece to, the documents it writes, and the arrays of both. One pass."""
+        tasks: list[list[int]] = [[] for _ in range(world)]
+        for n, t in self.numbered():
+            for r in {t.writer, *(src for src, _ in t.sources)}:
+                tasks[r].append(n)
+        docs: list[dict[str, int]] = [{} for _ in range(world)]
+        for path, w in self.doc_writers.items():
+            docs[w][path] = w
+        by_doc = {f"{p}/{METADATA_FILE}": a for a, (p, _) in self.arrays.items()}
+        parts = []
+        for r in range(world):
+            keys = {self.shards[n].key for n in tasks[r]} | {by_doc[d] for d in docs[r] if d in by_doc}
+            parts.append(SavePlan(
+                arrays={k: self.arrays[k] for k in keys},
+                shards=[self.shards[n] for n in tasks[r]],
+                per_rank={},
+                doc_writers=docs[r],
+                groups=[g for g in self.groups if f"{g}/{METADATA_FILE}" in docs[r]],
+                numbers=tasks[r],
+            ))
+        return parts
 
 
 def per_rank_key(key: str, rank: int) -> str:
@@ -127,15 +155,14 @@ def plan_save(
         sd = stored_dtype(getattr(torch, f0.dtype), key=f0.key)
         grid = grid_for_regions(f0.shape, sd.itemsize, regions, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
         writers: dict[Box, set[int]] = defaultdict(set)
-        for idx in grid.all_shards():
-            task = _assign(akey, path, grid, idx, regions, sd.itemsize, loads, writers)
-            shards.append(task)
+        shards += _assign(akey, path, grid, regions, sd.itemsize, loads, writers)
         records = _region_records(held, regions, writers)
         arrays[akey] = (path, ArrayMeta(f0.key, sd, grid, tuple(records), rank=rank))
     arrays = _name_dimensions(arrays)
     doc_writers = _spread_documents(arrays, shards, len(infos))
     meanings = {k: held[0][1].meaning for k, held in by_key.items() if held[0][1].meaning is not None}
-    return SavePlan(arrays, shards, per_rank, doc_writers, meanings)
+    groups = sorted({path.split("/")[0] for path, _ in arrays.values()})
+    return SavePlan(arrays, shards, per_rank, doc_writers, meanings, groups)
 
 
 def _check_consistent(key: str, held: list[tuple[int, FragmentInfo]]) -> None:
@@ -229,8 +256,10 @@ def grid_for_regions(
     * Along each dim the region size is the gcd of the interior region boundaries when that
       gives at most four shards per boundary: then every shard lies in one region.
     * Along a dim where it does not (fragments cutting rows anywhere, as ZeRO's flat ranges
-      do), the dim is treated as whole and every shard is one chunk, so the pieces sent to a
-      boundary shard's writer are smaller than one chunk.
+      do), the dim is treated as whole and shards are about the size of a typical region
+      (:func:`_typical_region_bytes`): each rank writes one or two objects per array, and the
+      parts of a shard held by others (at most half a shard per boundary) are sent to its
+      writer. So the number of objects follows the layout, not the bytes.
     * A region held by several replicas is split into at least as many shards, to spread
       the writing over them.
     """
@@ -239,8 +268,12 @@ def grid_for_regions(
         return choose_grid(shape, itemsize, chunk_bytes=max(chunk_bytes, nbytes), shard_bytes=max(chunk_bytes, nbytes))
     region_shape = list(shape)
     misaligned = False
+    typical = _typical_region_bytes(regions, itemsize)
+    # small pieces (the partial rows between two flat ranges) do not shape the grid: they
+    # are sent to the writer of the shard they fall in
+    major = [b for b in regions if b.numel * itemsize * MINOR_REGION_FACTOR >= typical]
     for d, n in enumerate(shape):
-        cuts = ({b.offset[d] for b in regions} | {b.stop[d] for b in regions}) - {0, n}
+        cuts = ({b.offset[d] for b in major} | {b.stop[d] for b in major}) - {0, n}
         if not cuts:
             continue
         g = math.gcd(*cuts)
@@ -249,11 +282,32 @@ def grid_for_regions(
         else:
             misaligned = True
     if misaligned:
-        return choose_grid(shape, itemsize, region_shape=region_shape, chunk_bytes=chunk_bytes, shard_bytes=chunk_bytes)
+        # shards about the size of a typical region: each rank writes one or two objects
+        # per array, and sends the writer of a shard it shares its piece of that shard
+        return choose_grid(
+            shape, itemsize, region_shape=region_shape, chunk_bytes=chunk_bytes,
+            shard_bytes=max(chunk_bytes, min(shard_bytes, typical)),
+        )
     replicas = max((len(r) for r in regions.values()), default=1)
     if replicas > 1 and nbytes > 4 * chunk_bytes:
         shard_bytes = min(shard_bytes, -(-nbytes // replicas))
     return choose_grid(shape, itemsize, region_shape=region_shape, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
+
+
+MINOR_REGION_FACTOR = 64
+"""A region this many times smaller than a typical one does not shape the grid."""
+
+
+def _typical_region_bytes(regions: dict[Box, list[int]], itemsize: int) -> int:
+    """The bytes of the region holding the median byte: the size of the ranks' main
+    pieces, whatever small pieces (partial rows of flat ranges) lie between them."""
+    sizes = sorted(b.numel for b in regions)
+    half, seen = sum(sizes) / 2, 0
+    for n in sizes:
+        seen += n
+        if seen >= half:
+            return n * itemsize
+    return 0
 
 
 def _region_records(
@@ -282,19 +336,36 @@ def _assign(
     akey: str,
     path: str,
     grid: ChunkGrid,
-    index: tuple[int, ...],
     regions: dict[Box, list[int]],
     itemsize: int,
     loads: list[int],
     writers: dict[Box, set[int]],
+) -> list[ShardTask]:
+    """One writer for every shard of an array: each region is intersected only with the
+    shards it overlaps (found from the grid), so the work is that of the overlaps."""
+    parts: dict[tuple[int, ...], list[tuple[Box, Box, list[int]]]] = defaultdict(list)
+    for b, ranks in regions.items():
+        for idx in grid.shards_overlapping(b):
+            inter = b.intersect(grid.shard_box(idx))
+            assert inter is not None
+            parts[idx].append((b, inter, ranks))
+    return [_writer(akey, path, grid, idx, parts[idx], itemsize, loads, writers) for idx in grid.all_shards()]
+
+
+def _writer(
+    akey: str,
+    path: str,
+    grid: ChunkGrid,
+    index: tuple[int, ...],
+    parts: list[tuple[Box, Box, list[int]]],
+    itemsize: int,
+    loads: list[int],
+    writers: dict[Box, set[int]],
 ) -> ShardTask:
+    """The task of one shard: a rank holding it whole (the least loaded), or else the rank
+    holding most of it, to which the other holders send their pieces."""
     sbox = grid.shard_box(index)
     nbytes = sbox.numel * itemsize
-    parts = []
-    for b, ranks in regions.items():
-        inter = b.intersect(sbox)
-        if inter is not None and not inter.is_empty():
-            parts.append((b, inter, ranks))
     if len(parts) == 1 and parts[0][1] == sbox:
         writer = min(parts[0][2], key=lambda r: (loads[r], r))
         loads[writer] += nbytes
@@ -306,7 +377,7 @@ def _assign(
             held[r] += inter.numel
     writer = min(held, key=lambda r: (-held[r], loads[r], r))
     sources = []
-    for b, inter, ranks in parts:
+    for b, inter, ranks in sorted(parts, key=lambda p: p[1].offset):
         writers[b].add(writer)
         src = writer if writer in ranks else min(ranks, key=lambda r: (loads[r], r))
         sources.append((src, inter))

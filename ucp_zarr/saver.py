@@ -255,8 +255,8 @@ class PreparedSave:
                 buf[box.relative_to(sbox).slices()] = part.reshape(box.shape)
             return write_shard(self.target, path, meta, task.shard, buf, sbox, seal)
 
-        docs = [(k, d) for k, d in documents(plan) if plan.doc_writers[k] == rank]
-        tasks = [(n, t) for n, t in enumerate(plan.shards) if t.writer == rank]
+        docs = [(k, d) for k, d in documents(plan) if plan.doc_writers.get(k) == rank]
+        tasks = [(n, t) for n, t in plan.numbered() if t.writer == rank]
         with ThreadPoolExecutor(self.options.max_workers) as pool:
             doc_jobs = [pool.submit(write_doc, k, d) for k, d in docs]
             jobs = {n: pool.submit(write_task, n, t) for n, t in tasks}
@@ -349,18 +349,27 @@ def _agreed_rules(per_rank: list[tuple[dict[str, Any] | None, frozenset[str]]]) 
     return first
 
 
-def _average(fragments: dict[str, Fragment], per_rank: list[dict[str, torch.Tensor]]) -> None:
-    """Replace each averaged fragment's tensor by the mean over the ranks that hold it
-    (accumulated in float64 in rank order: the same bits on every rank)."""
-    for key, frag in fragments.items():
-        if not frag.average or not frag.pieces:
-            continue
-        copies = [d[key] for d in per_rank if key in d]
-        total = torch.zeros(copies[0].shape, dtype=torch.float64)
-        for t in copies:
+def _means(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The mean of each averaged tensor over the ranks that hold it (accumulated in
+    float64 in rank order)."""
+    copies: dict[str, list[torch.Tensor]] = {}
+    for d in per_rank:
+        for key, t in d.items():
+            copies.setdefault(key, []).append(t)
+    out: dict[str, torch.Tensor] = {}
+    for key, ts in copies.items():
+        total = torch.zeros(ts[0].shape, dtype=torch.float64)
+        for t in ts:
             total += t.to(torch.float64)
-        box, _ = frag.pieces[0]
-        frag.pieces[0] = (box, (total / len(copies)).to(frag.dtype))
+        out[key] = (total / len(ts)).to(ts[0].dtype)
+    return out
+
+
+def _set_means(fragments: dict[str, Fragment], means: dict[str, torch.Tensor]) -> None:
+    """Replace each averaged fragment's tensor by its mean over the ranks."""
+    for key, mean in means.items():
+        box, _ = fragments[key].pieces[0]
+        fragments[key].pieces[0] = (box, mean)
 
 
 def _infos(fragments: dict[str, Fragment], aliases: dict[str, str]) -> list[FragmentInfo]:
@@ -454,16 +463,29 @@ def prepare(
         averaged = {k: f.pieces[0][1].detach().cpu() for k, f in col.fragments.items() if f.average and f.pieces}
     except BaseException as e:
         error = e
-    gathered = comm.agree(
-        error, "preparing the save", (infos, col.values, col.per_rank_values, col.rules, col.used, averaged)
-    )
+    # 2. plan on one coordinator (rank 0): it receives every rank's fragment list, plans,
+    # and sends each rank its part (a layout error is raised by all)
+    coordinator: dict[str, Any] = {}
 
-    # 2. plan (the same on every rank: a layout error is raised by all) and claim
-    rules = _agreed_rules([(g[3], g[4]) for g in gathered])
-    _average(col.fragments, [g[5] for g in gathered])
-    plan = plan_save([g[0] for g in gathered], chunk_bytes=options.chunk_bytes, shard_bytes=options.shard_bytes)
-    values = _merge_values([(g[1], g[2]) for g in gathered])
-    order = [f.key for g in gathered for f in g[0]]
+    def plan_all(payloads: list[Any]) -> list[Any]:
+        rules = _agreed_rules([(g[3], g[4]) for g in payloads])
+        means = _means([g[5] for g in payloads])
+        plan = plan_save([g[0] for g in payloads], chunk_bytes=options.chunk_bytes, shard_bytes=options.shard_bytes)
+        coordinator.update(
+            plan=plan,
+            values=_merge_values([(g[1], g[2]) for g in payloads]),
+            order=[f.key for g in payloads for f in g[0]],
+            layout={} if rules is None else {"rules": rules},
+        )
+        parts = [(part, {k: means[k] for k in g[5]}) for part, g in zip(plan.split(len(payloads)), payloads)]
+        parts[0] = (plan, parts[0][1])  # the coordinator writes the commit record from the whole plan
+        return parts
+
+    plan, means = comm.coordinate(
+        error, "preparing the save", (infos, col.values, col.per_rank_values, col.rules, col.used, averaged), plan_all
+    )
+    _set_means(col.fragments, means)
+    values, order, layout = coordinator.get("values", ({}, {})), coordinator.get("order", []), coordinator.get("layout", {})
     txn: Transaction | None = None
     error = None
     if comm.rank == 0:
@@ -487,15 +509,14 @@ def prepare(
     try:
         staging = Staging(plan, col.fragments, comm.rank, copy)
         exchange = build_exchange(plan, comm.rank, staging)
+        check_sizes(plan, comm.rank, exchange)
     except BaseException as e:
         error = e
     try:
-        announced = comm.agree(error, "staging the save", exchange.send_sizes())
-        check_sizes(plan, announced)
+        comm.agree(error, "staging the save")
     except BaseException:
         if txn is not None:
             txn.abort()
         raise
     assert staging is not None
-    layout = {} if rules is None else {"rules": rules}
     return PreparedSave(store, comm, options, plan, txn, save_id, staged, staging, exchange, values, order, layout)

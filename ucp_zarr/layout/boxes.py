@@ -6,8 +6,10 @@ pure and I/O-free.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator, Sequence
 
 
@@ -21,7 +23,7 @@ class Box:
     def __post_init__(self) -> None:
         if len(self.offset) != len(self.shape):
             raise ValueError(f"offset {self.offset} and shape {self.shape} differ in rank")
-        if any(s < 0 for s in self.shape) or any(o < 0 for o in self.offset):
+        if min(self.shape, default=0) < 0 or min(self.offset, default=0) < 0:
             raise ValueError(f"negative offset or shape in {self}")
 
     @classmethod
@@ -32,11 +34,11 @@ class Box:
     def ndim(self) -> int:
         return len(self.shape)
 
-    @property
+    @cached_property
     def stop(self) -> tuple[int, ...]:
         return tuple(o + s for o, s in zip(self.offset, self.shape))
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -45,11 +47,15 @@ class Box:
 
     def intersect(self, other: "Box") -> "Box | None":
         """The common part of two boxes, or None when they share no element."""
-        lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset))
-        hi = tuple(min(a, b) for a, b in zip(self.stop, other.stop))
-        if any(h <= l for l, h in zip(lo, hi)) and self.ndim:
-            return None
-        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+        lo: list[int] = []
+        size: list[int] = []
+        for a, b, c, d in zip(self.offset, other.offset, self.stop, other.stop):
+            low, high = (a if a > b else b), (c if c < d else d)
+            if high <= low:
+                return None
+            lo.append(low)
+            size.append(high - low)
+        return Box(tuple(lo), tuple(size))
 
     def contains(self, other: "Box") -> bool:
         return all(a <= b for a, b in zip(self.offset, other.offset)) and all(
@@ -66,17 +72,4 @@ class Box:
 
 def grid_indices(counts: Sequence[int]) -> Iterator[tuple[int, ...]]:
     """All index tuples of a grid with ``counts`` cells per dim, in C (row-major) order."""
-    if any(c == 0 for c in counts):
-        return
-    idx = [0] * len(counts)
-    while True:
-        yield tuple(idx)
-        d = len(counts) - 1
-        while d >= 0:
-            idx[d] += 1
-            if idx[d] < counts[d]:
-                break
-            idx[d] = 0
-            d -= 1
-        if d < 0:
-            return
+    return itertools.product(*(range(c) for c in counts))
