@@ -390,3 +390,9 @@ def test_lazy_package_names() -> None:
     assert ucp_zarr.diff is I.diff and "diff" in dir(ucp_zarr)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         ucp_zarr.nope  # noqa: B018
+
+
+def test_empty_selections_are_ordinary_tensors(ck: ucp_zarr.Checkpoint) -> None:
+    for t in (ck["model.empty"][...], ck["model.empty"][1:, ::2], ck["model.w"][5:5], ck["model.bf"][:, 30:]):
+        assert t.numel() == 0 and t.stride() == torch.empty(t.shape).stride()
+        assert t.contiguous().reshape(-1).view(torch.uint8).numel() == 0  # (a zero stride refuses this view)

@@ -363,6 +363,8 @@ class TensorView:
         import torch
 
         raw = self.checkpoint.select_numpy(self.key, index)
+        if raw.size == 0:  # (numpy gives empty arrays zero strides; torch's own are the usual ones)
+            return torch.empty(raw.shape, dtype=self.dtype)
         if any(s < 0 for s in raw.strides):  # (flipped dims; a copy has positive strides even where a dim is 1 long)
             raw = raw.copy(order="C")
         t = torch.from_numpy(raw)
