@@ -3,7 +3,7 @@
 The HTML is parsed (html.parser) and checked for what a reader sees: the tree with each
 parameter's moments in its group, escaped keys and values, the picture of which rank wrote
 which region of a multi-rank save, the diff table; the plots are checked against numbers
-computed here with torch; rendering over S3 reads metadata documents only."""
+computed here with torch; rendering over S3 fetches nothing beyond what open() read."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ matplotlib.use("Agg")
 class Dom(HTMLParser):
     """A tiny DOM: every element as (tag, attrs, parent index), with the text inside it."""
 
-    VOID = {"br", "img", "hr", "meta", "input", "line", "rect", "path"}
+    VOID = {"br", "img", "hr", "meta", "input"}
 
     def __init__(self, text: str) -> None:
         super().__init__(convert_charrefs=True)
