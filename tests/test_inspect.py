@@ -346,6 +346,7 @@ def test_diff_changes(ck_path: Path, variants: dict[str, Path]) -> None:
     # keys: only those compared; progress reported
     seen = []
     d2 = I.diff(ck_path, variants["changed"], keys=["model.w", "model.[uz]*", "step"], progress=lambda a, b: seen.append((a, b)))
+    assert [r.key for r in I.diff(ck_path, variants["changed"], keys="model.w").rows] == ["model.w"]
     assert [r.key for r in d2.rows] == ["model.w", "model.u8"] and [v.key for v in d2.values] == ["step"]
     assert seen and seen[-1][0] == seen[-1][1]
 

@@ -626,7 +626,7 @@ def diff(
     a: Checkpoint | str | os.PathLike[str],
     b: Checkpoint | str | os.PathLike[str],
     *,
-    keys: Iterable[str] | None = None,
+    keys: str | Iterable[str] | None = None,
     max_bytes: int = MAX_BYTES,
     storage_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
@@ -635,10 +635,10 @@ def diff(
     tensor by tensor and value by value (see :class:`DiffRow`, :class:`ValueDiff`).
 
     ``keys``: compare only the tensors and values these select (exact keys, subtrees or
-    globs, see :func:`matches`). Tensors are read block by block, the same boxes from both,
+    globs, see :func:`matches`; one string is one pattern). Tensors are read block by block, the same boxes from both,
     with memory bounded by about ``max_bytes``; per-rank tensors are compared rank by rank."""
     ca, cb = _as_checkpoint(a, storage_options), _as_checkpoint(b, storage_options)
-    patterns = None if keys is None else list(keys)
+    patterns = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
     ka, kb = select_keys(ca, patterns), select_keys(cb, patterns)
     in_b = set(kb)
     common = [k for k in ka if k in in_b]
