@@ -70,14 +70,36 @@ class Region:
             where = {"flat_offset": self.flat[0], "numel": self.flat[1] - self.flat[0]}
         else:
             where = {"offset": list(self.offset), "shape": list(self.shape)}
-        return where | {"replicas": list(self.replicas), "writers": list(self.writers)}
+        return where | {"replicas": ranks_to_json(self.replicas), "writers": ranks_to_json(self.writers)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Region":
-        replicas, writers = tuple(d["replicas"]), tuple(d.get("writers", ()))
+        replicas, writers = ranks_from_json(d["replicas"]), ranks_from_json(d.get("writers", ()))
         if "flat_offset" in d:
             return cls.flat_range(d["flat_offset"], d["flat_offset"] + d["numel"], replicas, writers)
         return cls(tuple(d["offset"]), tuple(d["shape"]), replicas, writers)
+
+
+def ranks_to_json(ranks: tuple[int, ...]) -> list[int] | dict[str, int]:
+    """A list of ranks, or ``{"start", "step", "count"}`` when it is an arithmetic
+    progression of at least 3 (the replicas of a data-parallel group, strided by the
+    model-parallel degree): metadata stays small however many ranks there are."""
+    if len(ranks) >= 3:
+        step = ranks[1] - ranks[0]
+        if step >= 1 and all(b - a == step for a, b in zip(ranks, ranks[1:])):
+            return {"start": ranks[0], "step": step, "count": len(ranks)}
+    return list(ranks)
+
+
+def ranks_from_json(value: Any) -> tuple[int, ...]:
+    if isinstance(value, dict):
+        start, step, count = value["start"], value["step"], value["count"]
+        if not all(type(v) is int for v in (start, step, count)) or start < 0 or step < 1 or not 3 <= count <= MAX_WORLD_SIZE:
+            raise ValueError(f"rank range {value} is not start >= 0, step >= 1, 3 <= count <= {MAX_WORLD_SIZE}")
+        return tuple(range(start, start + step * count, step))
+    if not all(type(r) is int for r in value):
+        raise TypeError(f"ranks {str(value)[:100]} are not integers")
+    return tuple(value)
 
 
 @dataclass(frozen=True)

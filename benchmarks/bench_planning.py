@@ -1,0 +1,187 @@
+"""Planning at scale: a Llama-405B-like layout (``sim_layout.py``: TP 8 x PP 16 x DP n with a
+distributed optimizer) planned for 64 ... 4096 ranks, without data, on one core.
+
+For each world size it reports what the save's coordinator (rank 0) does and what every
+rank sends and receives to plan, the objects the save writes, the bytes boundary pieces
+move, the size of all metadata, and the read plan of a reshard load onto 3/4 of the ranks:
+
+* ``coord s``: rank 0 plans the whole save and pickles each rank its part (its critical path;
+  every other rank waits for it). ``send KiB``/``recv KiB``: the most any rank sends
+  (its fragment list) and receives (its part of the plan); rank 0 alone receives every list.
+* ``objects``, ``per pair``: objects written, and the most one rank writes of one array.
+* ``exch MiB``: boundary bytes a rank sends to other ranks' shards (max and mean).
+* ``meta MiB``: every zarr.json plus the root (with its consolidated copy).
+* ``load s``: the slowest of 16 sampled ranks of the smaller job: parse the root, then list the
+  chunks its fragments need (no I/O); ``read x``: the bytes of those chunks over the bytes
+  its fragments hold (the most over sampled ranks).
+
+Run: ``python benchmarks/bench_planning.py [--worlds 64 128 ...] [--json out.json] [--plot out.png]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import pickle
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import sim_layout as S  # noqa: E402
+
+from ucp_zarr.format import ArrayMeta, CheckpointMeta, TensorEntry, consolidated_nodes, dump_document  # noqa: E402
+from ucp_zarr.integrity import document_digest  # noqa: E402
+from ucp_zarr.layout import Box  # noqa: E402
+from ucp_zarr.planner import plan_save  # noqa: E402
+from ucp_zarr.saver import document_dicts  # noqa: E402
+
+WORLDS = (64, 128, 256, 512, 1024, 2048, 4096)
+DIGEST = "sha256:" + "0" * 64
+
+
+def measure(world: int, samples: int = 16) -> dict[str, float]:
+    infos = S.all_infos(world)
+    t0 = time.perf_counter()
+    plan = plan_save(infos)
+    parts = [pickle.dumps(p) for p in plan.split(world)]
+    coord = time.perf_counter() - t0
+    sent = [len(pickle.dumps(i)) for i in infos]
+
+    pairs = collections.Counter((t.writer, t.key) for t in plan.shards)
+    exch = collections.Counter()
+    for t in plan.shards:
+        size = plan.arrays[t.key][1].dtype.itemsize
+        for src, box in t.sources:
+            if src != t.writer:
+                exch[src] += box.numel * size
+    share = [sum(b.numel for f in fs for b in f.boxes) for fs in infos]  # elements each rank holds
+
+    docs = document_dicts(plan)
+    raw = {p: dump_document(d) for p, d in docs}
+    meta = CheckpointMeta(
+        tensors={k: TensorEntry(p, m.shape, m.dtype.name, DIGEST) for k, (p, m) in plan.arrays.items()},
+        values={}, created="2026-01-01T00:00:00+00:00", library="ucp_zarr", save_id="0" * 32, world_size=world,
+        documents={p: document_digest(r) for p, r in raw.items()}, consolidated=consolidated_nodes(docs),
+    )
+    root = dump_document(meta.to_zarr_json())
+    load_s, read_x = _load_plan(root, max(S.degrees(world)[0] * S.degrees(world)[1], world * 3 // 4), samples)
+    return {
+        "world": world,
+        "coord_s": coord,
+        "send_kib_max": max(sent) / 1024,
+        "recv_kib_max": max(len(p) for p in parts[1:]) / 1024 if world > 1 else 0.0,
+        "rank0_recv_mib": sum(sent) / 2**20,
+        "objects": len(plan.shards),
+        "pairs": len(pairs),
+        "per_pair_max": max(pairs.values()),
+        "exch_mib_max": max(exch.values(), default=0) / 2**20,
+        "exch_mib_mean": sum(exch.values()) / world / 2**20,
+        "exch_frac_max": max((exch[r] / 4 / s for r, s in enumerate(share) if s), default=0.0),
+        "meta_mib": (sum(map(len, raw.values())) + len(root)) / 2**20,
+        "root_mib": len(root) / 2**20,
+        "load_world": max(S.degrees(world)[0] * S.degrees(world)[1], world * 3 // 4),
+        "load_s": load_s,
+        "read_x": read_x,
+    }
+
+
+def _load_plan(root: bytes, world: int, samples: int) -> tuple[float, float]:
+    """The slowest sampled rank's read plan of a ``world``-rank job (no I/O)."""
+    worst_s, worst_x = 0.0, 0.0
+    for rank in sorted({world * i // samples for i in range(samples)}):
+        infos = S.rank_infos(world, rank)
+        t0 = time.perf_counter()
+        doc = json.loads(root)
+        meta = CheckpointMeta.from_zarr_json(doc, "root")
+        arrays: dict[str, ArrayMeta] = {}
+        needed = read = 0
+        for f in infos:
+            path = meta.tensors[f.key].path
+            if f.key not in arrays:
+                arrays[f.key] = ArrayMeta.from_zarr_json(json.loads(meta.consolidated_document(f"{path}/zarr.json")), path)
+            grid, size = arrays[f.key].grid, arrays[f.key].dtype.itemsize
+            chunks: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+            for box in f.boxes:
+                needed += box.numel * size
+                for shard in grid.shards_overlapping(box):
+                    for c in grid.chunks_overlapping(shard, box):
+                        chunks.add((shard, c))
+            read += sum(_chunk_numel(grid, s, c) for s, c in chunks) * size
+        worst_s = max(worst_s, time.perf_counter() - t0)
+        worst_x = max(worst_x, read / needed if needed else 1.0)
+    return worst_s, worst_x
+
+
+def _chunk_numel(grid, shard, chunk) -> int:
+    box: Box | None = grid.chunk_box(shard, chunk)
+    return box.numel if box is not None else 0
+
+
+def _plot(rows: list[dict[str, float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    w = [r["world"] for r in rows]
+    a.plot(w, [r["coord_s"] for r in rows], "o-", label="save: coordinator plans + splits")
+    a.plot(w, [r["load_s"] for r in rows], "s-", label="reshard load: slowest rank's read plan")
+    a.axhline(10, color="grey", ls=":", label="target 10 s")
+    a.set(xscale="log", xlabel="ranks", ylabel="seconds (one core)", title="Planning time, 405B-like layout")
+    a.legend(fontsize=8)
+    b.plot(w, [r["objects"] for r in rows], "o-", label="objects written")
+    b.plot(w, [r["pairs"] for r in rows], "s--", label="(writer rank, array) pairs")
+    b.set(xscale="log", yscale="log", xlabel="ranks", ylabel="count", title="Objects per save")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+COLUMNS = [
+    ("world", "ranks", "{:.0f}"), ("coord_s", "coord s", "{:.2f}"), ("send_kib_max", "send KiB", "{:.0f}"),
+    ("recv_kib_max", "recv KiB", "{:.0f}"), ("rank0_recv_mib", "rank0 MiB", "{:.1f}"), ("objects", "objects", "{:.0f}"),
+    ("per_pair_max", "per pair", "{:.0f}"), ("exch_mib_max", "exch MiB max", "{:.0f}"),
+    ("exch_mib_mean", "exch MiB mean", "{:.0f}"), ("meta_mib", "meta MiB", "{:.1f}"),
+    ("load_world", "load ranks", "{:.0f}"), ("load_s", "load s", "{:.2f}"), ("read_x", "read x", "{:.3f}"),
+]
+
+
+def table(rows: list[dict[str, float]]) -> str:
+    head = "| " + " | ".join(c[1] for c in COLUMNS) + " |"
+    sep = "|" + "---|" * len(COLUMNS)
+    body = ["| " + " | ".join(fmt.format(r[k]) for k, _, fmt in COLUMNS) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS))
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    args = p.parse_args(argv)
+    rows = []
+    for w in args.worlds:
+        rows.append(measure(w))
+        print(json.dumps({k: round(v, 4) for k, v in rows[-1].items()}), flush=True)
+    print(table(rows))
+    if len(rows) > 1:
+        growth = [rows[i + 1]["coord_s"] / rows[i]["coord_s"] for i in range(len(rows) - 1)]
+        print(f"coordinator time growth per doubling: median {statistics.median(growth):.2f}x "
+              f"(linear: 2x); {rows[-1]['world']} ranks / {rows[0]['world']}: "
+              f"{rows[-1]['coord_s'] / rows[0]['coord_s']:.1f}x for {rows[-1]['world'] / rows[0]['world']:.0f}x ranks")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        _plot(rows, args.plot)
+    assert all(math.isfinite(r["coord_s"]) for r in rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
