@@ -415,7 +415,7 @@ def _record_reads(store: Any) -> list[str]:
     return keys
 
 
-def test_memory_url_renders(tmp_path: Path) -> None:
+def test_memory_url_renders_and_plots(tmp_path: Path) -> None:
     url = f"memory://nb-{uuid.uuid4().hex[:8]}/ck"
     net, opt = _trained(named=True)
     ucp_zarr.save({"model": net.state_dict(), "optim": opt.state_dict(), "step": 3}, url)
@@ -424,6 +424,10 @@ def test_memory_url_renders(tmp_path: Path) -> None:
     html = ck._repr_html_() + ck["model.blocks.0.weight"]._repr_html_()
     assert url in html and "model.blocks.2.bias" in html
     assert keys == []  # everything from the commit record and its consolidated metadata
+    hist = notebook.plot_histogram(ck["model.blocks.0.weight"], bins=8)
+    assert hist.patches[0].get_data().values.sum() == 64
+    norms = notebook.plot_norms(ck, "model.blocks.*.bias")
+    assert [len(line.get_xdata()) for line in norms.get_lines()] == [3]
 
 
 def test_s3_renders_from_metadata_only(seaweed: Any) -> None:

@@ -199,7 +199,9 @@ def _node_html(ck: "Checkpoint", node: _Node, budget: _Budget, opened: bool) -> 
         inner = _children_html(ck, list(node.children.values()), budget, False)
         return f"<details class='module'{' open' * opened}>{summary}{inner}</details>"
     names = ", ".join(name for name, _, _ in node.arrays[:6]) + (", \u2026" if len(node.arrays) > 6 else "")
-    summary = f"<summary><code>{_e(node.name)}</code> <span class='dim'>{_e(names)} \u00b7 {totals}</span></summary>"
+    shape = _shape(node.arrays[0][2].shape)
+    summary = (f"<summary><code>{_e(node.name)}</code> {shape} <span class='dim'>{_e(names)} \u00b7 {totals}</span>"
+               "</summary>")
     if budget.rows >= len(node.arrays):
         budget.rows -= len(node.arrays)
         body = _array_rows(ck, node.arrays)
