@@ -11,7 +11,7 @@ move, the size of all metadata, and the read plan of a reshard load onto 3/4 of 
 * ``objects``, ``per pair``: objects written, and the most one rank writes of one array.
 * ``exch MiB``: boundary bytes a rank sends to other ranks' shards (max and mean).
 * ``meta MiB``: every zarr.json plus the root (with its consolidated copy).
-* ``load s``: the slowest of 16 sampled ranks of the smaller job: parse the root, then list the
+* ``load s``: the slowest of 16 sampled ranks of the smaller job (:func:`load_world`): parse the root, then list the
   chunks its fragments need (no I/O); ``read x``: the bytes of those chunks over the bytes
   its fragments hold (the most over sampled ranks).
 
@@ -69,7 +69,7 @@ def measure(world: int, samples: int = 16) -> dict[str, float]:
         documents={p: document_digest(r) for p, r in raw.items()}, consolidated=consolidated_nodes(docs),
     )
     root = dump_document(meta.to_zarr_json())
-    load_s, read_x = _load_plan(root, max(S.degrees(world)[0] * S.degrees(world)[1], world * 3 // 4), samples)
+    load_s, read_x = _load_plan(root, load_world(world), samples)
     return {
         "world": world,
         "coord_s": coord,
@@ -84,10 +84,17 @@ def measure(world: int, samples: int = 16) -> dict[str, float]:
         "exch_frac_max": max((exch[r] / 4 / s for r, s in enumerate(share) if s), default=0.0),
         "meta_mib": (sum(map(len, raw.values())) + len(root)) / 2**20,
         "root_mib": len(root) / 2**20,
-        "load_world": max(S.degrees(world)[0] * S.degrees(world)[1], world * 3 // 4),
+        "load_world": load_world(world),
         "load_s": load_s,
         "read_x": read_x,
     }
+
+
+def load_world(world: int) -> int:
+    """The job a checkpoint of ``world`` ranks is resharded onto: 3/4 of the data-parallel
+    degree (4096 -> 3072), or half the ranks when that degree is 1."""
+    tp, pp, dp = S.degrees(world)
+    return tp * pp * (dp * 3 // 4) if dp * 3 // 4 else world // 2
 
 
 def _load_plan(root: bytes, world: int, samples: int) -> tuple[float, float]:

@@ -245,14 +245,16 @@ class Checkpoint:
                 )
         meta, box = self._check_box(key, box, rank)
         direct = out is not None and out.device.type == "cpu" and out.dtype == meta.dtype.torch_dtype
-        dest = out if direct else torch.empty(box.shape, dtype=meta.dtype.torch_dtype)
-        assert dest is not None
-        self._read_into(key, box, as_storage(dest, meta).numpy(), rank)
-        if out is None:
+        if out is None or direct:
+            dest = out if direct else torch.empty(box.shape, dtype=meta.dtype.torch_dtype)
+            self._read_into(key, box, as_storage(dest, meta).numpy(), rank)
             return dest
-        if not direct:
-            with torch.no_grad():
-                out.copy_(dest)
+        # into a device tensor or another dtype: through a bounded host buffer, block by block
+        with torch.no_grad():
+            for block in row_blocks(box, meta.dtype.itemsize, STAGE_BYTES):
+                tmp = torch.empty(block.shape, dtype=meta.dtype.torch_dtype)
+                self._read_into(key, block, as_storage(tmp, meta).numpy(), rank)
+                out[block.relative_to(box).slices()].copy_(tmp)
         return out
 
     def verify(self, progress: Callable[[int, int], None] | None = None) -> int:
@@ -314,6 +316,29 @@ class Checkpoint:
         from .notebook import checkpoint_html
 
         return checkpoint_html(self)
+
+
+STAGE_BYTES = 64 << 20
+"""The most host memory a read into a device tensor (or another dtype) stages at a time."""
+
+
+def row_blocks(box: Box, itemsize: int, limit: int) -> list[Box]:
+    """``box`` cut along its leading dims into blocks of at most ``limit`` bytes (a block is
+    at least one element of the last dim's extent)."""
+    if box.ndim == 0 or box.numel * itemsize <= limit:
+        return [box]
+    inner = math.prod(box.shape[1:]) * itemsize
+    if inner > limit and box.ndim > 1:
+        return [
+            Box((box.offset[0] + i, *b.offset), (1, *b.shape))
+            for i in range(box.shape[0])
+            for b in row_blocks(Box(box.offset[1:], box.shape[1:]), itemsize, limit)
+        ]
+    rows = max(1, limit // inner)
+    return [
+        Box((box.offset[0] + i, *box.offset[1:]), (min(rows, box.shape[0] - i), *box.shape[1:]))
+        for i in range(0, box.shape[0], rows)
+    ]
 
 
 class TensorView:

@@ -253,6 +253,8 @@ class PreparedSave:
             for i, (src_rank, box) in enumerate(task.sources):
                 part = self.staging.data(task.key, box) if src_rank == rank else received[(n, i)]
                 buf[box.relative_to(sbox).slices()] = part.reshape(box.shape)
+                if src_rank == rank:
+                    self.staging.release(task.key, box)
             return write_shard(self.target, path, meta, task.shard, buf, sbox, seal)
 
         docs = [(k, d) for k, d in documents(plan) if plan.doc_writers.get(k) == rank]
@@ -403,9 +405,20 @@ def _fingerprint(f: Fragment) -> int | None:
     raw = t.view(torch.uint8)
     if t.device.type == "cpu" or f.nbytes <= DIGEST_COPY_BYTES:
         return checksum(memoryview(raw.cpu().numpy()))
-    v = raw.to(torch.int64)
-    pos = torch.arange(1, v.numel() + 1, device=v.device) % 65521
-    return hash((int(v.sum()), int((v * pos).sum())))
+    return device_fingerprint(raw)
+
+
+def device_fingerprint(raw: torch.Tensor, block: int = 16 << 20) -> int:
+    """A fingerprint of a flat ``uint8`` tensor computed where it lives: the sum of its bytes
+    and of its bytes weighted by position (mod 65521), ``block`` bytes at a time, so that
+    the temporaries stay about ``24 * block`` bytes whatever the tensor's size."""
+    total = weighted = 0
+    for start in range(0, raw.numel(), block):
+        v = raw[start : start + block].to(torch.int64)
+        pos = torch.arange(start + 1, start + v.numel() + 1, device=v.device) % 65521
+        total += int(v.sum())
+        weighted += int((v * pos).sum())
+    return hash((total, weighted))
 
 
 def _merge_values(
