@@ -1,8 +1,9 @@
 """Execute the notebooks of ``notebooks/`` with nbclient, on a kernel of this interpreter.
 
-A kernel spec pointing at ``sys.executable`` is written to a temporary directory put first
-on ``JUPYTER_PATH``, so the notebooks run in this virtual environment on any machine (no
-``ipykernel install`` needed, no other environment's ``python3`` kernel picked up).
+The kernel is this interpreter's ipykernel, from a kernel spec written to a temporary
+directory and given to the kernel manager alone: the notebooks run in this virtual
+environment on any machine (no ``ipykernel install`` needed, no other environment's
+``python3`` kernel picked up).
 Executions are cached per process, so the notebook tests and the browser test share them.
 
 ``python tests/_notebooks.py [NAME ...]`` re-executes the notebooks in place (refreshing the
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
 import tempfile
 import time
@@ -29,15 +29,15 @@ MAX_OUTPUT_BYTES = 120_000
 
 @functools.lru_cache(maxsize=1)
 def _kernel_dir() -> str:
+    """A directory holding one kernel spec, :data:`KERNEL`: this interpreter's ipykernel."""
     root = tempfile.mkdtemp(prefix="ucp_zarr_kernels_")
-    spec = Path(root, "kernels", KERNEL)
-    spec.mkdir(parents=True)
+    spec = Path(root, KERNEL)
+    spec.mkdir()
     spec.joinpath("kernel.json").write_text(json.dumps({
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": f"Python ({sys.executable})",
         "language": "python",
     }))
-    os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [root, os.environ.get("JUPYTER_PATH")]))
     return root
 
 
@@ -45,11 +45,13 @@ def _kernel_dir() -> str:
 def execute(name: str, timeout_s: int = 300) -> tuple[nbformat.NotebookNode, float]:
     """The notebook ``notebooks/<name>`` executed top to bottom (cached), and its run time in
     seconds. Raises ``nbclient.exceptions.CellExecutionError`` on the first failing cell."""
+    from jupyter_client import KernelManager
+    from jupyter_client.kernelspec import KernelSpecManager
     from nbclient import NotebookClient
 
-    _kernel_dir()
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    client = NotebookClient(nb, timeout=timeout_s, kernel_name=KERNEL, resources={"metadata": {"path": str(NOTEBOOKS)}})
+    km = KernelManager(kernel_name=KERNEL, kernel_spec_manager=KernelSpecManager(kernel_dirs=[_kernel_dir()]))
+    client = NotebookClient(nb, km=km, timeout=timeout_s, resources={"metadata": {"path": str(NOTEBOOKS)}})
     t0 = time.perf_counter()
     client.execute()
     return nb, time.perf_counter() - t0
