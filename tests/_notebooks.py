@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import tempfile
 import time
@@ -52,9 +53,10 @@ def execute(name: str, timeout_s: int = 300) -> tuple[nbformat.NotebookNode, flo
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     km = KernelManager(kernel_name=KERNEL, kernel_spec_manager=KernelSpecManager(kernel_dirs=[_kernel_dir()]))
     client = NotebookClient(nb, km=km, timeout=timeout_s, resources={"metadata": {"path": str(NOTEBOOKS)}})
-    t0 = time.perf_counter()
-    client.execute()
-    return nb, time.perf_counter() - t0
+    with tempfile.TemporaryDirectory(prefix="ucp_zarr_nb_") as tmp:  # the checkpoints the notebook writes
+        t0 = time.perf_counter()
+        client.execute(env=os.environ | {"TMPDIR": tmp})
+        return nb, time.perf_counter() - t0
 
 
 def kept(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
