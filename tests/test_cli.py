@@ -89,6 +89,10 @@ def test_info(capsys, paths) -> None:
     ck = ucp_zarr.open(paths["a"])
     assert rc == 0 and err == ""
     assert out.startswith(repr(ck)) and '"world_size": 1' in out and 'values: {"step": 5}' in out
+    rc, short, _ = run(capsys, "info", paths["a"], "--lines", "3")
+    tree = repr(ck).splitlines()
+    assert rc == 0 and short.splitlines()[:4] == tree[:3] + [f"  ... {len(tree) - 3} more lines (--all, or ucp-zarr ls PATH)"]
+    assert run(capsys, "info", paths["a"], "--lines", "3", "--all")[1] == out
     rc, data = run_json(capsys, "info", paths["a"])
     assert rc == 0 and data == json.loads(json.dumps(I.checkpoint_info(ck)))
     assert data["step"] == 5 and data["index"]["model.layers.0.bias"]["dtype"] == "bfloat16"

@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = reader("info", "print a checkpoint's facts, saving layout and tensors")
     s.add_argument("path", help="checkpoint folder or fsspec URL")
+    s.add_argument("--lines", type=int, default=200, help="most lines of the tensor tree (default 200)")
+    s.add_argument("--all", action="store_true", help="the whole tensor tree")
     s = reader("ls", "list a checkpoint's tensors (or the steps under a checkpoint manager's root)")
     s.add_argument("path", help="checkpoint, or a folder of checkpoints")
     s.add_argument("pattern", nargs="?", default=None,
@@ -217,7 +219,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         _emit(info)
         return 0
-    print(ck)
+    tree = repr(ck).splitlines()
+    if len(tree) > args.lines and not args.all:
+        tree = tree[: args.lines] + [f"  ... {len(tree) - args.lines} more lines (--all, or ucp-zarr ls PATH)"]
+    print("\n".join(tree))
     facts = {k: info[k] for k in ("created", "library", "world_size", "authenticated")}
     print("facts: " + json.dumps(facts))
     print("layout: " + json.dumps(info["layout"], default=str))
