@@ -2,9 +2,9 @@
 
 The kernel is this interpreter's ipykernel, from a kernel spec written to a temporary
 directory and given to the kernel manager alone: the notebooks run in this virtual
-environment on any machine (no ``ipykernel install`` needed, no other environment's
-``python3`` kernel picked up).
-Executions are cached per process, so the notebook tests and the browser test share them.
+environment on any machine (nothing installed, no ``ipykernel install``, no other
+environment's ``python3`` kernel picked up). Executions are cached per process, so the
+notebook tests and the browser test share them.
 
 ``python tests/_notebooks.py [NAME ...]`` re-executes the notebooks in place (refreshing the
 outputs kept in git), dropping outputs too large to keep.
@@ -28,32 +28,33 @@ MAX_OUTPUT_BYTES = 120_000
 """An output larger than this (serialised) is dropped from the copy kept in git."""
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel_dir() -> str:
-    """A directory holding one kernel spec, :data:`KERNEL`: this interpreter's ipykernel."""
-    root = tempfile.mkdtemp(prefix="ucp_zarr_kernels_")
-    spec = Path(root, KERNEL)
-    spec.mkdir()
+def _write_kernel_spec(kernels: Path) -> None:
+    """A kernel spec :data:`KERNEL` in ``kernels``: this interpreter's ipykernel."""
+    spec = kernels / KERNEL
+    spec.mkdir(parents=True)
     spec.joinpath("kernel.json").write_text(json.dumps({
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": f"Python ({sys.executable})",
         "language": "python",
     }))
-    return root
 
 
 @functools.lru_cache(maxsize=None)
 def execute(name: str, timeout_s: int = 300) -> tuple[nbformat.NotebookNode, float]:
     """The notebook ``notebooks/<name>`` executed top to bottom (cached), and its run time in
-    seconds. Raises ``nbclient.exceptions.CellExecutionError`` on the first failing cell."""
+    seconds. Raises ``nbclient.exceptions.CellExecutionError`` on the first failing cell.
+
+    The kernel's ``TMPDIR`` (where the notebooks write their checkpoints) is a temporary
+    directory, removed afterwards."""
     from jupyter_client import KernelManager
     from jupyter_client.kernelspec import KernelSpecManager
     from nbclient import NotebookClient
 
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    km = KernelManager(kernel_name=KERNEL, kernel_spec_manager=KernelSpecManager(kernel_dirs=[_kernel_dir()]))
-    client = NotebookClient(nb, km=km, timeout=timeout_s, resources={"metadata": {"path": str(NOTEBOOKS)}})
-    with tempfile.TemporaryDirectory(prefix="ucp_zarr_nb_") as tmp:  # the checkpoints the notebook writes
+    with tempfile.TemporaryDirectory(prefix="ucp_zarr_nb_") as tmp:
+        _write_kernel_spec(Path(tmp, "kernels"))
+        km = KernelManager(kernel_name=KERNEL, kernel_spec_manager=KernelSpecManager(kernel_dirs=[f"{tmp}/kernels"]))
+        client = NotebookClient(nb, km=km, timeout=timeout_s, resources={"metadata": {"path": str(NOTEBOOKS)}})
         t0 = time.perf_counter()
         client.execute(env=os.environ | {"TMPDIR": tmp})
         return nb, time.perf_counter() - t0
