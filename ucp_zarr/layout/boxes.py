@@ -6,7 +6,6 @@ pure and I/O-free.
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -71,5 +70,19 @@ class Box:
 
 
 def grid_indices(counts: Sequence[int]) -> Iterator[tuple[int, ...]]:
-    """All index tuples of a grid with ``counts`` cells per dim, in C (row-major) order."""
-    return itertools.product(*(range(c) for c in counts))
+    """All index tuples of a grid with ``counts`` cells per dim, in C (row-major) order,
+    lazily (a forged count of 2**62 costs nothing until iterated)."""
+    if any(c == 0 for c in counts):
+        return
+    idx = [0] * len(counts)
+    while True:
+        yield tuple(idx)
+        d = len(counts) - 1
+        while d >= 0:
+            idx[d] += 1
+            if idx[d] < counts[d]:
+                break
+            idx[d] = 0
+            d -= 1
+        if d < 0:
+            return
