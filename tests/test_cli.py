@@ -118,11 +118,12 @@ def test_ls(capsys, paths) -> None:
 def test_ls_manager_root(capsys, paths) -> None:
     rc, out, err = run(capsys, "ls", paths["root"])
     lines = out.splitlines()
-    assert rc == 0 and err == "" and lines[0].split()[:3] == ["step", "state", "size"]
+    assert rc == 0 and err == "" and lines[0].split() == ["step", "state", "size", "tensors", "ranks", "layout", "created", "path"]
     assert [line.split()[:2] for line in lines[1:3]] == [["100", "committed"], ["200", "committed"]]
     assert lines[-1] == "2 steps, 2 committed"
     rc, data = run_json(capsys, "ls", paths["root"])
     assert [(d["step"], d["committed"], d["tensors"]) for d in data] == [(100, True, 5), (200, True, 5)]
+    assert all(d["world_size"] == 1 and d["layout"] == [] for d in data)  # saved by one process, no rules
 
 
 def test_show(capsys, paths) -> None:

@@ -274,10 +274,10 @@ def _ls_steps(args: argparse.Namespace, why: CheckpointError) -> int:
         return 0
     rows = [
         [str(s.step), s.state, "-" if s.nbytes is None else _human(s.nbytes), _num(s.tensors), _num(s.world_size),
-         s.created or "-", s.path]
+         ",".join(s.layout) or "-", s.created or "-", s.path]
         for s in steps
     ]
-    print(_table(["step", "state", "size", "tensors", "ranks", "created", "path"], rows, right={0, 2, 3, 4}))
+    print(_table(["step", "state", "size", "tensors", "ranks", "layout", "created", "path"], rows, right={0, 2, 3, 4}))
     print(f"{len(steps)} steps, {sum(s.committed for s in steps)} committed")
     return 0
 
