@@ -322,6 +322,7 @@ def test_stats_html_flags_nan_and_inf(tmp_path: Path) -> None:
     ucp_zarr.save({"x": t}, tmp_path / "ck")
     ck = ucp_zarr.open(tmp_path / "ck")
     html = notebook.stats_html(ck["x"].stats())
+    assert ck["x"].stats()._repr_html_() == html  # what Jupyter shows for view.stats()
     dom = Dom(html)
     bad = [td["text"] for td in dom.find("td") if "bad" in (td["attrs"].get("class") or "")]
     assert bad == ["1", "1"]

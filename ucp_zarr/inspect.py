@@ -331,6 +331,11 @@ class TensorStats:
             "inf": self.inf,
         }
 
+    def _repr_html_(self) -> str:
+        from .notebook import stats_html
+
+        return stats_html(self)
+
 
 def _json_float(x: float | None) -> float | str | None:
     """A float for strict JSON: non-finite ones spelled as strings."""
