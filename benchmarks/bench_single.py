@@ -7,7 +7,8 @@ One command, one run, all methods side by side on the same training-like state::
 Methods (each saves the same state dict and loads it back):
 
   ucp_zarr     ucp_zarr.save / ucp_zarr.load into preallocated tensors (training resume)
-  raw          numpy ``tofile`` + fsync per tensor / ``np.fromfile`` (the raw disk baseline)
+  raw          the disk's limit: one file per tensor written by 4 threads (write + fsync each) /
+               read back by 4 threads with ``os.preadv`` into the preallocated tensors
   torch        torch.save + fsync / torch.load(weights_only=True)
   safetensors  safetensors.torch.save_file + fsync / safetensors.torch.load_file
   dcp          torch.distributed.checkpoint, one process, no process group:
@@ -39,6 +40,7 @@ import sys
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -203,22 +205,48 @@ def _np_bytes(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy() if t.dim() else t.reshape(1).view(torch.uint8).numpy()
 
 
+RAW_THREADS = 4  # as many as ucp_zarr's max_workers
+
+
 def raw_save(sd: dict[str, torch.Tensor], path: str) -> None:
+    """One file per tensor, ``RAW_THREADS`` at a time, each write + fsync; then the directory."""
     os.makedirs(path)
-    for i, t in enumerate(sd.values()):
-        with open(os.path.join(path, f"{i}.bin"), "wb") as f:
-            _np_bytes(t).tofile(f)
-            f.flush()
-            os.fsync(f.fileno())
+
+    def one(it: tuple[int, torch.Tensor]) -> None:
+        i, t = it
+        fd = os.open(os.path.join(path, f"{i}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            mv, done = memoryview(_np_bytes(t)), 0
+            while done < len(mv):
+                done += os.write(fd, mv[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(RAW_THREADS) as pool:
+        list(pool.map(one, enumerate(sd.values())))
     fsync_dir(path)
 
 
 def raw_load(sd_like, dest, path: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for i, (k, t) in enumerate(sd_like.items()):
-        a = np.fromfile(os.path.join(path, f"{i}.bin"), dtype=np.uint8)
-        out[k] = torch.from_numpy(a).view(t.dtype).reshape(t.shape)
-    return out
+    """``os.preadv`` of every file into its preallocated tensor, ``RAW_THREADS`` at a time."""
+
+    def one(it: tuple[int, str]) -> None:
+        i, k = it
+        fd = os.open(os.path.join(path, f"{i}.bin"), os.O_RDONLY)
+        try:
+            mv, done = memoryview(_np_bytes(dest[k])), 0
+            while done < len(mv):
+                n = os.preadv(fd, [mv[done:]], done)
+                if n == 0:
+                    raise OSError(f"{path}/{i}.bin: short read")
+                done += n
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(RAW_THREADS) as pool:
+        list(pool.map(one, enumerate(sd_like)))
+    return dest
 
 
 def ucp_save(sd, path: str) -> None:
@@ -282,12 +310,12 @@ def dcp_load(sd_like, dest, path: str) -> dict[str, torch.Tensor]:
 METHODS: dict[str, tuple[str, Callable, Callable, str]] = {
     # name: (label, save, load, output suffix)
     "ucp_zarr": ("ucp_zarr", ucp_save, ucp_load, ".zarr"),
-    "raw": ("raw numpy tofile+fsync / fromfile", raw_save, raw_load, ".raw"),
+    "raw": ("raw limit: 4 threads write+fsync / preadv", raw_save, raw_load, ".raw"),
     "torch": ("torch.save+fsync / torch.load", torch_save, torch_load, ".pt"),
     "safetensors": ("safetensors save_file+fsync / load_file", st_save, st_load, ".safetensors"),
     "dcp": ("torch DCP, 1 process", dcp_save, dcp_load, ".dcp"),
 }
-IN_PLACE = {"ucp_zarr", "dcp"}
+IN_PLACE = {"ucp_zarr", "dcp", "raw"}
 
 
 # --- checking -------------------------------------------------------------------------------
@@ -426,7 +454,9 @@ def main(argv: list[str] | None = None) -> None:
     print()
     if "ucp_zarr" in names and "raw" in names:
         r = mibs("ucp_zarr", "save") / mibs("raw", "save")
-        print(f"ucp_zarr save / raw write+fsync = {r:.2f}x  (target >= 0.80: {'PASS' if r >= 0.8 else 'FAIL'})")
+        print(f"ucp_zarr save / raw write+fsync = {r:.2f}x  (target >= 0.90: {'PASS' if r >= 0.9 else 'FAIL'})")
+        r = mibs("ucp_zarr", "load") / mibs("raw", "load")
+        print(f"ucp_zarr load / raw preadv      = {r:.2f}x  (target >= 0.90: {'PASS' if r >= 0.9 else 'FAIL'})")
     if "ucp_zarr" in names and "torch" in names:
         r = mibs("ucp_zarr", "load") / mibs("torch", "load")
         print(f"ucp_zarr load / torch.load      = {r:.2f}x  (target >= 0.80: {'PASS' if r >= 0.8 else 'FAIL'})")
