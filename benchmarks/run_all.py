@@ -16,8 +16,8 @@ Runs, each in its own process (fresh memory), with bounded sizes and repeats:
 
 Then it prints one markdown table (figure, ours, the peer or limit, the ratio with its
 per-repeat range, the target) and writes ``results.json``, ``table.md`` and the plots
-(``throughput_vs_size.png``, ``peers.png``) into ``--out``. About 15 minutes on a 2-core VM
-(``--quick``: about 5); each step is killed after ``--step-timeout`` seconds (default 1200).
+(``throughput_vs_size.png``, ``peers.png``) into ``--out``. 17-20 minutes on a loaded 2-core VM
+(``--quick``: about 10); each step is killed after ``--step-timeout`` seconds (default 1200).
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def plots(res: dict[str, Any], out: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (about 5 minutes)")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (about 10 minutes)")
     ap.add_argument("--dir", default="/work/bench_tmp", help="scratch directory (default /work/bench_tmp)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="where results and plots go")
     ap.add_argument("--only", default="limits,distributed,async,codecs", help="comma-separated subset")
