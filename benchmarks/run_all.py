@@ -12,7 +12,10 @@ Runs, each in its own process (fresh memory), with bounded sizes and repeats:
 3. ``bench_async.py``: the blocking stage of an async save against a host copy, and the
    training-step slowdown during the background write;
 4. ``bench_codecs.py``: ucp_zarr's codec path against zarr-python (default and zarrs
-   pipelines) and TensorStore; zstd/blosc compression of weights and moments.
+   pipelines) and TensorStore; zstd/blosc compression of weights and moments;
+5. ``bench_planning.py``: planning the simulated 405B-like layout for 64 ... 4096 ranks
+   (no data): coordinator time, bytes each rank sends and receives, objects, metadata
+   (its plot: ``planning.png``).
 
 Then it prints one markdown table (figure, ours, the peer or limit, the ratio with its
 per-repeat range, the target) and writes ``results.json``, ``table.md`` and the plots
@@ -94,6 +97,22 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
                     f"{s['load_vs_dcp'][0]:.2f}x {rng(*s['load_vs_dcp'][1:])}", ">= 1.5x", verdict(s["load_vs_dcp"][0] >= 1.5)))
         out.append(("reshard load: bytes read per rank / its slice", f"{s['read_per_need']:.3f}x (worst rank)", "", "",
                     "<= 1.1x", verdict(s["read_per_need"] <= 1.1)))
+    plan = res.get("planning")
+    if plan:
+        big = max(plan, key=lambda r: r.get("world", 0))
+        w = int(big.get("world", 0))
+        if "coord_s" in big:
+            out.append((f"plan a save, {w} ranks (405B-like)", f"{big['coord_s']:.1f} s on the coordinator",
+                        f"each rank sends <= {big.get('send_kib_max', float('nan')):.0f} KiB, receives "
+                        f"<= {big.get('recv_kib_max', float('nan')):.0f} KiB", "", "< 10 s", verdict(big["coord_s"] < 10)))
+        if "per_pair_max" in big:
+            out.append((f"objects, {w} ranks", f"{big.get('objects', 0):.0f}, <= {big['per_pair_max']:.0f} per (rank, array)",
+                        "", "", "<= ~2 per pair", verdict(big["per_pair_max"] <= 2)))
+        if "meta_mib" in big:
+            out.append((f"all metadata, {w} ranks", f"{big['meta_mib']:.1f} MiB", "", "", "< 64 MiB", verdict(big["meta_mib"] < 64)))
+        if "load_s" in big:
+            out.append((f"reshard load plan, {w} -> {big.get('load_world', 0):.0f} ranks", f"{big['load_s']:.1f} s per rank",
+                        f"reads {big.get('read_x', float('nan')):.3f}x its slice", "", "< 10 s", verdict(big["load_s"] < 10)))
     if res.get("async"):
         from bench_async import summary
 
@@ -189,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (about 10 minutes)")
     ap.add_argument("--dir", default="/work/bench_tmp", help="scratch directory (default /work/bench_tmp)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="where results and plots go")
-    ap.add_argument("--only", default="limits,distributed,async,codecs", help="comma-separated subset")
+    ap.add_argument("--only", default="limits,distributed,async,codecs,planning", help="comma-separated subset")
     ap.add_argument("--step-timeout", type=float, default=1200)
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -199,12 +218,15 @@ def main(argv: list[str] | None = None) -> None:
         "distributed": ("bench_distributed", ["--gib", "0.5" if q else "1.0", "--repeat", "2" if q else "3"]),
         "async": ("bench_async", ["--repeat", "2" if q else "3"]),
         "codecs": ("bench_codecs", ["--mib", "256" if q else "1024", "--repeat", "2" if q else "3"]),
+        "planning": ("bench_planning", ["--plot", os.path.join(args.out, "planning.png"),
+                                        *(["--worlds", "64", "256", "1024"] if q else [])]),
     }
     res: dict[str, Any] = {}
     t0 = time.perf_counter()
     for key in [k.strip() for k in args.only.split(",") if k.strip()]:
         name, extra = steps[key]
-        got = run_step(name, [*extra, "--dir", args.dir], os.path.join(args.out, f"{key}.json"), args.step_timeout)
+        scratch = [] if key == "planning" else ["--dir", args.dir]
+        got = run_step(name, [*extra, *scratch], os.path.join(args.out, f"{key}.json"), args.step_timeout)
         res[key] = got["single"] if key == "limits" and isinstance(got, dict) and "single" in got else got
     text = table(res)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
