@@ -19,7 +19,7 @@ Runs, each in its own process (fresh memory), with bounded sizes and repeats:
 
 Then it prints one markdown table (figure, ours, the peer or limit, the ratio with its
 per-repeat range, the target) and writes ``results.json``, ``table.md`` and the plots
-(``throughput_vs_size.png``, ``peers.png``) into ``--out``. 13-17 minutes on a loaded 2-core VM
+(``throughput_vs_size.png``, ``peers.png``) into ``--out``. 11-20 minutes on a 2-core VM, planning included
 (``--quick``: about 10); each step is killed after ``--step-timeout`` seconds (default 1200).
 """
 
