@@ -1192,7 +1192,7 @@ def test_root_unparseable_bytes(edit: BytesEdit) -> None:
 
 
 @_settings(60)
-@example(edit=BytesEdit("flip", 12, b"\x04", needle=b'"$float": "nan"'))  # "nan" -> "nen"
+@example(edit=BytesEdit("flip", 11, b"\x04", needle=b'"$float":"nan"'))  # "nan" -> "nen"
 @example(edit=BytesEdit("insert", 1, b"\xed\xa0\x80", needle=b'"layers.0.weight/zarr.json"'))  # a surrogate in a name
 @given(edit=st.one_of(
     st.builds(BytesEdit, st.just("flip"), positions, st.binary(min_size=1, max_size=1)),

@@ -374,7 +374,9 @@ def _set_means(fragments: dict[str, Fragment], means: dict[str, torch.Tensor]) -
         fragments[key].pieces[0] = (box, mean)
 
 
-def _infos(fragments: dict[str, Fragment], aliases: dict[str, str]) -> list[FragmentInfo]:
+def _infos(fragments: dict[str, Fragment], aliases: dict[str, str], fingerprint: bool = True) -> list[FragmentInfo]:
+    """What each fragment is, for the planner; ``fingerprint``: of plain tensors, whose
+    replicas on other ranks must be equal (a single process has no replicas to compare)."""
     return [
         FragmentInfo(
             f.key,
@@ -383,7 +385,7 @@ def _infos(fragments: dict[str, Fragment], aliases: dict[str, str]) -> list[Frag
             tuple(b for b, _ in f.pieces),
             f.flat,
             f.plain,
-            _fingerprint(f) if f.plain and not f.per_rank and not f.average else None,
+            _fingerprint(f) if fingerprint and f.plain and not f.per_rank and not f.average else None,
             f.per_rank,
             None if f.meaning is None else json.dumps(f.meaning, sort_keys=True),
             f.rule,
@@ -472,7 +474,7 @@ def prepare(
     averaged: dict[str, torch.Tensor] = {}
     try:
         col = collected()
-        infos = _infos(col.fragments, col.aliases)
+        infos = _infos(col.fragments, col.aliases, fingerprint=comm.world > 1)
         averaged = {k: f.pieces[0][1].detach().cpu() for k, f in col.fragments.items() if f.average and f.pieces}
     except BaseException as e:
         error = e

@@ -28,6 +28,9 @@ DEFAULT_SHARD_BYTES = 1 << 30
 MIN_ALIGNED_CHUNK_BYTES = 64 << 10
 """Below this, a chunk is not split further just to align with target degrees."""
 TARGET_DEGREES = (8, 4, 2)
+ELASTIC_DEGREES = (6, 3)
+"""Degrees dim 0 is also aligned with (a job of 4 or 8 ranks resumed on 3 or 6 reads no more
+than its slice), while chunks stay above ``MIN_ALIGNED_CHUNK_BYTES``."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,8 @@ def choose_grid(
     free and the shard is rounded up to whole chunks.
 
     1. The chunk starts as the region, aligned with the boundaries of target degrees 8, 4, 2
-       along :func:`split_dims` when that keeps it above ``MIN_ALIGNED_CHUNK_BYTES``.
+       along :func:`split_dims`, and along dim 0 also 6 and 3 (elastic restarts on fewer
+       ranks), when that keeps it above ``MIN_ALIGNED_CHUNK_BYTES``.
     2. It is divided (by 2 or another small factor, leading dims first) until it fits
        ``chunk_bytes``.
     3. The shard is the region, divided along leading dims in whole chunks (exactly, along
@@ -143,6 +147,11 @@ def choose_grid(
             if math.prod(chunk[:d] + [aligned] + chunk[d + 1 :]) * itemsize >= MIN_ALIGNED_CHUNK_BYTES:
                 chunk[d] = aligned
                 break
+    # then dim 0, where elastic restarts reshard (FSDP, ZeRO), to 6 and 3 ranks too
+    for k in ELASTIC_DEGREES if shape else ():
+        aligned = math.gcd(chunk[0], shape[0] // k) if shape[0] % k == 0 else chunk[0]
+        if math.prod([aligned] + chunk[1:]) * itemsize >= MIN_ALIGNED_CHUNK_BYTES:
+            chunk[0] = aligned
     while math.prod(chunk) * itemsize > chunk_bytes:
         for d in range(len(chunk)):
             if chunk[d] > 1:
