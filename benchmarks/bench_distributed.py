@@ -70,6 +70,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from pagecache import cached_bytes, evict, files_under
+from rawio import counted_load as ucp_load
+from rawio import raw_write
 
 if importlib.util.find_spec("ucp_zarr") is None:  # run from a checkout without PYTHONPATH
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -228,26 +230,6 @@ def ucp_save(sd: dict[str, Any], path: str) -> Any:
     return ucp_zarr.save(sd, path)
 
 
-def ucp_load(sd: dict[str, Any], path: str) -> int:
-    """Load in place; return the bytes this rank's store read."""
-    import ucp_zarr
-    import ucp_zarr.api as api
-
-    stores: list[Any] = []
-    real = api.open_store
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        stores.append(real(*args, **kwargs))
-        return stores[-1]
-
-    api.open_store = counting
-    try:
-        ucp_zarr.load(sd, path)
-    finally:
-        api.open_store = real
-    return sum(s.stats.bytes_read for s in stores)
-
-
 def dcp_save(sd: dict[str, Any], path: str, thread_count: int = 1) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -256,36 +238,6 @@ def dcp_save(sd: dict[str, Any], path: str, thread_count: int = 1) -> None:
 
 def dcp_save_t4(sd: dict[str, Any], path: str) -> None:
     dcp_save(sd, path, thread_count=4)
-
-
-def raw_write(path: str, sizes: list[int], src: torch.Tensor, threads: int = RAW_THREADS) -> None:
-    """This rank's raw limit: files of ``sizes`` (those of the objects its ucp_zarr save
-    wrote) from consecutive ranges of ``src``, ``threads`` at a time, each write + fsync."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    os.makedirs(path, exist_ok=True)
-    view = memoryview(src.numpy())
-    offsets = [0]
-    for n in sizes[:-1]:
-        offsets.append(offsets[-1] + n)
-
-    def one(i: int) -> None:
-        fd = os.open(os.path.join(path, str(i)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            mv, done = view[offsets[i] : offsets[i] + sizes[i]], 0
-            while done < len(mv):
-                done += os.write(fd, mv[done:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, range(len(sizes))))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def dcp_load(sd: dict[str, Any], path: str) -> None:
@@ -488,7 +440,7 @@ def save_job(rank: int, world: int, spec: Spec, work: str, order: list[str], out
         if m == "ucp_zarr":  # the raw limit: the same files this rank wrote, right after
             sizes = [os.path.getsize(os.path.join(work, m, k)) for k in kept[0].objects]
             src = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8)
-            res["raw"] = _timed(lambda: raw_write(os.path.join(work, "raw", str(rank)), sizes, src))
+            res["raw"] = _timed(lambda: raw_write(os.path.join(work, "raw", str(rank)), sizes, src, RAW_THREADS))
             res["raw"]["objects"] = len(sizes)
             del src
             settle(rank, [os.path.join(work, "raw")], delete=True)

@@ -37,11 +37,11 @@ import shutil
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from pagecache import cached_bytes, evict, files_under
+from rawio import counted_load, raw_read, raw_write
 
 if importlib.util.find_spec("ucp_zarr") is None:  # run from a checkout without PYTHONPATH
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -92,56 +92,6 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 # --- the raw limits -------------------------------------------------------------------------
 
 
-def raw_write(path: str, sizes: list[int], src: torch.Tensor, threads: int) -> None:
-    """``len(sizes)`` files of these sizes from consecutive ranges of ``src``, written by
-    ``threads`` threads, each ``write`` + ``fsync``; then the directory is fsynced."""
-    os.makedirs(path)
-    view = memoryview(src.numpy())
-    offsets = [0]
-    for n in sizes[:-1]:
-        offsets.append(offsets[-1] + n)
-
-    def one(i: int) -> None:
-        fd = os.open(os.path.join(path, str(i)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            mv, done = view[offsets[i] : offsets[i] + sizes[i]], 0
-            while done < len(mv):
-                done += os.write(fd, mv[done:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, range(len(sizes))))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def raw_read(path: str, sizes: list[int], dst: torch.Tensor, threads: int) -> None:
-    """Read the files of :func:`raw_write` with ``preadv`` into consecutive ranges of the
-    preallocated ``dst``, ``threads`` at a time."""
-    view = memoryview(dst.numpy())
-    offsets = [0]
-    for n in sizes[:-1]:
-        offsets.append(offsets[-1] + n)
-
-    def one(i: int) -> None:
-        fd = os.open(os.path.join(path, str(i)), os.O_RDONLY)
-        try:
-            mv, done = view[offsets[i] : offsets[i] + sizes[i]], 0
-            while done < len(mv):
-                n = os.preadv(fd, [mv[done:]], done)
-                if n == 0:
-                    raise OSError(f"{path}/{i}: short read")
-                done += n
-        finally:
-            os.close(fd)
-
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, range(len(sizes))))
 
 
 # --- ucp_zarr ---------------------------------------------------------------------------------
@@ -151,26 +101,6 @@ def ucp_save(sd: dict[str, torch.Tensor], path: str, threads: int) -> None:
     import ucp_zarr
 
     ucp_zarr.save(sd, path, max_workers=threads)
-
-
-def ucp_load(dest: dict[str, torch.Tensor], path: str, threads: int) -> int:
-    """Load in place; return the bytes the store read."""
-    import ucp_zarr
-    import ucp_zarr.api as api
-
-    stores: list[Any] = []
-    real = api.open_store
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        stores.append(real(*args, **kwargs))
-        return stores[-1]
-
-    api.open_store = counting
-    try:
-        ucp_zarr.load(dest, path, max_workers=threads)
-    finally:
-        api.open_store = real
-    return sum(s.stats.bytes_read for s in stores)
 
 
 def object_sizes(path: str) -> list[int]:
@@ -190,7 +120,7 @@ def measure(mib: float, repeat: int, threads: int, work: str, log: Any = print) 
     ucp_save(sd, probe, threads)  # untimed: first calls, and the object sizes raw writes
     sizes = object_sizes(probe)
     evict(probe)
-    ucp_load(dest, probe, threads)
+    counted_load(dest, probe, max_workers=threads)
     shutil.rmtree(probe)
     src = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8)
     dst = torch.zeros(sum(sizes), dtype=torch.uint8)
@@ -224,7 +154,7 @@ def measure(mib: float, repeat: int, threads: int, work: str, log: Any = print) 
                 for t in dest.values():
                     t.zero_()
                 c0, t0 = cpu(), time.perf_counter()
-                read = ucp_load(dest, path, threads)
+                read = counted_load(dest, path, max_workers=threads)
                 out["load"].append(time.perf_counter() - t0)
                 out["cpu"]["load"].append(cpu() - c0)
                 out["bytes_read"].append(read)

@@ -46,6 +46,7 @@ from typing import Callable
 import numpy as np
 import torch
 from pagecache import cached_bytes, evict
+from rawio import pread_exact
 
 if importlib.util.find_spec("ucp_zarr") is None:  # run from a checkout without PYTHONPATH
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -233,16 +234,7 @@ def raw_load(sd_like, dest, path: str) -> dict[str, torch.Tensor]:
 
     def one(it: tuple[int, str]) -> None:
         i, k = it
-        fd = os.open(os.path.join(path, f"{i}.bin"), os.O_RDONLY)
-        try:
-            mv, done = memoryview(_np_bytes(dest[k])), 0
-            while done < len(mv):
-                n = os.preadv(fd, [mv[done:]], done)
-                if n == 0:
-                    raise OSError(f"{path}/{i}.bin: short read")
-                done += n
-        finally:
-            os.close(fd)
+        pread_exact(os.path.join(path, f"{i}.bin"), memoryview(_np_bytes(dest[k])))
 
     with ThreadPoolExecutor(RAW_THREADS) as pool:
         list(pool.map(one, enumerate(sd_like)))

@@ -1,0 +1,87 @@
+"""The disk's limits, as baselines: parallel raw writes (write + fsync per file) and
+in-place parallel ``preadv`` reads of the same files, shared by the benchmarks."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+
+def raw_write(path: str, sizes: list[int], src: torch.Tensor, threads: int) -> None:
+    """``len(sizes)`` files of these sizes from consecutive ranges of ``src``, written by
+    ``threads`` threads, each ``write`` + ``fsync``; then the directory is fsynced."""
+    os.makedirs(path)
+    view = memoryview(src.numpy())
+    offsets = [0]
+    for n in sizes[:-1]:
+        offsets.append(offsets[-1] + n)
+
+    def one(i: int) -> None:
+        fd = os.open(os.path.join(path, str(i)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            mv, done = view[offsets[i] : offsets[i] + sizes[i]], 0
+            while done < len(mv):
+                done += os.write(fd, mv[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(len(sizes))))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_read(path: str, sizes: list[int], dst: torch.Tensor, threads: int) -> None:
+    """Read the files of :func:`raw_write` with ``preadv`` into consecutive ranges of the
+    preallocated ``dst``, ``threads`` at a time."""
+    view = memoryview(dst.numpy())
+    offsets = [0]
+    for n in sizes[:-1]:
+        offsets.append(offsets[-1] + n)
+
+    def one(i: int) -> None:
+        pread_exact(os.path.join(path, str(i)), view[offsets[i] : offsets[i] + sizes[i]])
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(len(sizes))))
+
+
+def pread_exact(path: str, mv: memoryview) -> None:
+    """Fill ``mv`` from the start of file ``path`` with ``preadv`` (in place, no copy)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(mv):
+            n = os.preadv(fd, [mv[done:]], done)
+            if n == 0:
+                raise OSError(f"{path}: short read")
+            done += n
+    finally:
+        os.close(fd)
+
+
+def counted_load(state: dict[str, Any], path: str, **load_kwargs: Any) -> int:
+    """``ucp_zarr.load`` in place; return the bytes its store read."""
+    import ucp_zarr
+    import ucp_zarr.api as api
+
+    stores: list[Any] = []
+    real = api.open_store
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        stores.append(real(*args, **kwargs))
+        return stores[-1]
+
+    api.open_store = counting
+    try:
+        ucp_zarr.load(state, path, **load_kwargs)
+    finally:
+        api.open_store = real
+    return sum(s.stats.bytes_read for s in stores)
