@@ -46,7 +46,7 @@ from typing import Callable
 import numpy as np
 import torch
 from pagecache import cached_bytes, evict
-from rawio import pread_exact
+from rawio import pread_exact, write_durably
 
 if importlib.util.find_spec("ucp_zarr") is None:  # run from a checkout without PYTHONPATH
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -215,14 +215,7 @@ def raw_save(sd: dict[str, torch.Tensor], path: str) -> None:
 
     def one(it: tuple[int, torch.Tensor]) -> None:
         i, t = it
-        fd = os.open(os.path.join(path, f"{i}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            mv, done = memoryview(_np_bytes(t)), 0
-            while done < len(mv):
-                done += os.write(fd, mv[done:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_durably(os.path.join(path, f"{i}.bin"), memoryview(_np_bytes(t)))
 
     with ThreadPoolExecutor(RAW_THREADS) as pool:
         list(pool.map(one, enumerate(sd.values())))

@@ -20,14 +20,7 @@ def raw_write(path: str, sizes: list[int], src: torch.Tensor, threads: int) -> N
         offsets.append(offsets[-1] + n)
 
     def one(i: int) -> None:
-        fd = os.open(os.path.join(path, str(i)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            mv, done = view[offsets[i] : offsets[i] + sizes[i]], 0
-            while done < len(mv):
-                done += os.write(fd, mv[done:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_durably(os.path.join(path, str(i)), view[offsets[i] : offsets[i] + sizes[i]])
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, range(len(sizes))))
@@ -51,6 +44,18 @@ def raw_read(path: str, sizes: list[int], dst: torch.Tensor, threads: int) -> No
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, range(len(sizes))))
+
+
+def write_durably(path: str, mv: memoryview) -> None:
+    """Write ``mv`` as file ``path`` (created or truncated), then fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        done = 0
+        while done < len(mv):
+            done += os.write(fd, mv[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def pread_exact(path: str, mv: memoryview) -> None:
