@@ -1,0 +1,83 @@
+"""The array document check (``ArrayMeta.from_zarr_json``): pure Python, strict to the type,
+and a load never imports zarr-python (its metadata model costs ~0.3 ms per array)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ucp_zarr
+from ucp_zarr.errors import FormatError
+from ucp_zarr.format import ArrayMeta
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("doc") / "ck"
+    ucp_zarr.save({"w": torch.arange(24, dtype=torch.float32).reshape(4, 6)}, path)
+    return json.loads((path / "w" / "w" / "zarr.json").read_bytes())
+
+
+def test_written_document_parses(doc: dict) -> None:
+    meta = ArrayMeta.from_zarr_json(doc, "w")
+    assert meta.shape == (4, 6) and meta.key == "w" and meta.to_zarr_json() == doc
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda d: d.__setitem__("fill_value", 0.0),  # the same zero
+        lambda d: d.__setitem__("storage_transformers", []),  # no transformers
+    ],
+)
+def test_equivalent_spellings_accepted(doc: dict, edit) -> None:
+    d = copy.deepcopy(doc)
+    edit(d)
+    assert ArrayMeta.from_zarr_json(d, "w").shape == (4, 6)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.__setitem__("shape", [4, 6.0]), "shape"),
+        (lambda d: d.__setitem__("shape", [True, 6]), "shape"),
+        (lambda d: d["chunk_grid"]["configuration"].__setitem__("chunk_shape", [4, -6]), "chunk_grid"),
+        (lambda d: d["codecs"][0]["configuration"].__setitem__("chunk_shape", [0, 6]), "chunk_shape"),
+        (lambda d: d["codecs"][0]["configuration"].__setitem__("chunk_shape", [4]), "dimensions"),
+        (lambda d: d["codecs"][0]["configuration"]["codecs"][1].__setitem__("name", "gzip"), "codecs is"),
+        (lambda d: d["codecs"][0]["configuration"].__setitem__("index_location", "start"), "codecs is"),
+        (lambda d: d.__setitem__("fill_value", 1), "fill_value is 1"),
+        (lambda d: d.__setitem__("fill_value", False), "fill_value is False"),
+        (lambda d: d.__setitem__("data_type", "float64"), "data_type"),
+        (lambda d: d.__setitem__("storage_transformers", [{"name": "x"}]), "storage_transformers"),
+        (lambda d: d.__setitem__("extra", {"must_understand": False}), "extra is"),
+        (lambda d: d.__setitem__("dimension_names", ["a"]), "dimension_names"),
+        (lambda d: d.pop("chunk_key_encoding"), "chunk_key_encoding is absent"),
+        (lambda d: d["chunk_key_encoding"]["configuration"].__setitem__("separator", "."), "chunk_key_encoding"),
+        (lambda d: d.__setitem__("codecs", []), "sharding_indexed codec alone"),
+    ],
+)
+def test_anything_else_refused(doc: dict, edit, message: str) -> None:
+    d = copy.deepcopy(doc)
+    edit(d)
+    with pytest.raises(FormatError, match=message):
+        ArrayMeta.from_zarr_json(d, "w")
+
+
+def test_load_does_not_import_zarr(tmp_path) -> None:
+    ucp_zarr.save({"w": torch.ones(3, 5), "b": torch.zeros(2, dtype=torch.bfloat16)}, tmp_path / "ck")
+    code = textwrap.dedent(f"""
+        import sys, torch, ucp_zarr
+        sd = {{"w": torch.zeros(3, 5), "b": torch.ones(2, dtype=torch.bfloat16)}}
+        ucp_zarr.load(sd, {str(tmp_path / "ck")!r})
+        assert sd["w"].eq(1).all() and sd["b"].eq(0).all()
+        print(sorted(m for m in sys.modules if m == "zarr" or m.startswith("zarr.")))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
