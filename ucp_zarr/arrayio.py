@@ -36,7 +36,7 @@ from .codec import (
 )
 from .errors import CorruptChunkError, FormatError
 from .format import ArrayMeta
-from .layout import Box, grid_indices
+from .layout import Box, ChunkGrid
 from .storage import Store
 
 if TYPE_CHECKING:
@@ -103,27 +103,40 @@ class Seal:
 
 
 def _chunk_buffers(
-    meta: ArrayMeta, box: Box, src: "torch.Tensor", src_box: Box, stage: "torch.Tensor"
+    chunk_shape: tuple[int, ...], part: "torch.Tensor", stage: "torch.Tensor"
 ) -> tuple[memoryview, int]:
-    """The stored form of the chunk covering ``box`` (its bytes, padded to the full chunk
-    shape at the array's edge) and their crc32c.
+    """The stored form of a chunk whose part inside the array is ``part`` (padded with zeros
+    to ``chunk_shape`` at the array's edge) and its crc32c.
 
-    A chunk that is a contiguous block of ``src`` is returned as a view of it (no copy);
+    A chunk that is a contiguous block of its source is returned as a view of it (no copy);
     any other chunk is copied into ``stage`` (valid until the next call with it)."""
-    grid = meta.grid
-    part = src[box.relative_to(src_box).slices()]
-    if box.shape == grid.chunk_shape and part.is_contiguous():
+    edge = tuple(part.shape) != chunk_shape
+    if not edge and part.is_contiguous():
         data = _bytes_of(part)
         return data, checksum(data)
-    nbytes = math.prod(grid.chunk_shape) * part.element_size()
-    full = stage[:nbytes].view(part.dtype).view(grid.chunk_shape)
-    if box.shape != grid.chunk_shape:
+    nbytes = math.prod(chunk_shape) * part.element_size()
+    full = stage[:nbytes].view(part.dtype).view(chunk_shape)
+    if edge:
         full.zero_()
-        full[Box.whole(box.shape).slices()] = part
+        full[tuple(slice(0, n) for n in part.shape)] = part
     else:
         full.copy_(part)
     data = memoryview(stage.numpy())[:nbytes]
     return data, checksum(data)
+
+
+def _shard_chunks(grid: "ChunkGrid", shard: Sequence[int], src_box: Box) -> Iterator[tuple[slice, ...] | None]:
+    """Every chunk of ``shard`` in C order (its row in the index): the part of the source
+    (holding ``src_box``) that it covers, or None for a chunk wholly beyond the array's edge.
+    Per dim first, then combined (a shard may hold thousands of chunks)."""
+    per_dim: list[list[slice | None]] = []
+    for si, ss, cs, n, so in zip(shard, grid.shard_shape, grid.chunk_shape, grid.shape, src_box.offset):
+        dim: list[slice | None] = []
+        for o in range(si * ss, si * ss + ss, cs):
+            dim.append(slice(o - so, min(o + cs, n) - so) if o < n else None)
+        per_dim.append(dim)
+    for combo in itertools.product(*per_dim):
+        yield None if None in combo else combo  # type: ignore[misc]
 
 
 class _Replayable:
@@ -160,14 +173,13 @@ def write_shard(
         crcs: list[int] = []
         shas: list[bytes] | None = [] if seal.authenticated else None
         offset = 0
-        for n, local in enumerate(grid_indices(cps)):
-            cbox = grid.chunk_box(shard, local)
-            if cbox is None:  # beyond the array's edge: absent from the index, zero in the trailer
+        for n, where in enumerate(_shard_chunks(grid, shard, src_box)):
+            if where is None:  # beyond the array's edge: absent from the index, zero in the trailer
                 crcs.append(0)
                 if shas is not None:
                     shas.append(bytes(32))
                 continue
-            data, crc = _chunk_buffers(meta, cbox, src, src_box, stage)
+            data, crc = _chunk_buffers(grid.chunk_shape, src[where], stage)
             if shas is not None:
                 shas.append(hashlib.sha256(data).digest())
             crcs.append(crc)

@@ -232,9 +232,16 @@ class LocalStore(Store):
         try:
             # joined before the first byte is written: its syncfs reports every later writeback error
             batched = defer and self._batch.join(fd, os.path.dirname(path))
-            # each buffer is written before the next is pulled: producers may reuse memory
+            # each buffer is written before the next is pulled (producers may reuse memory),
+            # except ``bytes``, which cannot change: they join the next buffer's writev
+            held: list[Buffer | bytes] = []
             for b in buffers:
-                total += _writev_all(fd, [b])
+                held.append(b)
+                if not isinstance(b, bytes) or len(held) >= 64:
+                    total += _writev_all(fd, held)
+                    held = []
+            if held:
+                total += _writev_all(fd, held)
             if not batched or total > DEFER_MAX_BYTES:
                 os.fsync(fd)
         finally:
