@@ -112,8 +112,26 @@ def save(
     prepared = prepare(lambda: collect(state_dict, model), store, comm, options, copy=True)
     global _pending
     with _pending_lock:
-        _pending = _background.submit(prepared.finish, background)
+        _pending = _background.submit(_in_background, prepared.finish, background)
         return _pending
+
+
+BACKGROUND_NICE = 10
+"""How much lower the scheduling priority of a background save's threads is than the
+training's: on a busy host the writer yields the CPU to training steps (its I/O does not wait)."""
+
+
+def _in_background(finish: Any, comm: Comm) -> SaveResult:
+    """Run ``finish`` on the background thread at a lower priority (Linux: per thread, and
+    inherited by the worker threads it starts)."""
+    if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
+        try:
+            tid = threading.get_native_id()
+            if os.getpriority(os.PRIO_PROCESS, tid) < BACKGROUND_NICE:
+                os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
+        except OSError:  # not permitted here: run at the same priority
+            pass
+    return finish(comm)
 
 
 def wait_for_pending_save() -> None:

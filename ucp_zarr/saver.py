@@ -522,7 +522,7 @@ def prepare(
     staging: Staging | None = None
     exchange = Exchange()
     try:
-        staging = Staging(plan, col.fragments, comm.rank, copy)
+        staging = Staging(plan, col.fragments, comm.rank, copy, workers=options.max_workers)
         exchange = build_exchange(plan, comm.rank, staging)
         check_sizes(plan, comm.rank, exchange)
     except BaseException as e:

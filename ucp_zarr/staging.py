@@ -13,6 +13,7 @@ Nothing is shared between saves: each :class:`Staging` owns its buffer and its p
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -25,6 +26,8 @@ ALIGN = 64
 """Every staged box starts at a multiple of this many bytes (it can be viewed in its dtype)."""
 POOL_BYTES = 256 << 20
 """The host memory a synchronous save of device tensors stages at once (or one shard, if larger)."""
+PARALLEL_FILL_BYTES = 16 << 20
+"""An asynchronous save's host copy is made by all its workers from this size on."""
 
 
 def aligned(n: int) -> int:
@@ -61,7 +64,8 @@ class Staging:
     """Host copies of the boxes this rank writes or sends: array key -> [(box, copy)]."""
 
     def __init__(
-        self, plan: SavePlan, fragments: dict[str, Fragment], rank: int, copy: bool, pool_bytes: int | None = None
+        self, plan: SavePlan, fragments: dict[str, Fragment], rank: int, copy: bool, pool_bytes: int | None = None,
+        workers: int = 1,
     ) -> None:
         self.plan = plan
         self.fragments = fragments
@@ -84,11 +88,18 @@ class Staging:
         self.nbytes = sum(sizes)
         buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
         pos = 0
+        fills: list[tuple[torch.Tensor, str, Box]] = []
         for (akey, box), size in zip(todo, sizes):
             dst = self._view(buf[pos : pos + box.numel * self._fragment(akey).dtype.itemsize], akey, box)
-            self._fill(dst, akey, box, pin)
+            fills.append((dst, akey, box))
             self.boxes.setdefault(akey, []).append((box, dst))
             pos += size
+        if pin or workers <= 1 or self.nbytes < PARALLEL_FILL_BYTES:
+            for dst, akey, box in fills:
+                self._fill(dst, akey, box, pin)
+        else:  # host copies (and the first touch of the fresh buffer) on every worker: copy_ frees the GIL
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(lambda f: self._fill(*f, False), _balanced(fills, workers)))
         if pin:
             torch.cuda.synchronize()
 
@@ -148,6 +159,23 @@ class Staging:
         """This rank's data of ``box`` of array ``akey``, in the storage dtype (a view)."""
         t, held = self.holding(akey, box)
         return t[box.relative_to(held).slices()]
+
+
+def _balanced(fills: list[tuple[torch.Tensor, str, Box]], workers: int) -> list[tuple[torch.Tensor, str, Box]]:
+    """The copies to make, largest first, a large one cut along dim 0 into about
+    ``workers`` parts, so that the workers finish together."""
+    total = sum(d.nbytes for d, _, _ in fills)
+    out: list[tuple[torch.Tensor, str, Box]] = []
+    for dst, akey, box in fills:
+        parts = min(workers, box.shape[0] if box.ndim else 1, max(1, dst.nbytes * workers // max(total, 1)))
+        rows = -(-box.shape[0] // parts) if parts > 1 else 0
+        if parts <= 1:
+            out.append((dst, akey, box))
+            continue
+        for r in range(0, box.shape[0], rows):
+            n = min(rows, box.shape[0] - r)
+            out.append((dst[r : r + n], akey, Box((box.offset[0] + r,) + box.offset[1:], (n,) + box.shape[1:])))
+    return sorted(out, key=lambda f: -f[0].nbytes)
 
 
 def _pin(fragments: list[Fragment]) -> bool:

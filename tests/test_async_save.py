@@ -1,0 +1,55 @@
+"""An asynchronous save in one process: its host copy (made by all workers above
+``PARALLEL_FILL_BYTES``) is the state at the call, whatever training does next; its
+background thread runs at a lower priority than training."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+import ucp_zarr
+import ucp_zarr.api as api
+from ucp_zarr.staging import PARALLEL_FILL_BYTES
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "big": torch.randn(4001, 1024, generator=g),  # above the threshold alone: cut among workers
+        "t": torch.randn(77, 33, generator=g).t(),  # not contiguous
+        "bf": torch.randn(1000, 999, generator=g).to(torch.bfloat16),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 5),
+        "ints": torch.arange(10**5, dtype=torch.int64),
+        "step": 7,
+    }
+
+
+def test_async_copy_is_the_state_at_the_call(tmp_path) -> None:
+    sd = _state()
+    assert sum(t.nbytes for t in sd.values() if isinstance(t, torch.Tensor)) > PARALLEL_FILL_BYTES
+    want = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+    fut = ucp_zarr.save(sd, tmp_path / "ck", async_save=True, max_workers=3)
+    for v in sd.values():  # training goes on at once
+        if isinstance(v, torch.Tensor) and v.numel():
+            v.fill_(-1)
+    fut.result()
+    out = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in want.items()}
+    ucp_zarr.load(out, tmp_path / "ck")
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(out[k].view(torch.int16) if v.dtype == torch.bfloat16 else out[k],
+                               v.view(torch.int16) if v.dtype == torch.bfloat16 else v), k
+        else:
+            assert out[k] == v
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priorities here")
+def test_background_save_yields_the_cpu(tmp_path) -> None:
+    ucp_zarr.save({"w": torch.ones(4)}, tmp_path / "ck", async_save=True).result()
+    nice = api._background.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    assert nice >= api.BACKGROUND_NICE
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < api.BACKGROUND_NICE  # the caller's is unchanged
