@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 
 from .boxes import Box, grid_indices
 
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20
 """Upper bound of one chunk; see FORMAT.md for the measurement behind it."""
 DEFAULT_SHARD_BYTES = 1 << 30
 """Upper bound of one shard object written by one rank."""
