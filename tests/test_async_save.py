@@ -63,3 +63,24 @@ def test_background_save_yields_the_cpu(tmp_path) -> None:
     nice = api._background.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
     assert nice >= api.BACKGROUND_NICE
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < api.BACKGROUND_NICE  # the caller's is unchanged
+
+
+def test_background_save_writes_on_one_thread(tmp_path, monkeypatch) -> None:
+    """Every writer thread competes with training for the GIL: a background save writes its
+    objects from ``BACKGROUND_WRITERS`` (1) thread, however many ``max_workers`` copy."""
+    from ucp_zarr.storage import LocalStore
+
+    threads: set[int] = set()
+    real = LocalStore.write
+
+    def write(self, key, buffers):
+        threads.add(threading.get_ident())
+        return real(self, key, buffers)
+
+    monkeypatch.setattr(LocalStore, "write", write)
+    sd = {f"w{i}": torch.full((64, 64), float(i)) for i in range(12)}
+    ucp_zarr.save(sd, tmp_path / "ck", async_save=True, max_workers=4).result()
+    assert len(threads) == api.BACKGROUND_WRITERS == 1 and threading.get_ident() not in threads
+    out = {k: torch.zeros(64, 64) for k in sd}
+    ucp_zarr.load(out, tmp_path / "ck")
+    assert all(torch.equal(out[k], sd[k]) for k in sd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -109,6 +110,7 @@ def save(
         background = Comm(async_group if async_group is not None else _background_group(process_group))
         if background.world != comm.world:
             raise CheckpointError(f"async_group has {background.world} ranks, process_group {comm.world}: give the same ranks")
+    options = dataclasses.replace(options, write_workers=min(max_workers, BACKGROUND_WRITERS))
     prepared = prepare(lambda: collect(state_dict, model), store, comm, options, copy=True)
     global _pending
     with _pending_lock:
@@ -116,6 +118,10 @@ def save(
         return _pending
 
 
+BACKGROUND_WRITERS = 1
+"""Threads a background save writes with (its host copy is made by ``max_workers``): every
+writer thread competes with training for the GIL, and a lower nice value does not stop a
+writer holding the GIL from delaying a training step."""
 BACKGROUND_NICE = 10
 """How much lower the scheduling priority of a background save's threads is than the
 training's: on a busy host the writer yields the CPU to training steps (its I/O does not wait)."""

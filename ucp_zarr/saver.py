@@ -57,6 +57,8 @@ class SaveOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     shard_bytes: int = DEFAULT_SHARD_BYTES
     max_workers: int = 4
+    write_workers: int | None = None
+    """Threads writing shards (default ``max_workers``, which also make host copies)."""
     overwrite: bool = False
     overwrite_incomplete: bool = False
     lease_s: float = DEFAULT_LEASE_S
@@ -259,7 +261,7 @@ class PreparedSave:
 
         docs = [(k, d) for k, d in documents(plan) if plan.doc_writers.get(k) == rank]
         tasks = [(n, t) for n, t in plan.numbered() if t.writer == rank]
-        with ThreadPoolExecutor(self.options.max_workers) as pool:
+        with ThreadPoolExecutor(self.options.write_workers or self.options.max_workers) as pool:
             doc_jobs = [pool.submit(write_doc, k, d) for k, d in docs]
             jobs = {n: pool.submit(write_task, n, t) for n, t in tasks}
             _first_failure([*doc_jobs, *jobs.values()])
