@@ -545,6 +545,9 @@ def isolated(work: Callable[[list[dict[str, Any]]], None], *, watch: Path, timeo
     if pid == 0:  # the child: never returns
         code = 0
         try:
+            # intra-op work inline: an OpenMP pool the parent started (any earlier test's large
+            # tensor op in this process) does not survive fork, and entering it would hang
+            torch.set_num_threads(1)
             os.close(r)
             _, hard = resource.getrlimit(resource.RLIMIT_AS)
             limit = vsz + headroom

@@ -287,23 +287,37 @@ def read_shard_head(store: Store, path: str, meta: ArrayMeta, shard: Sequence[in
 
     Raises :class:`CorruptChunkError` when the shard is missing, damaged, marks a chunk
     inside the array absent, or belongs to another array or another save."""
+    key, where = _shard_where(store, path, shard)
+    try:
+        raw = store.read_tail(key, _head_nbytes(meta, seal))
+    except FileNotFoundError:
+        raise CorruptChunkError(f"{where} (tensor {meta.key!r}) is missing") from None
+    except FormatError as e:  # a directory or special file where the shard belongs
+        raise CorruptChunkError(f"{where} (tensor {meta.key!r}): {e}") from None
+    except OSError as e:
+        raise CorruptChunkError(f"{where} (tensor {meta.key!r}) is truncated: {e}") from None
+    return decode_shard_head(store, path, meta, shard, seal, raw)
+
+
+def _head_nbytes(meta: ArrayMeta, seal: Seal) -> int:
+    cps = meta.grid.chunks_per_shard
+    return trailer_nbytes(math.prod(cps), seal.authenticated) + index_nbytes(cps)
+
+
+def decode_shard_head(
+    store: Store, path: str, meta: ArrayMeta, shard: Sequence[int], seal: Seal, raw: bytes | memoryview
+) -> ShardHead:
+    """Check the trailer and index at the end of ``raw`` (the shard's tail, or all of it)."""
     grid = meta.grid
     cps = grid.chunks_per_shard
     n = math.prod(cps)
     key, where = _shard_where(store, path, shard)
     where = f"{where} (tensor {meta.key!r})"
     tn = trailer_nbytes(n, seal.authenticated)
-    try:
-        raw = store.read_tail(key, tn + index_nbytes(cps))
-    except FileNotFoundError:
-        raise CorruptChunkError(f"{where} is missing") from None
-    except FormatError as e:  # a directory or special file where the shard belongs
-        raise CorruptChunkError(f"{where}: {e}") from None
-    except OSError as e:
-        raise CorruptChunkError(f"{where} is truncated: {e}") from None
-    index = decode_index(memoryview(raw)[tn:], cps, where)
+    tail = memoryview(raw)[len(raw) - _head_nbytes(meta, seal) :]
+    index = decode_index(tail[tn:], cps, where)
     trailer = decode_trailer(
-        memoryview(raw)[:tn], n, seal.save_id, key, where, authenticated=seal.authenticated, hmac_key=seal.hmac_key
+        tail[:tn], n, seal.save_id, key, where, authenticated=seal.authenticated, hmac_key=seal.hmac_key
     )
     inside = _inside_rows(meta, shard)
     absent = index[:, 0] == MISSING
@@ -318,6 +332,25 @@ def read_shard_head(store: Store, path: str, meta: ArrayMeta, shard: Sequence[in
     return ShardHead(index, trailer)
 
 
+def read_small_shard(
+    store: Store, path: str, meta: ArrayMeta, shard: Sequence[int], seal: Seal, limit: int
+) -> memoryview | None:
+    """The whole object of ``shard`` in one request, when it is at most ``limit`` bytes (its
+    size follows from the grid: every chunk inside the array is stored). None when larger,
+    when the store cannot read a small object whole, or when the object is not exactly that
+    size: the two-request path then names what is wrong."""
+    chunk_nbytes = math.prod(meta.grid.chunk_shape) * meta.dtype.itemsize + CRC_BYTES
+    size = int(_inside_rows(meta, shard).sum()) * chunk_nbytes + _head_nbytes(meta, seal)
+    if size > limit:
+        return None
+    key, _ = _shard_where(store, path, shard)
+    try:
+        raw = store.read_small(key, size)
+    except (OSError, FormatError):
+        return None
+    return memoryview(raw) if raw is not None and len(raw) == size else None
+
+
 def read_box(
     store: Store,
     path: str,
@@ -326,11 +359,13 @@ def read_box(
     out: np.ndarray,
     shard: Sequence[int],
     head: ShardHead,
+    whole: memoryview | None = None,
 ) -> None:
     """Fill the part of ``out`` (a numpy array of any strides that holds ``box``, in the
     storage dtype: :attr:`.StoredDtype.numpy_dtype`) that shard
     ``shard`` covers, reading only the chunks that overlap ``box``; ``head`` is the shard's
-    checked index and trailer (:func:`read_shard_head`)."""
+    checked index and trailer (:func:`read_shard_head`); ``whole``, when given, the shard's
+    object already read (:func:`read_small_shard`), which the chunks are copied from."""
     grid = meta.grid
     key, where = _shard_where(store, path, shard)
     pieces = _chunk_pieces(meta, box, out, shard, head.index)
@@ -350,7 +385,10 @@ def read_box(
                 p.scratch = stage[at : at + p.nbytes]  # the stored chunk: its bytes, then its crc
                 bufs.append(memoryview(p.scratch))
                 at += _aligned(p.nbytes)  # every staged chunk starts 64-byte aligned
-        _readv(store, key, where, meta, [(run[0].offset, bufs)])
+        if whole is None:
+            _readv(store, key, where, meta, [(run[0].offset, bufs)])
+        else:
+            _copy_out(whole, run[0].offset, bufs, f"{where} (tensor {meta.key!r})")
         for p in run:
             chunk_where = f"{where} (tensor {meta.key!r}, chunk at {p.origin})"
             if p.direct is not None:
@@ -367,6 +405,16 @@ def read_box(
             chunk = p.scratch[:n].view(out.dtype).reshape(grid.chunk_shape)
             out[p.dst] = chunk[p.src]
             p.scratch = None
+
+
+def _copy_out(whole: memoryview, offset: int, bufs: list[memoryview], where: str) -> None:
+    """Fill ``bufs`` in turn from ``whole`` at ``offset`` (as a read of that range would)."""
+    for b in bufs:
+        n = b.nbytes
+        if offset + n > len(whole):
+            raise CorruptChunkError(f"{where} is truncated: its index points beyond its {len(whole)} bytes")
+        b[:] = whole[offset : offset + n]
+        offset += n
 
 
 def _readv(store: Store, key: str, where: str, meta: ArrayMeta, requests: list[tuple[int, list[memoryview]]]) -> None:

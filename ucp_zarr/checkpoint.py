@@ -15,7 +15,16 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
-from .arrayio import Seal, ShardHead, as_storage, read_box, read_shard_head, verify_shard
+from .arrayio import (
+    Seal,
+    ShardHead,
+    as_storage,
+    decode_shard_head,
+    read_box,
+    read_shard_head,
+    read_small_shard,
+    verify_shard,
+)
 from .dtypes import is_lossless_cast, stored_dtype_by_name
 from .errors import CorruptChunkError, DtypeMismatchError, FormatError, ShapeMismatchError
 from .format import ATTRIBUTE, METADATA_FILE, ArrayMeta, CheckpointMeta, TensorEntry, parse_document
@@ -164,18 +173,33 @@ class Checkpoint:
         return head
 
     def _read_into(self, key: str, box: Box, raw: np.ndarray, rank: int | None) -> None:
-        """Fill ``raw`` (storage dtype, shape of ``box``, any strides) with ``box`` of ``key``."""
+        """Fill ``raw`` (storage dtype, shape of ``box``, any strides) with ``box`` of ``key``.
+        A small shard that ``box`` covers whole, whose index is not known yet, is fetched in
+        one request (its index, trailer and chunks) instead of two."""
         meta = self.array_meta(key, rank)
         path = self._path(key, rank)
         for shard in meta.grid.shards_overlapping(box):
-            read_box(self.store, path, meta, box, raw, shard, self._head(path, meta, shard))
+            with self._lock:
+                head = self._heads.get((path, shard))
+            whole = None
+            if head is None and box.contains(meta.grid.shard_box(shard)):
+                whole = read_small_shard(self.store, path, meta, shard, self.seal, WHOLE_SHARD_BYTES)
+            if whole is not None:
+                head = decode_shard_head(self.store, path, meta, shard, self.seal, whole)
+                with self._lock:
+                    self._heads[(path, shard)] = head
+            else:
+                head = self._head(path, meta, shard)
+            read_box(self.store, path, meta, box, raw, shard, head, whole)
 
-    def _check_box(self, key: str, box: Box | None, rank: int | None) -> tuple[ArrayMeta, Box]:
+    def _check_box(
+        self, key: str, box: Box | None, rank: int | None, corners: bool = True
+    ) -> tuple[ArrayMeta, Box]:
         meta = self.array_meta(key, rank)
         box = box or Box.whole(meta.shape)
         if box.ndim != len(meta.shape) or any(s > n for s, n in zip(box.stop, meta.shape)):
             raise IndexError(f"tensor {key!r}: box {box} is outside its shape {list(meta.shape)}")
-        if not box.is_empty():  # the first and last shards exist before memory is committed
+        if corners and not box.is_empty():  # the first and last shards exist before memory is committed
             path = self._path(key, rank)
             for corner in (box.offset, tuple(o + n - 1 for o, n in zip(box.offset, box.shape))):
                 self._head(path, meta, tuple(i // s for i, s in zip(corner, meta.grid.shard_shape)))
@@ -243,7 +267,7 @@ class Checkpoint:
                     f"tensor {key!r}: the checkpoint holds {src}, the destination is {out.dtype}; converting "
                     "loses information (pass allow_lossy_cast=True to convert anyway)"
                 )
-        meta, box = self._check_box(key, box, rank)
+        meta, box = self._check_box(key, box, rank, corners=out is None)
         direct = out is not None and out.device.type == "cpu" and out.dtype == meta.dtype.torch_dtype
         if out is None or direct:
             dest = out if direct else torch.empty(box.shape, dtype=meta.dtype.torch_dtype)
@@ -318,6 +342,8 @@ class Checkpoint:
         return checkpoint_html(self)
 
 
+WHOLE_SHARD_BYTES = 4 << 20
+"""A shard object up to this size that a read covers whole is fetched in one request."""
 STAGE_BYTES = 64 << 20
 """The most host memory a read into a device tensor (or another dtype) stages at a time."""
 

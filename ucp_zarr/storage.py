@@ -106,6 +106,13 @@ class Store:
     def read_tail(self, key: str, nbytes: int) -> bytes:
         raise NotImplementedError
 
+    def read_small(self, key: str, limit: int) -> bytes | None:
+        """The whole object in one request if it has at most ``limit`` bytes, else None; None
+        also where a request costs little (a local file: reading the index, then the data
+        straight into the destination, measured as fast) or a store cannot tell cheaply.
+        :class:`FileNotFoundError` if absent."""
+        return None
+
     def readv(self, key: str, requests: Sequence[ReadRequest]) -> None:
         raise NotImplementedError
 
@@ -644,6 +651,14 @@ class FsspecStore(Store):
         data = self.retry.call(f"reading {self.url}/{key}", lambda: self.fs.cat_file(self._path(key)))
         self.stats.add_read(len(data))
         return data
+
+    def read_small(self, key: str, limit: int) -> bytes | None:
+        # one ranged request for at most limit + 1 bytes: more than limit means a larger object
+        data = self.retry.call(
+            f"reading {self.url}/{key}", lambda: self.fs.cat_file(self._path(key), start=0, end=limit + 1)
+        )
+        self.stats.add_read(len(data))
+        return data if len(data) <= limit else None
 
     def read_tail(self, key: str, nbytes: int) -> bytes:
         data = self.retry.call(f"reading {self.url}/{key}", lambda: self.fs.cat_file(self._path(key), start=-nbytes))
