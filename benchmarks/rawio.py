@@ -3,9 +3,10 @@ in-place parallel ``preadv`` reads of the same files, shared by the benchmarks."
 
 from __future__ import annotations
 
+import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -14,16 +15,7 @@ def raw_write(path: str, sizes: list[int], src: torch.Tensor, threads: int) -> N
     """``len(sizes)`` files of these sizes from consecutive ranges of ``src``, written by
     ``threads`` threads, each ``write`` + ``fsync``; then the directory is fsynced."""
     os.makedirs(path)
-    view = memoryview(src.numpy())
-    offsets = [0]
-    for n in sizes[:-1]:
-        offsets.append(offsets[-1] + n)
-
-    def one(i: int) -> None:
-        write_durably(os.path.join(path, str(i)), view[offsets[i] : offsets[i] + sizes[i]])
-
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, range(len(sizes))))
+    _per_file(path, sizes, src, threads, write_durably)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -34,13 +26,17 @@ def raw_write(path: str, sizes: list[int], src: torch.Tensor, threads: int) -> N
 def raw_read(path: str, sizes: list[int], dst: torch.Tensor, threads: int) -> None:
     """Read the files of :func:`raw_write` with ``preadv`` into consecutive ranges of the
     preallocated ``dst``, ``threads`` at a time."""
-    view = memoryview(dst.numpy())
-    offsets = [0]
-    for n in sizes[:-1]:
-        offsets.append(offsets[-1] + n)
+    _per_file(path, sizes, dst, threads, pread_exact)
+
+
+def _per_file(path: str, sizes: list[int], buf: torch.Tensor, threads: int, fn: Callable[[str, memoryview], None]) -> None:
+    """``fn(file i, its range of buf)`` for the files ``0 .. len(sizes) - 1`` under ``path``,
+    whose ranges follow each other in ``buf``, on ``threads`` threads."""
+    view = memoryview(buf.numpy())
+    offsets = [0, *itertools.accumulate(sizes)]
 
     def one(i: int) -> None:
-        pread_exact(os.path.join(path, str(i)), view[offsets[i] : offsets[i] + sizes[i]])
+        fn(os.path.join(path, str(i)), view[offsets[i] : offsets[i + 1]])
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, range(len(sizes))))

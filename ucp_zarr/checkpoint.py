@@ -163,11 +163,16 @@ class Checkpoint:
             raise FormatError(f"{where}: per-rank copy of rank {meta.rank}, the index says {rank}")
         return meta
 
-    def _head(self, path: str, meta: ArrayMeta, shard: tuple[int, ...]) -> ShardHead:
+    def _head(self, path: str, meta: ArrayMeta, shard: tuple[int, ...], whole: memoryview | None = None) -> ShardHead:
+        """The shard's checked index and trailer, read once (from ``whole``, the shard's object,
+        when given)."""
         with self._lock:
             head = self._heads.get((path, shard))
         if head is None:
-            head = read_shard_head(self.store, path, meta, shard, self.seal)
+            if whole is not None:
+                head = decode_shard_head(self.store, path, meta, shard, self.seal, whole)
+            else:
+                head = read_shard_head(self.store, path, meta, shard, self.seal)
             with self._lock:
                 self._heads[(path, shard)] = head
         return head
@@ -180,17 +185,11 @@ class Checkpoint:
         path = self._path(key, rank)
         for shard in meta.grid.shards_overlapping(box):
             with self._lock:
-                head = self._heads.get((path, shard))
+                known = (path, shard) in self._heads
             whole = None
-            if head is None and box.contains(meta.grid.shard_box(shard)):
+            if not known and box.contains(meta.grid.shard_box(shard)):
                 whole = read_small_shard(self.store, path, meta, shard, self.seal, WHOLE_SHARD_BYTES)
-            if whole is not None:
-                head = decode_shard_head(self.store, path, meta, shard, self.seal, whole)
-                with self._lock:
-                    self._heads[(path, shard)] = head
-            else:
-                head = self._head(path, meta, shard)
-            read_box(self.store, path, meta, box, raw, shard, head, whole)
+            read_box(self.store, path, meta, box, raw, shard, self._head(path, meta, shard, whole), whole)
 
     def _check_box(
         self, key: str, box: Box | None, rank: int | None, corners: bool = True

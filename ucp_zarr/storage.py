@@ -414,30 +414,19 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _load_syncfs() -> Callable[[int], int] | None:
+def _libc(name: str, *argtypes: Any) -> Callable[..., int] | None:
+    """The C library's function ``name`` (returning int, setting errno), or None where absent."""
     try:
-        fn = ctypes.CDLL(None, use_errno=True).syncfs
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int]
+    fn.argtypes = list(argtypes)
     fn.restype = ctypes.c_int
     return fn
 
 
-_SYNCFS = _load_syncfs()
-
-
-def _load_sync_file_range() -> Callable[..., int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNCFS = _libc("syncfs", ctypes.c_int)
+_SYNC_FILE_RANGE = _libc("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 _SYNC_FILE_RANGE_WRITE = 2
 
 
