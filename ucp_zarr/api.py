@@ -114,7 +114,7 @@ def save(
     prepared = prepare(lambda: collect(state_dict, model), store, comm, options, copy=True)
     global _pending
     with _pending_lock:
-        _pending = _background.submit(_in_background, prepared.finish, background)
+        _pending = _background.submit(_in_background, prepared.finish, background, _nice())
         return _pending
 
 
@@ -123,19 +123,33 @@ BACKGROUND_WRITERS = 1
 writer thread competes with training for the GIL, and a lower nice value does not stop a
 writer holding the GIL from delaying a training step."""
 BACKGROUND_NICE = 10
-"""How much lower the scheduling priority of a background save's threads is than the
-training's: on a busy host the writer yields the CPU to training steps (its I/O does not wait)."""
+"""How much higher the nice value (the lower the scheduling priority) of a background save's
+threads is than that of the thread that called :func:`save` (capped at ``MAX_NICE``): on a busy
+host the writer yields the CPU to training steps (its I/O does not wait), however nice the job
+itself already runs."""
+MAX_NICE = 19
 
 
-def _in_background(finish: Any, comm: Comm) -> SaveResult:
-    """Run ``finish`` on the background thread at a lower priority (Linux: per thread, and
-    inherited by the worker threads it starts)."""
-    if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
+def _nice() -> int | None:
+    """The calling thread's nice value (None where threads have none)."""
+    if not (hasattr(os, "getpriority") and hasattr(threading, "get_native_id")):
+        return None
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except OSError:
+        return None
+
+
+def _in_background(finish: Any, comm: Comm, caller_nice: int | None) -> SaveResult:
+    """Run ``finish`` on the background thread at ``BACKGROUND_NICE`` below the caller's
+    priority (Linux: per thread, and inherited by the worker threads it starts)."""
+    own = _nice()
+    if own is not None and caller_nice is not None:
+        want = min(caller_nice + BACKGROUND_NICE, MAX_NICE)
         try:
-            tid = threading.get_native_id()
-            if os.getpriority(os.PRIO_PROCESS, tid) < BACKGROUND_NICE:
-                os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
-        except OSError:  # not permitted here: run at the same priority
+            if own != want:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), want)
+        except OSError:  # not permitted here (raising the priority back needs CAP_SYS_NICE): keep it
             pass
     return finish(comm)
 
