@@ -28,6 +28,7 @@ from .errors import (
     PerRankStateError,
     SaveError,
     ShapeMismatchError,
+    UnsafePathError,
     UntrustedInputError,
 )
 from .version import __version__
@@ -97,6 +98,7 @@ __all__ = [
     "Shard",
     "ShapeMismatchError",
     "TensorView",
+    "UnsafePathError",
     "UntrustedInputError",
     "ZarrStorageReader",
     "ZarrStorageWriter",

@@ -111,6 +111,15 @@ class ConversionError(CheckpointError, ValueError):
     inconsistent partitions); the message names the file."""
 
 
+class UnsafePathError(ConversionError, FormatError):
+    """A name taken from input data (a parameter name, a value of a checkpoint, a file
+    named inside a foreign checkpoint or index) would make a path outside the folder it
+    belongs in, or one that means something else on another system (``..``, a separator,
+    a drive letter, a control character, a Unicode look-alike, over 255 bytes), or a path
+    written would pass through a symbolic link; the message names the name, where it came
+    from and the folder (see :mod:`ucp_zarr.safe_paths`)."""
+
+
 class UntrustedInputError(ConversionError):
     """A foreign file needs full unpickling (arbitrary code) to be read; pass ``trust=True``
     (``--trust``) only for files from a source you trust."""

@@ -28,8 +28,9 @@ from typing import Any, Callable
 
 from ..checkpoint import open as open_checkpoint
 from ..errors import ConversionError
+from ..safe_paths import check_no_links_under
 from ..saver import SaveOptions, SaveResult
-from ..storage import open_store
+from ..storage import LocalStore, open_store
 from ..writer import CONVERT_SHARD_BYTES, total_bytes, write_checkpoint
 from .base import Imported
 
@@ -98,8 +99,11 @@ def convert(
     is called with bytes as shards are read."""
     imported = read_source(src, source, rules=rules, trust=trust, prefix=prefix)
     options = SaveOptions(shard_bytes=shard_bytes, max_workers=max_workers, overwrite=overwrite)
+    store = open_store(dst, storage_options)
+    if isinstance(store, LocalStore):
+        check_no_links_under(Path(store.root), f"converting {src}")
     return write_checkpoint(
-        open_store(dst, storage_options), imported.tensors, imported.values, options=options,
+        store, imported.tensors, imported.values, options=options,
         layout=imported.layout, progress=_running_total(progress, total_bytes(imported.tensors)),
     )
 

@@ -44,6 +44,7 @@ import torch
 from ..checkpoint import Checkpoint
 from ..errors import ConversionError, NotJSONableError, UntrustedInputError
 from ..layout import Box
+from ..safe_paths import inside_relative
 from ..statedict import from_json, to_json
 from .base import Imported, atomic_folder
 
@@ -402,10 +403,7 @@ def _storage(md: Any, src: Path, mfile: Path) -> dict[tuple[str, tuple[int, ...]
             ok = False
         if not ok:
             raise ConversionError(f"{mfile}: a malformed storage entry {str(index)[:200]}: {str(info)[:200]}") from None
-        parts = PurePosixPath(rel.replace("\\", "/")).parts
-        if not parts or rel.startswith(("/", "\\")) or ".." in parts or ":" in parts[0]:
-            raise ConversionError(f"{mfile}: the entry of {fqn!r} names the file {rel!r}, outside the checkpoint folder")
-        file = src.joinpath(*parts)
+        file = inside_relative(src, rel, f"{mfile}: the entry of {fqn!r} names the file")
         if rel not in sizes:
             if not file.is_file():
                 raise ConversionError(f"{file}: missing (the checkpoint's .metadata names it)")

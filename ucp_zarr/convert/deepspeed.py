@@ -49,6 +49,7 @@ from ..layout.zero import (
     zero12_partition_size,
     zero12_pieces,
 )
+from ..safe_paths import inside
 from ..writer import InMemory
 from .base import Imported, Opaque, plain, release_pages, torch_load_mapped
 
@@ -184,12 +185,9 @@ def step_folder(src: Path) -> Path:
         raise ConversionError(f"{src}: not a folder (give the folder holding 'latest', or a global_step folder)")
     latest = src / "latest"
     if latest.is_file() and not any(src.glob("*_optim_states.pt")):
-        tag = latest.read_text().strip()
-        if not tag or "/" in tag or tag.startswith("."):
-            raise ConversionError(f"{latest}: names no usable tag ({tag!r})")
-        src = src / tag
+        src = inside(src, latest.read_text(errors="replace").strip(), f"{latest}: the tag")
         if not src.is_dir():
-            raise ConversionError(f"{latest} names {tag!r}, which is not a folder beside it")
+            raise ConversionError(f"{latest} names {src.name!r}, which is not a folder beside it")
     return src
 
 

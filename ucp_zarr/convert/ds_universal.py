@@ -38,6 +38,9 @@ whole (buffers, frozen parameters, tied copies) and each trainable parameter as 
 tensor of its training dtype (its values are in ``zero/``; imported again, ``model.<name>``
 is the master cast to that dtype, as ``load_universal`` itself makes the module's weights).
 Streamed one parameter at a time into a temporary folder renamed into place at the end.
+Parameter names, state keys and the tag become file names, so each must be one plain file
+name (:mod:`ucp_zarr.safe_paths`): ``model.../../x`` is refused with
+:class:`~ucp_zarr.errors.UnsafePathError`, as are such names in an imported folder's files.
 
 What ``load_universal`` reads from the model-states file (DeepSpeed 0.19): exactly one file
 (its ``mp_world_size`` must be 1), ``dp_world_size``, ``global_steps``, ``skipped_steps``,
@@ -77,6 +80,7 @@ import torch
 from ..errors import ConversionError
 from ..layout import Box
 from ..layout.zero import FlatPiece
+from ..safe_paths import check_name, inside
 from ..writer import InMemory
 from .base import Imported, Opaque, atomic_folder, plain, release_pages, torch_load, torch_load_mapped
 from .deepspeed import OPAQUE, FlatParam, Mapped, _check_rank_numbers, _get, _load, _other_state, _rank, _rows, _scalar
@@ -128,7 +132,8 @@ def read(src: Path, *, trust: bool = False, prefix: str = "", rules: Any = None,
     for g, group in enumerate(shapes):
         scalars = group_states[g] if g < len(group_states) else {}
         for name, shape in group.items():
-            _add_param(out, zero, name, shape, module.get(name), scalars, trust)
+            folder = inside(zero, name, f"{model_files[0]}: param_shapes names the parameter")
+            _add_param(out, folder, name, shape, module.get(name), scalars, trust)
     _frozen_zero3(out, models, model_files)
     _other_state(out, model, _as_zero_osd(osd), shapes)
     return out
@@ -144,12 +149,9 @@ def universal_folder(src: Path) -> Path:
     latest = src / LATEST
     if not latest.is_file():
         raise ConversionError(f"{src}: neither a zero/ folder nor a '{LATEST}' file: not a DeepSpeed universal checkpoint")
-    tag = latest.read_text().strip()
-    if not tag or "/" in tag or tag.startswith("."):
-        raise ConversionError(f"{latest}: names no usable tag ({tag!r})")
-    folder = src / tag
+    folder = inside(src, latest.read_text(errors="replace").strip(), f"{latest}: the tag")
     if not (folder / "zero").is_dir():
-        raise ConversionError(f"{latest} names {tag!r}, which is not a universal folder (with zero/) beside it")
+        raise ConversionError(f"{latest} names {folder.name!r}, which is not a universal folder (with zero/) beside it")
     return folder
 
 
@@ -187,9 +189,8 @@ def _as_zero_osd(osd: dict[str, Any]) -> dict[str, Any]:
     return osd
 
 
-def _add_param(out: Imported, zero: Path, name: str, shape: tuple[int, ...], held: Any, scalars: dict[str, Any],
+def _add_param(out: Imported, folder: Path, name: str, shape: tuple[int, ...], held: Any, scalars: dict[str, Any],
                trust: bool) -> None:
-    folder = zero / name
     if not folder.is_dir():
         raise ConversionError(f"{folder}: missing: the universal checkpoint holds no state of parameter {name!r}")
     files = {f.name[:-3]: f for f in folder.iterdir() if f.name.endswith(".pt") and f.is_file()}
@@ -345,10 +346,8 @@ def write(
             shapes[-1][name] = torch.Size(tensors[holder].shape)
             dtypes[name] = getattr(torch, tensors[holder].dtype if holder.startswith("model.") else "float32")
     steps = values.get("deepspeed.global_steps", values.get("step", 0))
-    tag = tag or f"global_step{steps}"
-    if not tag or "/" in tag or tag.startswith("."):
-        raise ConversionError(f"tag {tag!r} is not a usable folder name")
-    folder_name = f"{tag}_universal"
+    folder_name = check_name(f"{tag or f'global_step{steps}'}_universal",
+                             "the tag's folder" if tag else f"checkpoint {ck.store.url}: the folder of its step")
     with atomic_folder(Path(dst), overwrite=overwrite) as tmp:
         folder = tmp / folder_name
         zero = folder / "zero"
@@ -357,7 +356,9 @@ def write(
         for group in shapes:
             group_steps.append(None)
             for name, shape in group.items():
-                step = _write_param(ck, values, zero / name, name, shape, state_keys.get(name, []), progress)
+                where = f"checkpoint {ck.store.url}: the parameter of 'optim.param_groups' (or of its optimizer state)"
+                step = _write_param(ck, values, inside(zero, name, where, write=True), name, shape,
+                                    state_keys.get(name, []), progress)
                 if group_steps[-1] is None:
                     group_steps[-1] = step
         _save(_optimizer_state(values, groups, group_steps), zero / OPTIMIZER_STATE)
@@ -406,15 +407,16 @@ def _write_param(ck: Any, values: dict[str, Any], folder: Path, name: str, shape
         if key == MASTER:
             continue
         full = f"optim.state.{name}.{key}"
+        file = inside(folder, f"{key}.pt", f"checkpoint {ck.store.url}: the file of {full!r}", write=True)
         if full in tensors:
             t = tensor(full)
             if key != "step" and t.dim() > 0 and t.numel() == numel:
-                _save({"param": t.reshape(shape), "cat_dim": 0}, folder / f"{key}.pt")
+                _save({"param": t.reshape(shape), "cat_dim": 0}, file)
                 continue
             v: Any = t
         else:
             v = values.get(full)
-        _save(v, folder / f"{key}.pt")  # a per-parameter scalar: DeepSpeed keeps the bare step
+        _save(v, file)  # a per-parameter scalar: DeepSpeed keeps the bare step
         if key == "step":
             step = v
     return step

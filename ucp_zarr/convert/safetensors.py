@@ -22,6 +22,7 @@ import torch
 from ..checkpoint import Checkpoint
 from ..errors import ConversionError
 from ..layout import Box
+from ..safe_paths import inside_relative
 from .base import Imported, atomic_folder
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -90,7 +91,10 @@ def _files(src: Path) -> list[Path]:
             weight_map = json.loads(src.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ConversionError(f"{src}: not a safetensors index ({e})") from None
-        files = sorted({src.parent / f for f in weight_map.values()})
+        if not isinstance(weight_map, dict):
+            raise ConversionError(f"{src}: not a safetensors index (its weight_map is a {type(weight_map).__name__})")
+        files = sorted({inside_relative(src.parent, f, f"{src}: the weight_map of {k!r} names the file")
+                        for k, f in weight_map.items()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ConversionError(f"{src}: names shard files that do not exist: {missing}")
