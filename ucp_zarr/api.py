@@ -1,4 +1,5 @@
-"""The Python face: :func:`save` and :func:`load` (``open`` lives in :mod:`.checkpoint`)."""
+"""The Python face: :func:`save` and :func:`load` (``load`` lives in :mod:`.loader`, ``open`` in
+:mod:`.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -6,26 +7,15 @@ import dataclasses
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Mapping, MutableMapping
+from typing import Any, Mapping
 
 import torch
 
-from .checkpoint import Checkpoint, open_store_checkpoint
 from .distributed import Comm
-from .dtypes import is_lossless_cast, stored_dtype_by_name
-from .errors import (
-    CheckpointError,
-    DtypeMismatchError,
-    KeyMismatchError,
-    LayoutError,
-    PerRankStateError,
-    ShapeMismatchError,
-)
-from .fragments import Fragment, PerRank, Placed, is_fragment_value, to_fragment
+from .errors import CheckpointError
 from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
-from .rules import same_meaning
+from .loader import load  # noqa: F401  (ucp_zarr.api.load, as ever)
 from .saver import SaveOptions, SaveResult, collect, prepare
-from .statedict import from_json, iter_leaves, set_leaf
 from .storage import open_store
 from .transaction import DEFAULT_LEASE_S
 
@@ -177,119 +167,3 @@ def _background_group(group: Any) -> Any:
         _async_groups[ranks] = held
     return held[1]
 
-
-def load(
-    state_dict: MutableMapping[str, Any],
-    path: str | os.PathLike[str],
-    *,
-    strict: bool = True,
-    allow_new_ranks: bool = False,
-    allow_lossy_cast: bool = False,
-    allow_other_rules: bool = False,
-    hmac_key: bytes | None = None,
-    process_group: Any = None,
-    storage_options: dict[str, Any] | None = None,
-    max_workers: int = DEFAULT_WORKERS,
-) -> MutableMapping[str, Any]:
-    """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
-
-    Every rank reads only the chunks that overlap what its own tensors hold (DTensor,
-    :class:`~ucp_zarr.Shard`, :class:`~ucp_zarr.FlatShard` or whole tensors), whatever the
-    saving layout was. Tensors keep their dtype and device (a lossy conversion, such as
-    ``float32`` into ``bfloat16``, needs ``allow_lossy_cast``); other values are replaced.
-    Per-rank state (:class:`~ucp_zarr.PerRank`) is restored from the copy of the saving
-    rank of the same number.
-
-    With ``strict``: keys missing from the checkpoint or unexpected in it raise one
-    :class:`~ucp_zarr.KeyMismatchError` listing them all, and a rank that did not exist at
-    save time raises :class:`~ucp_zarr.PerRankStateError` for per-rank state it cannot
-    restore, unless ``allow_new_ranks`` (then it keeps its current values, as it always
-    does without ``strict``). Everything is checked before anything is read.
-    ``hmac_key`` refuses a checkpoint that is unsigned or was changed after signing.
-
-    A state dict placed by rules (:func:`ucp_zarr.place`) is filled in place from the
-    consolidated tensors, whatever layout saved them; padding rows get zeros. Loading with
-    rules that give a tensor another consolidated form (other fused sub-parameter sizes,
-    another vocabulary size) raises :class:`~ucp_zarr.LayoutError` unless
-    ``allow_other_rules``. With ``strict``, a placed load on several ranks checks the keys
-    against the union of every rank's (a collective: every rank of ``process_group`` calls
-    ``load``).
-    """
-    comm = Comm(process_group)
-    rank = comm.rank
-    ck = open_store_checkpoint(open_store(path, storage_options), hmac_key)
-    leaves = {leaf.key: leaf for leaf in iter_leaves(state_dict)}
-    # a tensor placed by rules is read from its consolidated key
-    stored_key = {k: leaf.value.key if isinstance(leaf.value, Placed) else k for k, leaf in leaves.items()}
-    meta = ck.meta
-    saved_values = set(meta.values) | set(meta.rank_values)
-    saved = list(meta.tensors) + list(meta.values) + list(meta.rank_values)
-    missing = [k for k, s in stored_key.items() if s not in meta.tensors and s not in saved_values]
-    held = set(stored_key.values())
-    if strict and comm.active and any(isinstance(leaf.value, Placed) for leaf in leaves.values()):
-        # placed state dicts hold different keys on different ranks (pipeline stages, experts)
-        held = set().union(*comm.all_gather(held))
-    unexpected = [k for k in saved if k not in held]
-    if strict and (missing or unexpected):
-        raise KeyMismatchError(missing, unexpected)
-
-    reads: list[tuple[str, Fragment, bool]] = []
-    unrestorable: list[str] = []
-    for leaf_key, leaf in leaves.items():
-        key = stored_key[leaf_key]
-        value = leaf.value.value if isinstance(leaf.value, PerRank) else leaf.value
-        if key in meta.tensors:
-            entry = meta.tensors[key]
-            if not is_fragment_value(value):
-                raise DtypeMismatchError(f"key {key!r}: the checkpoint holds a tensor, the state dict a {type(value).__name__}")
-            frag = to_fragment(key, value)
-            if not allow_other_rules and not same_meaning(entry.rule, frag.meaning):
-                raise LayoutError(
-                    f"tensor {key!r} was saved as {entry.rule} and the rules loading it ({frag.rule!r}) make it "
-                    f"{frag.meaning}: another consolidated form (pass allow_other_rules=True to load it anyway)"
-                )
-            if frag.shape != entry.shape:
-                raise ShapeMismatchError(
-                    f"tensor {key!r}: checkpoint shape {list(entry.shape)}, state dict shape {list(frag.shape)}"
-                )
-            saved_dtype = stored_dtype_by_name(entry.dtype).torch_dtype
-            if not allow_lossy_cast and not is_lossless_cast(saved_dtype, frag.dtype):
-                raise DtypeMismatchError(
-                    f"tensor {key!r}: the checkpoint holds {saved_dtype}, the state dict {frag.dtype}; "
-                    "converting loses information (pass allow_lossy_cast=True to convert anyway)"
-                )
-            per_rank = entry.ranks is not None
-            if per_rank and rank not in entry.ranks:
-                unrestorable.append(key)
-                continue
-            reads.append((key, frag, per_rank))
-        elif key in saved_values:
-            if is_fragment_value(value):
-                raise DtypeMismatchError(f"key {key!r}: the state dict holds a tensor, the checkpoint a JSON value")
-            if key in meta.rank_values and rank not in meta.rank_values[key]:
-                unrestorable.append(key)
-    if strict and unrestorable and not allow_new_ranks:
-        raise PerRankStateError(
-            f"rank {rank} has no saved copy of the per-rank state {unrestorable} (the checkpoint was saved by "
-            f"{meta.world_size} rank(s)), so it cannot be restored; pass allow_new_ranks=True to keep the current values"
-        )
-
-    with ThreadPoolExecutor(max_workers) as pool:
-        list(pool.map(lambda r: _read_fragment(ck, *r, rank, allow_lossy_cast), reads))
-    for key, leaf in leaves.items():
-        if key in meta.values:
-            value = from_json(meta.values[key], key)
-        elif key in meta.rank_values and rank in meta.rank_values[key]:
-            value = from_json(meta.rank_values[key][rank], key)
-        else:
-            continue
-        set_leaf(state_dict, leaf.path, PerRank(value) if isinstance(leaf.value, PerRank) else value)
-    return state_dict
-
-
-def _read_fragment(ck: Checkpoint, key: str, frag: Fragment, per_rank: bool, rank: int, lossy: bool) -> None:
-    with torch.no_grad():
-        for box, view in frag.pieces:
-            ck.read(key, box, out=view, rank=rank if per_rank else None, allow_lossy_cast=lossy)
-        for pad in frag.pad:  # padding (of a padded vocabulary) has no saved counterpart
-            pad.zero_()

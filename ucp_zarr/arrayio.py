@@ -78,6 +78,24 @@ def as_storage(t: "torch.Tensor", meta: ArrayMeta) -> "torch.Tensor":
     return t if t.dtype == target else t.view(target)
 
 
+def writable_view(t: "torch.Tensor", meta: ArrayMeta) -> np.ndarray | None:
+    """A numpy array in the storage dtype over exactly the memory of ``t``, element for
+    element, so that filling it fills ``t``; None when there is none: ``t`` is off the CPU,
+    of another dtype, empty, a conjugate or negative view (whose memory holds other values
+    than it shows), or a tensor subclass without plain memory. A read then fills ``t``
+    through a temporary and ``copy_``, which handles every such view."""
+    if t.device.type != "cpu" or t.dtype != meta.dtype.torch_dtype or t.is_conj() or t.is_neg() or not t.numel():
+        return None
+    try:
+        raw = as_storage(t, meta).numpy()
+        ptr, strides = t.data_ptr(), tuple(s * t.element_size() for s in t.stride())
+    except (RuntimeError, TypeError):  # a subclass without plain memory
+        return None
+    if raw.__array_interface__["data"][0] != ptr or raw.strides != strides or not raw.flags.writeable:
+        return None
+    return raw
+
+
 def _bytes_of(t: "torch.Tensor") -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     return memoryview(t.numpy()).cast("B") if t.dim() else memoryview(t.reshape(1).numpy()).cast("B")

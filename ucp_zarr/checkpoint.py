@@ -6,6 +6,7 @@ values as numpy arrays, which is what the read-only CLI and :mod:`ucp_zarr.inspe
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -24,9 +25,10 @@ from .arrayio import (
     read_shard_head,
     read_small_shard,
     verify_shard,
+    writable_view,
 )
 from .dtypes import is_lossless_cast, stored_dtype_by_name
-from .errors import CorruptChunkError, DtypeMismatchError, FormatError, ShapeMismatchError
+from .errors import CorruptChunkError, DtypeMismatchError, FormatError, LayoutError, ShapeMismatchError
 from .format import ATTRIBUTE, METADATA_FILE, ArrayMeta, CheckpointMeta, TensorEntry, parse_document
 from .integrity import array_digest, check_signature, document_digest
 from .layout import Box
@@ -249,15 +251,20 @@ class Checkpoint:
         ``out`` may have any device and strides, and another dtype when every saved value
         converts to it exactly (``float16`` into ``float32``, say); a lossy conversion
         (``float32`` into ``bfloat16``, floats into integers) needs ``allow_lossy_cast``.
-        It is filled directly when it is a CPU tensor of the saved dtype, else through a
-        temporary and ``copy_``. ``rank`` picks the copy of per-rank state (default: the
-        lowest saved rank's).
+        It is filled directly when numpy can write its memory as the saved dtype (a CPU
+        tensor of that dtype, any strides), else through a temporary and ``copy_`` (another
+        device or dtype, a conjugate or negative view, an inference tensor), so that
+        ``out`` shows exactly the saved values; one that no read can fill exactly (see
+        :func:`check_destination`) is refused. ``rank`` picks the copy of per-rank state
+        (default: the lowest saved rank's).
         """
         import torch
+        from torch.autograd.graph import increment_version
 
         meta = self.array_meta(key, rank)
         box = box or Box.whole(meta.shape)
         if out is not None:
+            check_destination(key, out)
             if tuple(out.shape) != box.shape:
                 raise ShapeMismatchError(f"tensor {key!r}: destination shape {list(out.shape)} != {list(box.shape)}")
             src = meta.dtype.torch_dtype
@@ -267,13 +274,19 @@ class Checkpoint:
                     "loses information (pass allow_lossy_cast=True to convert anyway)"
                 )
         meta, box = self._check_box(key, box, rank, corners=out is None)
-        direct = out is not None and out.device.type == "cpu" and out.dtype == meta.dtype.torch_dtype
-        if out is None or direct:
-            dest = out if direct else torch.empty(box.shape, dtype=meta.dtype.torch_dtype)
-            self._read_into(key, box, as_storage(dest, meta).numpy(), rank)
-            return dest
-        # into a device tensor or another dtype: through a bounded host buffer, block by block
-        with torch.no_grad():
+        if out is None:
+            out = torch.empty(box.shape, dtype=meta.dtype.torch_dtype)
+            self._read_into(key, box, as_storage(out, meta).numpy(), rank)
+            return out
+        raw = writable_view(out, meta)
+        if raw is not None:
+            self._read_into(key, box, raw, rank)
+            if not out.is_inference():
+                increment_version(out)  # (as copy_ does: autograd sees the change)
+            return out
+        # through a bounded host buffer, block by block (an inference tensor is written in
+        # inference mode, the only place it may be)
+        with torch.no_grad(), torch.inference_mode() if out.is_inference() else contextlib.nullcontext():
             for block in row_blocks(box, meta.dtype.itemsize, STAGE_BYTES):
                 tmp = torch.empty(block.shape, dtype=meta.dtype.torch_dtype)
                 self._read_into(key, block, as_storage(tmp, meta).numpy(), rank)
@@ -345,6 +358,40 @@ WHOLE_SHARD_BYTES = 4 << 20
 """A shard object up to this size that a read covers whole is fetched in one request."""
 STAGE_BYTES = 64 << 20
 """The most host memory a read into a device tensor (or another dtype) stages at a time."""
+
+
+def check_destination(key: str, out: "torch.Tensor") -> None:
+    """Refuse (:class:`~ucp_zarr.LayoutError` naming ``key``) a tensor that no read can fill
+    exactly: one on the meta device (it has no memory), a DTensor (its shape is global, its
+    memory local: read into ``to_local()``, or load it with :func:`ucp_zarr.load`), or one
+    whose elements may share memory (an ``expand``-ed view, overlapping strides), where
+    one element's value would overwrite another's."""
+    from .fragments import is_dtensor
+
+    if out.device.type == "meta":
+        raise LayoutError(
+            f"tensor {key!r}: the destination is on the meta device and has no memory to fill; materialise it "
+            "first (module.to_empty(device=...), or torch.empty_like(t, device=...))"
+        )
+    if is_dtensor(out):
+        raise LayoutError(f"tensor {key!r}: the destination is a DTensor; read into its to_local(), or use ucp_zarr.load")
+    if may_overlap(tuple(out.shape), tuple(out.stride())):
+        raise LayoutError(
+            f"tensor {key!r}: elements of the destination share memory (shape {list(out.shape)}, strides "
+            f"{list(out.stride())}: an expanded or overlapping view), so it cannot hold the saved values; "
+            "pass a tensor with memory of its own (.clone() or .contiguous())"
+        )
+
+
+def may_overlap(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether two elements of a strided view may share memory: unless, taking the dims of
+    extent > 1 by increasing stride, each stride exceeds the span of the dims before it."""
+    span = 0
+    for stride, n in sorted((abs(st), n) for st, n in zip(strides, shape) if n > 1):
+        if stride <= span:
+            return True
+        span += stride * (n - 1)
+    return False
 
 
 def row_blocks(box: Box, itemsize: int, limit: int) -> list[Box]:
