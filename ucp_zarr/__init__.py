@@ -35,18 +35,21 @@ from .version import __version__
 
 if TYPE_CHECKING:
     from .adapters.dcp import ZarrStorageReader, ZarrStorageWriter
-    from .api import load, save, wait_for_pending_save
+    from .api import save, wait_for_pending_save
     from .checkpoint import Checkpoint, TensorView, open
     from .convert import convert, export
     from .fragments import FlatShard, PerRank, Placed, Shard
     from .inspect import diff
+    from .loader import IncompatibleKeys, IncompatibleKeysWarning, load
     from .ops import CheckpointManager, optimal_interval
     from .place import place
     from .rules import RuleError, Rules
     from .saver import SaveResult
 
 _LAZY = {
-    "load": ".api",
+    "IncompatibleKeys": ".loader",
+    "IncompatibleKeysWarning": ".loader",
+    "load": ".loader",
     "save": ".api",
     "wait_for_pending_save": ".api",
     "Checkpoint": ".checkpoint",
@@ -82,6 +85,8 @@ __all__ = [
     "DtypeMismatchError",
     "FlatShard",
     "FormatError",
+    "IncompatibleKeys",
+    "IncompatibleKeysWarning",
     "IncompleteCheckpointError",
     "KeyMismatchError",
     "LayoutError",

@@ -11,9 +11,10 @@ for its key, or the load raises naming both keys.
 from __future__ import annotations
 
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, MutableMapping
+from typing import Any, MutableMapping, NamedTuple
 
 import torch
 
@@ -53,8 +54,11 @@ def load(
     process_group: Any = None,
     storage_options: dict[str, Any] | None = None,
     max_workers: int = LOAD_WORKERS,
-) -> MutableMapping[str, Any]:
-    """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it.
+    return_incompatible_keys: bool = False,
+) -> MutableMapping[str, Any] | tuple[MutableMapping[str, Any], IncompatibleKeys]:
+    """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it (with
+    ``return_incompatible_keys``: ``(state_dict, IncompatibleKeys(missing_keys,
+    unexpected_keys))``).
 
     Every rank reads only the chunks that overlap what its own tensors hold (DTensor,
     :class:`~ucp_zarr.Shard`, :class:`~ucp_zarr.FlatShard` or whole tensors), whatever the
@@ -77,6 +81,14 @@ def load(
     restore, unless ``allow_new_ranks`` (then it keeps its current values, as it always
     does without ``strict``). Everything is checked before anything is read.
     ``hmac_key`` refuses a checkpoint that is unsigned or was changed after signing.
+
+    Without ``strict``, whatever the two sides share is loaded and the rest is reported,
+    as :meth:`torch.nn.Module.load_state_dict` reports it: ``missing_keys``, the keys of
+    ``state_dict`` left as they were (the checkpoint holds nothing for them, on this rank);
+    ``unexpected_keys``, the checkpoint's keys that were not loaded. When either is not
+    empty an :class:`IncompatibleKeysWarning` (a ``UserWarning`` carrying both lists) names
+    them, unless ``return_incompatible_keys`` hands them to the caller instead. On several
+    ranks, each rank reports its own.
 
     A state dict placed by rules (:func:`ucp_zarr.place`) is filled in place from the
     consolidated tensors, whatever layout saved them; padding rows get zeros. Loading with
@@ -156,7 +168,45 @@ def load(
         else:
             continue
         set_leaf(state_dict, leaf.path, PerRank(value) if isinstance(leaf.value, PerRank) else value)
+    skipped = IncompatibleKeys(missing + unrestorable, unexpected)
+    if return_incompatible_keys:
+        return state_dict, skipped
+    if not strict and (skipped.missing_keys or skipped.unexpected_keys):
+        warnings.warn(IncompatibleKeysWarning(skipped, ck.store.url), stacklevel=2)
     return state_dict
+
+
+class IncompatibleKeys(NamedTuple):
+    """What a non-strict :func:`load` did not load (the fields of
+    :meth:`torch.nn.Module.load_state_dict`'s result)."""
+
+    missing_keys: list[str]
+    """Keys of the state dict left as they were: the checkpoint holds nothing for them."""
+    unexpected_keys: list[str]
+    """Keys of the checkpoint that were not loaded: the state dict has no place for them."""
+
+
+class IncompatibleKeysWarning(UserWarning):
+    """A non-strict :func:`load` left keys unloaded; ``missing_keys`` and
+    ``unexpected_keys`` list them all (the message names the first few)."""
+
+    SHOWN = 20
+
+    def __init__(self, keys: IncompatibleKeys, url: str) -> None:
+        self.missing_keys = keys.missing_keys
+        self.unexpected_keys = keys.unexpected_keys
+        parts = []
+        if keys.missing_keys:
+            parts.append(f"left {_names(keys.missing_keys, self.SHOWN)} of the state dict as they were (not in the checkpoint)")
+        if keys.unexpected_keys:
+            parts.append(f"did not load {_names(keys.unexpected_keys, self.SHOWN)} of the checkpoint (not in the state dict)")
+        super().__init__(f"ucp_zarr.load(strict=False) from {url} " + "; and ".join(parts))
+
+
+def _names(keys: list[str], shown: int) -> str:
+    listed = ", ".join(repr(k) for k in keys[:shown])
+    more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+    return f"{len(keys)} key(s): {listed}{more}"
 
 
 # --- filling the targets ---------------------------------------------------------------------
