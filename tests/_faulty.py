@@ -33,6 +33,9 @@ class FaultyStore(Store):
         self.log = log or Log()
         self.url = inner.url
         self.stats = inner.stats
+        self.exclusive_create = inner.exclusive_create
+        self.durable = inner.durable
+        self.stages_writes = inner.stages_writes
 
     def _op(self, name: str, key: str = "") -> None:
         self.log.ops.append((name, self.url, key))
@@ -42,9 +45,9 @@ class FaultyStore(Store):
                 raise Crash(f"crash at {name} {self.url}/{key}")
             self.log.mutations += 1
 
-    def write(self, key: str, buffers: Any) -> int:
+    def write(self, key: str, buffers: Any, guard: Any = None) -> int:
         self._op("write", key)
-        return self.inner.write(key, buffers)
+        return self.inner.write(key, buffers, guard)
 
     def write_atomic(self, key: str, data: bytes) -> None:
         self._op("write_atomic", key)
@@ -71,9 +74,18 @@ class FaultyStore(Store):
         self._op("list")
         return self.inner.list()
 
+    def child_names(self) -> list[str]:
+        return self.inner.child_names()
+
+    def sibling_names(self, prefix: str) -> list[str]:
+        return self.inner.sibling_names(prefix)
+
     def delete(self, key: str) -> None:
         self._op("delete", key)
         self.inner.delete(key)
+
+    def prune(self, folders: Any) -> None:
+        self.inner.prune(folders)
 
     def remove(self) -> None:
         self._op("remove")
@@ -82,9 +94,9 @@ class FaultyStore(Store):
     def sibling(self, name: str) -> "FaultyStore":
         return FaultyStore(self.inner.sibling(name), self.log)
 
-    def adopt(self, src: Store, key: str) -> None:
+    def adopt(self, src: Store, key: str, tag: str) -> None:
         self._op("adopt", key)
-        self.inner.adopt(src.inner if isinstance(src, FaultyStore) else src, key)
+        self.inner.adopt(src.inner if isinstance(src, FaultyStore) else src, key, tag)
 
     def sync(self) -> None:
         self.inner.sync()

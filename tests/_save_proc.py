@@ -24,7 +24,7 @@ def main(spec: dict) -> None:
 
     if spec.get("pause"):
         pause = Path(spec["pause"])
-        original = saver.PreparedSave._write
+        original = saver.PreparedSave._write_data
 
         def paused_write(self, *args, **kwargs):
             (pause / "paused").write_text(str(self.save_id))
@@ -32,7 +32,7 @@ def main(spec: dict) -> None:
                 time.sleep(0.05)
             return original(self, *args, **kwargs)
 
-        saver.PreparedSave._write = paused_write
+        saver.PreparedSave._write_data = paused_write
     sd = {"w": torch.full((64, 256), float(spec["value"])), "b": torch.full((300,), float(spec["value"])), "step": spec["value"]}
     try:
         ucp_zarr.save(sd, spec["url"], storage_options=spec.get("storage_options"), chunk_bytes=8192, **spec.get("options", {}))

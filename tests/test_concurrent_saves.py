@@ -49,16 +49,18 @@ def backend(request, tmp_path) -> Backend:
 
 
 class Save:
-    """``_save_proc.py`` running one save."""
+    """``_save_proc.py`` running one save (under the command ``wrap``, e.g. ``unshare``)."""
 
-    def __init__(self, tmp: Path, backend: Backend, url: str, value: float, pause: bool = False, **options: Any) -> None:
+    def __init__(
+        self, tmp: Path, backend: Backend, url: str, value: float, pause: bool = False, wrap: tuple[str, ...] = (), **options: Any
+    ) -> None:
         self.dir = tmp / uuid.uuid4().hex[:8]
         self.dir.mkdir()
         self.result = self.dir / "result.json"
         spec = {"url": url, "value": value, "storage_options": backend.storage_options, "options": options,
                 "pause": str(self.dir) if pause else None, "result": str(self.result)}
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "_save_proc.py"), json.dumps(spec)], env=env)
+        self.proc = subprocess.Popen([*wrap, sys.executable, str(HERE / "_save_proc.py"), json.dumps(spec)], env=env)
 
     def wait_paused(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout

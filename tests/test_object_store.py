@@ -82,7 +82,7 @@ def _save_pausing(rank: int, world: int, url: str, options: dict[str, Any], paus
 
     import ucp_zarr.saver as saver
 
-    original = saver.PreparedSave._write
+    original = saver.PreparedSave._write_data
     went: list[float] = []
 
     def paused(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -92,7 +92,7 @@ def _save_pausing(rank: int, world: int, url: str, options: dict[str, Any], paus
         went.append(time.monotonic())
         return original(self, *args, **kwargs)
 
-    saver.PreparedSave._write = paused
+    saver.PreparedSave._write_data = paused
     try:
         ucp_zarr.save(_fragments(rank, world, 9), url, storage_options=options, chunk_bytes=8192, shard_bytes=32768)
         out: dict[str, Any] = {"ok": True}

@@ -18,10 +18,13 @@ import pytest
 from _faulty import Crash, FaultyStore, Judge, Log
 
 from ucp_zarr.errors import CheckpointExistsError, IncompleteCheckpointError, NotACheckpointError, OwnershipError
+from ucp_zarr.format import CheckpointMeta, dump_document
+from ucp_zarr.owned import Owned, OwnedArray
 from ucp_zarr.storage import LocalStore
 from ucp_zarr.transaction import (
     HEARTBEAT,
     MARKER,
+    OWNED,
     REPLACE_RECORD,
     TAKEOVER,
     Fence,
@@ -35,21 +38,45 @@ def _store(tmp_path: Path, name: str = "ck", log: Log | None = None) -> FaultySt
     return FaultyStore(LocalStore(str(tmp_path / name)), log)
 
 
-def _txn(store, judge: Judge | None = None, **kw) -> Transaction:
-    return Transaction(store, liveness=judge or Judge(), lease_s=3600, **kw)
+def _owned(objects) -> Owned:
+    """What a save of ``objects`` (``<group>/<array>/c/<i>`` keys) owns: one 1-d array per
+    ``<group>/<array>``, of one-element shards, and the group and array documents."""
+    arrays: dict[str, int] = {}
+    for key in objects:
+        path, _, index = key.rpartition("/c/")
+        arrays[path] = max(arrays.get(path, 0), int(index) + 1)
+    docs = sorted({f"{p.split('/')[0]}/zarr.json" for p in arrays} | {f"{p}/zarr.json" for p in arrays})
+    return Owned(tuple(docs), tuple(OwnedArray(p, (n,), (1,)) for p, n in sorted(arrays.items())))
+
+
+def _txn(store, judge: Judge | None = None, objects=(), **kw) -> Transaction:
+    """A transaction of a save that will write ``objects``."""
+    return Transaction(store, liveness=judge or Judge(), lease_s=3600, owned=_owned(objects), **kw)
 
 
 def _save(txn: Transaction, objects: dict[str, bytes], root: bytes) -> None:
     """What a save does: claim (unless done), write its objects, commit."""
     if not txn.claimed:
+        txn.owned = _owned(objects)
         txn.begin()
     for key, data in objects.items():
         txn.target.write(key, [data])
     txn.commit(root)
 
 
-def _root(tag: str) -> bytes:
-    return json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {"tag": tag}}).encode()
+def _root(tag: str, objects=()) -> bytes:
+    """A commit record (tagged ``tag``) of a checkpoint of ``objects``: what it owns is what
+    the transaction deletes when it is replaced."""
+    owned = _owned(objects)
+    meta = CheckpointMeta(
+        tensors={}, values={"tag": tag}, created="now", library="test", save_id="0" * 32,
+        documents={d: "sha256:" + "0" * 64 for d in owned.documents},
+        consolidated={
+            a.path: {"node_type": "array", "shape": list(a.shape), "chunk_grid": {"configuration": {"chunk_shape": [1]}}}
+            for a in owned.arrays
+        },
+    )
+    return dump_document(meta.to_zarr_json())
 
 
 def _content(store) -> dict[str, bytes]:
@@ -77,7 +104,7 @@ def test_a_live_owner_is_never_disturbed(tmp_path):
 
 def test_a_committed_root_is_never_replaced(tmp_path):
     store = _store(tmp_path)
-    _save(_txn(store), OLD, _root("old"))
+    _save(_txn(store), OLD, _root("old", OLD))
     with pytest.raises(CheckpointExistsError, match="already committed"):
         _txn(store).begin()
     # a stale owner that somehow reaches its commit cannot replace the root either
@@ -92,7 +119,7 @@ def test_a_committed_root_is_never_replaced(tmp_path):
 def test_dead_owner_is_taken_over_and_its_leftovers_removed(tmp_path):
     judge = Judge()
     store = _store(tmp_path)
-    dead = _txn(store, judge)
+    dead = _txn(store, judge, objects=["a/x/c/0"])
     dead.begin()
     dead.target.write("a/x/c/0", [b"half"])
     dead._stop_heartbeat()  # the process died
@@ -102,9 +129,9 @@ def test_dead_owner_is_taken_over_and_its_leftovers_removed(tmp_path):
     new = _txn(_store(tmp_path), judge)
     new.begin()
     assert read_owner(store, MARKER).save_id == new.save_id
-    assert store.list() == sorted([MARKER, HEARTBEAT + new.save_id])  # leftovers gone
-    _save(new, NEW, _root("new"))
-    assert _content(store) == {**NEW, "zarr.json": _root("new")}
+    assert store.list() == sorted([MARKER, HEARTBEAT + new.save_id, OWNED + new.save_id])  # leftovers gone
+    _save(new, NEW, _root("new", NEW))
+    assert _content(store) == {**NEW, "zarr.json": _root("new", NEW)}
 
 
 def test_takeover_whose_taker_died_is_taken_over_in_turn(tmp_path):
@@ -130,7 +157,7 @@ def test_takeover_whose_taker_died_is_taken_over_in_turn(tmp_path):
 
 def test_overwrite_incomplete_takes_over_a_live_owner_which_then_cannot_commit(tmp_path):
     store = _store(tmp_path)
-    stale = _txn(store)
+    stale = _txn(store, objects=["a/x/c/0"])
     stale.begin()
     stale.target.write("a/x/c/0", [b"stale"])
     fence = Fence(stale.target, stale.save_id, interval_s=0)
@@ -148,7 +175,7 @@ def test_overwrite_incomplete_takes_over_a_live_owner_which_then_cannot_commit(t
 
 def test_abort_marks_the_save_dead_and_keeps_the_path_incomplete(tmp_path):
     store = _store(tmp_path)
-    txn = _txn(store)
+    txn = _txn(store, objects=["a/x/c/0"])
     txn.begin()
     txn.target.write("a/x/c/0", [b"x"])
     txn.abort()
@@ -175,12 +202,12 @@ def _overwrite_ops(tmp_path: Path) -> int:
     """How many mutating operations an overwrite of a committed checkpoint takes."""
     log = Log()
     store = _store(tmp_path / "count", log=log)
-    _save(_txn(store), OLD, _root("old"))
+    _save(_txn(store), OLD, _root("old", OLD))
     start = log.mutations
     txn = _txn(_store(tmp_path / "count", log=log), overwrite=True)
     txn.begin()
-    _save(txn, NEW, _root("new"))
-    assert _content(store) == {**NEW, "zarr.json": _root("new")}
+    _save(txn, NEW, _root("new", NEW))
+    assert _content(store) == {**NEW, "zarr.json": _root("new", NEW)}
     return log.mutations - start
 
 
@@ -196,23 +223,24 @@ def test_overwrite_crashed_at_every_operation_leaves_old_or_new(tmp_path):
         log = Log()
         judge = Judge()
         store = _store(base, log=log)
-        _save(_txn(store, judge), OLD, _root("old"))
+        _save(_txn(store, judge), OLD, _root("old", OLD))
         log.crash_at = log.mutations + k
         txn = _txn(_store(base, log=log), judge, overwrite=True)
         with pytest.raises(Crash):
             txn.begin()
-            _save(txn, NEW, _root("new"))
+            _save(txn, NEW, _root("new", NEW))
         txn._stop_heartbeat()
         judge.dead.add(txn.save_id)
         seen_now = _content(store)
-        assert seen_now in ({**OLD, "zarr.json": _root("old")}, {**NEW, "zarr.json": _root("new")}), (k, log.ops[-3:])
-        seen["old" if seen_now["zarr.json"] == _root("old") else "new"] += 1
+        assert seen_now in ({**OLD, "zarr.json": _root("old", OLD)}, {**NEW, "zarr.json": _root("new", NEW)}), (k, log.ops[-3:])
+        seen["old" if seen_now["zarr.json"] == _root("old", OLD) else "new"] += 1
         # the next save onto the path: finishes a replacement whose staged copy is complete
         nxt = _txn(_store(base), judge, overwrite=True)
         nxt.begin()
         assert not (base / "ck").joinpath(REPLACE_RECORD).exists()
-        _save(nxt, {"a/x/c/0": b"third"}, _root("third"))
-        assert _content(store) == {"a/x/c/0": b"third", "zarr.json": _root("third")}
+        third = {"a/x/c/0": b"third"}
+        _save(nxt, third, _root("third", third))
+        assert _content(store) == {**third, "zarr.json": _root("third", third)}
         siblings = sorted(p.name for p in base.iterdir())
         assert siblings[-1] == "ck" and all(s.startswith(".ck.ucp_zarr-") for s in siblings[:-1]), siblings
     assert seen["old"] > 0 and seen["new"] > 0  # crashes hit both sides of the switch

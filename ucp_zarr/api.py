@@ -44,6 +44,7 @@ def save(
     max_workers: int = DEFAULT_WORKERS,
     lease_s: float = DEFAULT_LEASE_S,
     model: torch.nn.Module | None = None,
+    unsafe_non_exclusive_store: bool = False,
 ) -> SaveResult | Future:
     """Save ``state_dict`` at ``path``; every rank of ``process_group`` calls it.
 
@@ -61,7 +62,12 @@ def save(
       new checkpoint complete and findable;
     * the leftovers of another save are removed only when that save is provably dead (its
       process is gone, or its lease of ``lease_s`` seconds expired on another host), or
-      with ``overwrite_incomplete``; a live one raises :class:`~ucp_zarr.OwnershipError`.
+      with ``overwrite_incomplete``; a live one raises :class:`~ucp_zarr.OwnershipError`;
+    * a save deletes only objects it wrote (or, when overwriting, that the replaced
+      checkpoint's commit record names): other files and checkpoints in subfolders stay;
+    * the store must create objects exclusively (local paths, ``s3://``, ``memory://``):
+      elsewhere two saves could both claim the path, so the save is refused unless
+      ``unsafe_non_exclusive_store`` says no other save can ever target it.
 
     ``hmac_key`` signs the checkpoint (HMAC-SHA256 over the commit record, which holds the
     digests of every document and array, and per-chunk SHA-256 in every shard), so that
@@ -91,6 +97,7 @@ def save(
         overwrite_incomplete=overwrite_incomplete,
         lease_s=lease_s,
         hmac_key=hmac_key,
+        unsafe_non_exclusive_store=unsafe_non_exclusive_store,
     )
     store = open_store(path, storage_options)
     if not async_save:

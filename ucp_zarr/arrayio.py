@@ -37,7 +37,7 @@ from .codec import (
 from .errors import CorruptChunkError, FormatError
 from .format import ArrayMeta
 from .layout import Box, ChunkGrid
-from .storage import Store
+from .storage import Store, WriteGuard
 
 if TYPE_CHECKING:
     import torch
@@ -169,11 +169,19 @@ class _Replayable:
 
 
 def write_shard(
-    store: Store, path: str, meta: ArrayMeta, shard: Sequence[int], src: "torch.Tensor", src_box: Box, seal: Seal
+    store: Store,
+    path: str,
+    meta: ArrayMeta,
+    shard: Sequence[int],
+    src: "torch.Tensor",
+    src_box: Box,
+    seal: Seal,
+    guard: WriteGuard | None = None,
 ) -> bytes:
     """Write shard ``shard`` of the array at ``path`` from ``src``, which holds ``src_box``
     of the global tensor (in the storage dtype, see :func:`as_storage`) and must contain the
-    shard's part of the array. Returns the shard's seal (see :func:`.codec.array_digest`)."""
+    shard's part of the array, behind ``guard`` (see :meth:`.storage.Store.write`). Returns
+    the shard's seal (see :func:`.codec.array_digest`)."""
     import torch
 
     grid = meta.grid
@@ -210,7 +218,7 @@ def write_shard(
         yield trailer
         yield encode_index(index)
 
-    store.write(key, _Replayable(buffers))
+    store.write(key, _Replayable(buffers), guard)
     return sealed[0]
 
 

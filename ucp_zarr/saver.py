@@ -7,8 +7,11 @@
    (:mod:`.exchange`) -> agree (error, bytes each rank will send to each peer, checked by
    every rank against the plan). An asynchronous save returns here;
 4. **exchange** boundary pieces point-to-point, with the sizes agreed;
-5. **write** documents and shards, each rank behind a :class:`~.transaction.Fence` ->
-   gather (error, shard seals) on the coordinator;
+5. **write** shards, each rank behind a :class:`~.transaction.Fence`, and make them durable
+   -> agree (error); then the array and group documents -> gather (error, shard seals) on
+   the coordinator. An array's ``zarr.json`` appears only once every shard of it is
+   durable, so a Zarr reader looking at a save in progress finds no array, or its final
+   bytes, never fill values standing in for data not yet written;
 6. the coordinator **commits** (or aborts) -> broadcast the outcome.
 
 A failure on any rank fails the save on every rank at the next agreement, with one error
@@ -40,8 +43,17 @@ from .optimizer_names import alias, state_names
 from .planner import FragmentInfo, SavePlan, ShardTask, plan_save
 from .staging import Staging
 from .statedict import iter_leaves, to_json
+from .owned import Owned, OwnedArray
 from .storage import Store
-from .transaction import DEFAULT_LEASE_S, Fence, Transaction, is_internal, target_store
+from .transaction import (
+    DEFAULT_LEASE_S,
+    FENCE_INTERVAL_S,
+    Fence,
+    Transaction,
+    is_internal,
+    require_exclusive_create,
+    target_store,
+)
 from .version import __version__
 
 log = logging.getLogger(__name__)
@@ -63,6 +75,30 @@ class SaveOptions:
     overwrite_incomplete: bool = False
     lease_s: float = DEFAULT_LEASE_S
     hmac_key: bytes | None = None
+    unsafe_non_exclusive_store: bool = False
+    """Save to a store whose exclusive create is check-then-write (see
+    :func:`~.transaction.require_exclusive_create`)."""
+
+
+def begin_transaction(store: Store, plan: SavePlan, options: SaveOptions) -> Transaction:
+    """Claim ``store`` for a save of ``plan`` (the coordinator's part of phase 2)."""
+    require_exclusive_create(store, options.unsafe_non_exclusive_store)
+    txn = Transaction(
+        store,
+        owned=owned_by(plan),
+        overwrite=options.overwrite,
+        overwrite_incomplete=options.overwrite_incomplete,
+        lease_s=options.lease_s,
+    )
+    txn.begin()
+    return txn
+
+
+def owned_by(plan: SavePlan) -> Owned:
+    """Every object a save of ``plan`` writes: its documents and its arrays' shards."""
+    docs = [f"{g}/{METADATA_FILE}" for g in plan.groups] + [f"{p}/{METADATA_FILE}" for p, _ in plan.arrays.values()]
+    arrays = [OwnedArray(p, m.shape, m.grid.shard_shape) for p, m in plan.arrays.values()]
+    return Owned(tuple(docs), tuple(arrays))
 
 
 @dataclass(frozen=True)
@@ -199,11 +235,20 @@ class PreparedSave:
         comm = comm or self.comm
         error: BaseException | None = None
         seals: dict[int, bytes] = {}
+        fence = Fence(
+            self.target, self.save_id, min(FENCE_INTERVAL_S, self.options.lease_s / 4),
+            lease=None if self.txn is None else self.txn.heartbeat,
+        )
         try:
             received = self.exchange.run(comm)
-            seals = self._write(comm.rank, received)
+            seals = self._write_data(comm.rank, received, fence)
         except BaseException as e:  # every rank must learn of it before anyone commits
             error = e
+        if not any(comm.all_gather(describe(error))):  # every rank's data is durable: now the documents
+            try:
+                self._write_documents(comm.rank, fence)
+            except BaseException as e:
+                error = e
         gathered = comm.gather((describe(error), seals))
         outcome: dict[int, tuple[str, str]] = {}
         if comm.rank == 0:
@@ -231,16 +276,18 @@ class PreparedSave:
         except Exception as e:  # the save's own error is what the caller needs to see
             log.warning("ucp_zarr: could not clean up the failed save at %s: %s", self.store.url, e)
 
-    def _write(self, rank: int, received: dict[tuple[int, int], torch.Tensor]) -> dict[int, bytes]:
-        """Write this rank's documents and shards behind the fence; return the seal of each
-        shard written, by task number."""
-        fence = Fence(self.target, self.save_id)
+    def _write_documents(self, rank: int, fence: Fence) -> None:
+        """Write this rank's group and array documents behind the fence, durably."""
+        docs = [(k, d) for k, d in documents(self.plan) if self.plan.doc_writers.get(k) == rank]
+        with ThreadPoolExecutor(self.options.write_workers or self.options.max_workers) as pool:
+            _first_failure([pool.submit(self.target.write, k, [d], fence) for k, d in docs])
+        self.target.sync()
+
+    def _write_data(self, rank: int, received: dict[tuple[int, int], torch.Tensor], fence: Fence) -> dict[int, bytes]:
+        """Write this rank's shards behind the fence, durably; return the seal of each shard
+        written, by task number."""
         seal = Seal(self.save_id, self.options.hmac_key is not None, self.options.hmac_key)
         plan = self.plan
-
-        def write_doc(key: str, doc: bytes) -> None:
-            fence.check()
-            self.target.write(key, [doc])
 
         def write_task(n: int, task: ShardTask) -> bytes:
             fence.check()
@@ -248,7 +295,7 @@ class PreparedSave:
             sbox = meta.grid.shard_box(task.shard)
             if not task.sources:
                 src, held = self.staging.holding(task.key, sbox)
-                sealed = write_shard(self.target, path, meta, task.shard, src, held, seal)
+                sealed = write_shard(self.target, path, meta, task.shard, src, held, seal, fence)
                 self.staging.release(task.key, sbox)
                 return sealed
             buf = torch.empty(sbox.shape, dtype=meta.dtype.storage_torch_dtype)
@@ -257,14 +304,12 @@ class PreparedSave:
                 buf[box.relative_to(sbox).slices()] = part.reshape(box.shape)
                 if src_rank == rank:
                     self.staging.release(task.key, box)
-            return write_shard(self.target, path, meta, task.shard, buf, sbox, seal)
+            return write_shard(self.target, path, meta, task.shard, buf, sbox, seal, fence)
 
-        docs = [(k, d) for k, d in documents(plan) if plan.doc_writers.get(k) == rank]
         tasks = [(n, t) for n, t in plan.numbered() if t.writer == rank]
         with ThreadPoolExecutor(self.options.write_workers or self.options.max_workers) as pool:
-            doc_jobs = [pool.submit(write_doc, k, d) for k, d in docs]
             jobs = {n: pool.submit(write_task, n, t) for n, t in tasks}
-            _first_failure([*doc_jobs, *jobs.values()])
+            _first_failure(list(jobs.values()))
             seals = {n: job.result() for n, job in jobs.items()}
         self.target.sync()
         return seals
@@ -507,13 +552,7 @@ def prepare(
     error = None
     if comm.rank == 0:
         try:
-            txn = Transaction(
-                store,
-                overwrite=options.overwrite,
-                overwrite_incomplete=options.overwrite_incomplete,
-                lease_s=options.lease_s,
-            )
-            txn.begin()
+            txn = begin_transaction(store, plan, options)
         except BaseException as e:
             error = e
     claim = comm.agree(error, f"starting a checkpoint at {store.url}", (txn.save_id, txn.staged) if txn else None)

@@ -21,9 +21,10 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 import fsspec
+from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
 from .errors import FormatError, NotACheckpointError
 
@@ -67,27 +68,57 @@ class IOStats:
             self.written.append(key)
 
 
+class WriteGuard(Protocol):
+    """A save's right to write into a store (:class:`~ucp_zarr.transaction.Fence`)."""
+
+    tag: str
+    """The save's id: names its temporary objects (:func:`temp_name`)."""
+
+    def check(self, force: bool = False) -> None:
+        """Raise unless the save still owns the path (``force``: ask the store now)."""
+
+
+def temp_name(key: str, tag: str) -> str:
+    """Where a guarded write of ``key`` by save ``tag`` is staged before it is moved into place."""
+    return f"{key}.tmp-{tag}"
+
+
 class Store:
     """The operations the format needs from a storage backend.
 
     Every method names objects by key relative to the store's root. Writes of data objects
     are idempotent (same key, same bytes), so they may be retried; the transaction's
-    exclusive creations are not, and say so."""
+    exclusive creations are not, and say so.
+
+    A store declares what it can guarantee; the transaction asks instead of switching on
+    its class:"""
 
     url: str
     stats: IOStats
+    exclusive_create: bool = False
+    """:meth:`create_exclusive` never lets two creators of one key both succeed (an atomic
+    create: a hard link, a conditional PUT); False where it is check-then-write."""
+    durable: bool = False
+    """An object survives a crash of the machine once :meth:`sync` returned."""
+    stages_writes: bool = False
+    """A guarded :meth:`write` stages the object under :func:`temp_name` first."""
 
     @property
     def name(self) -> str:
         """The last component of the root (the checkpoint's directory name)."""
         return posixpath.basename(self.url.rstrip("/"))
 
-    def write(self, key: str, buffers: Iterable[Buffer | bytes]) -> int:
+    def write(self, key: str, buffers: Iterable[Buffer | bytes], guard: WriteGuard | None = None) -> int:
         """Write an object from ``buffers`` in order, durably; return its size.
 
         Each buffer is consumed (written, or copied) before the next is pulled from
         ``buffers``, so a producer may reuse one buffer's memory for the next. A store may
-        iterate ``buffers`` again to retry a failed write, unless it is an iterator."""
+        iterate ``buffers`` again to retry a failed write, unless it is an iterator.
+
+        With ``guard``, nothing becomes visible at ``key`` unless ``guard.check()`` passes
+        after the bytes are written: a local store writes ``temp_name(key, guard.tag)``
+        and moves it into place only if no object is there, or if ``guard.check(force=True)``
+        passes (a stray of a dead save); an object store checks before its PUT."""
         raise NotImplementedError
 
     def write_atomic(self, key: str, data: bytes) -> None:
@@ -123,6 +154,18 @@ class Store:
         """The keys of every object under the root (recursively), sorted."""
         raise NotImplementedError
 
+    def child_names(self) -> list[str]:
+        """The names of the root's immediate children (objects and folders), sorted."""
+        return sorted({k.split("/", 1)[0] for k in self.list()})
+
+    def sibling_names(self, prefix: str) -> list[str]:
+        """The names beside the root (in its parent) that start with ``prefix``."""
+        raise NotImplementedError
+
+    def prune(self, folders: Iterable[str]) -> None:
+        """Remove each of ``folders`` (keys of folders) that holds nothing, deepest first,
+        then the root if it holds nothing; folders with anything in them stay."""
+
     def is_empty(self) -> bool:
         """True when nothing is stored under the root (or the root does not exist)."""
         return not self.list()
@@ -139,10 +182,11 @@ class Store:
         """A store of the same kind at ``name`` beside this one (same parent)."""
         raise NotImplementedError
 
-    def adopt(self, src: "Store", key: str) -> None:
+    def adopt(self, src: "Store", key: str, tag: str) -> None:
         """Make ``key`` of this store hold what ``key`` of ``src`` (a sibling) holds,
-        replacing any object there: a hard link on local disks, a server-side copy on
-        object stores. ``src`` keeps its object."""
+        replacing any object there: a hard link on local disks (staged under
+        ``temp_name(key, tag)``, ``tag`` being the adopting save's id), a server-side copy
+        on object stores. ``src`` keeps its object."""
         raise NotImplementedError
 
     def sync(self) -> None:
@@ -160,6 +204,10 @@ class LocalStore(Store):
     where that is as safe as per-file fsync: on Linux 5.8 or later (whose ``syncfs`` reports
     writeback errors) and a file system of :data:`BATCH_FILE_SYSTEMS`; ``False`` fsyncs
     every object."""
+
+    exclusive_create = True
+    durable = True
+    stages_writes = True
 
     def __init__(self, root: str, batch_sync: bool | None = None) -> None:
         self.root = os.path.abspath(root)
@@ -191,8 +239,21 @@ class LocalStore(Store):
                 d = os.path.dirname(d)
             self._dirs.add(os.path.dirname(self.root))
 
-    def write(self, key: str, buffers: Iterable[Buffer | bytes]) -> int:
-        total = self._write_file(self._path(key), buffers, defer=True)
+    def write(self, key: str, buffers: Iterable[Buffer | bytes], guard: WriteGuard | None = None) -> int:
+        path = self._path(key)
+        if guard is None:
+            total = self._write_file(path, buffers, defer=True)
+        else:
+            tmp = temp_name(path, guard.tag)
+            try:
+                total = self._write_file(tmp, buffers, defer=True)
+                guard.check()
+                if not _rename_noreplace(tmp, path):
+                    guard.check(force=True)  # an object is there: replace it only while we own the path
+                    os.replace(tmp, path)
+            except BaseException:
+                _unlink_quiet(tmp)
+                raise
         self.stats.add_write(key, total)
         return total
 
@@ -305,12 +366,37 @@ class LocalStore(Store):
             keys += [f if rel == "." else f"{rel.replace(os.sep, '/')}/{f}" for f in files]
         return sorted(keys)
 
+    def child_names(self) -> list[str]:
+        try:
+            return sorted(os.listdir(self.root))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def sibling_names(self, prefix: str) -> list[str]:
+        try:
+            return sorted(n for n in os.listdir(os.path.dirname(self.root)) if n.startswith(prefix))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
     def delete(self, key: str) -> None:
         try:
             os.remove(self._path(key))
         except FileNotFoundError:
             return
         _fsync_dir(os.path.dirname(self._path(key)))
+
+    def prune(self, folders: Iterable[str]) -> None:
+        for d in [*sorted(set(folders), key=lambda f: (-f.count("/"), f)), ""]:
+            path = self._path(d) if d else self.root
+            try:
+                os.rmdir(path)
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.ENOTDIR):
+                    raise
+                continue
+            with self._dirs_lock:
+                self._dirs.discard(path)
+            _fsync_dir(os.path.dirname(path))
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=False) if os.path.isdir(self.root) else None
@@ -321,13 +407,20 @@ class LocalStore(Store):
     def sibling(self, name: str) -> "LocalStore":
         return LocalStore(os.path.join(os.path.dirname(self.root), name), self.batch_sync)
 
-    def adopt(self, src: Store, key: str) -> None:
+    def adopt(self, src: Store, key: str, tag: str) -> None:
         if not isinstance(src, LocalStore):
             raise TypeError(f"cannot adopt objects of {src.url} into the local store {self.url}")
-        path = self._path(key)
+        path, source = self._path(key), src._path(key)
         self._makedirs(os.path.dirname(path))
-        tmp = _tmp_name(path)
-        os.link(src._path(key), tmp)
+        try:
+            os.link(source, path)
+            return
+        except FileExistsError:
+            if os.path.samefile(source, path):  # adopted already (a resumed roll-forward)
+                return
+        tmp = temp_name(path, tag)
+        _unlink_quiet(tmp)  # (left by an adoption that crashed, resumed now)
+        os.link(source, tmp)
         os.replace(tmp, path)
 
     def sync(self) -> None:
@@ -370,7 +463,33 @@ def _open_regular(path: str) -> int:
 
 def _tmp_name(path: str) -> str:
     """A temporary name beside ``path``, unique to this call."""
-    return f"{path}.tmp-{uuid.uuid4().hex}"
+    return temp_name(path, uuid.uuid4().hex)
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _rename_noreplace(src: str, dst: str) -> bool:
+    """Move ``src`` to ``dst`` unless ``dst`` exists (then False, ``src`` stays): one
+    ``renameat2(RENAME_NOREPLACE)`` on Linux, else a hard link and an unlink."""
+    if _RENAMEAT2 is not None:
+        if _RENAMEAT2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            return False
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # else: not on this file system
+            raise OSError(err, os.strerror(err), dst)
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        return False
+    os.unlink(src)
+    return True
 
 
 def _flat(bufs: Sequence[Buffer | bytes]) -> list[memoryview]:
@@ -428,6 +547,9 @@ def _libc(name: str, *argtypes: Any) -> Callable[..., int] | None:
 _SYNCFS = _libc("syncfs", ctypes.c_int)
 _SYNC_FILE_RANGE = _libc("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 _SYNC_FILE_RANGE_WRITE = 2
+_RENAMEAT2 = _libc("renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
 
 
 def _start_writeback(fd: int) -> None:
@@ -571,12 +693,18 @@ def _precondition_failed(e: BaseException) -> bool:
     return err.get("Code") in ("PreconditionFailed", "412") or status == 412
 
 
+EXCLUSIVE_PROTOCOLS = frozenset({"s3", "s3a", "memory"})
+"""fsspec protocols whose exclusive create is atomic: a conditional PUT (``If-None-Match:
+*``, AWS S3, SeaweedFS, MinIO) or, in memory, one dictionary insertion. Elsewhere fsspec's
+``mode="create"`` is check-then-write, which two racing writers can both pass."""
+DURABLE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+"""fsspec protocols of object stores, where an acknowledged PUT is durable."""
+
+
 class FsspecStore(Store):
     """Any fsspec filesystem. Objects are written whole or multipart by fsspec; a PUT is
     atomic on object stores, so the commit record needs no rename. Exclusive creation is
-    a conditional PUT (``If-None-Match: *``) where the filesystem supports fsspec's
-    ``mode="create"`` (s3fs on AWS S3, SeaweedFS, MinIO; ``memory://``); elsewhere fsspec
-    falls back to check-then-write, which two racing writers can both pass.
+    atomic only for :data:`EXCLUSIVE_PROTOCOLS` (:attr:`exclusive_create`).
 
     Every operation is retried on transient errors by ``retry``."""
 
@@ -587,11 +715,17 @@ class FsspecStore(Store):
         self.url = url.rstrip("/")
         self.stats = IOStats()
         self.retry = retry or RetryPolicy()
+        protocols = {self.fs.protocol} if isinstance(self.fs.protocol, str) else set(self.fs.protocol)
+        self.exclusive_create = bool(protocols & EXCLUSIVE_PROTOCOLS)
+        self.durable = bool(protocols & DURABLE_PROTOCOLS)
 
     def _path(self, key: str) -> str:
         return posixpath.join(self.root, key)
 
-    def write(self, key: str, buffers: Iterable[Buffer | bytes]) -> int:
+    def write(self, key: str, buffers: Iterable[Buffer | bytes], guard: WriteGuard | None = None) -> int:
+        if guard is not None:  # a PUT cannot be made conditional on the owner: check just before it
+            guard.check()
+
         def attempt() -> int:
             total = 0
             with self.fs.open(self._path(key), "wb") as f:
@@ -613,6 +747,11 @@ class FsspecStore(Store):
         path = self._path(key)
 
         def create() -> None:
+            if isinstance(self.fs, MemoryFileSystem):  # one dictionary insertion: atomic
+                f = MemoryFile(self.fs, self.fs._strip_protocol(path), data)
+                if self.fs.store.setdefault(f.path, f) is not f:
+                    raise FileExistsError(f"{self.url}/{key} exists")
+                return
             try:
                 self.fs.pipe_file(path, data, mode="create")
             except FileExistsError:
@@ -694,6 +833,23 @@ class FsspecStore(Store):
         prefix = self.root + "/"
         return sorted(p[len(prefix) :] for p in self.retry.call(f"listing {self.url}", find) if p.startswith(prefix))
 
+    def _ls(self, path: str) -> list[str]:
+        def ls() -> list[str]:
+            try:
+                self.fs.invalidate_cache(path)
+                return self.fs.ls(path, detail=False)
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+
+        names = {posixpath.basename(p.rstrip("/")) for p in self.retry.call(f"listing {path}", ls)}
+        return sorted(n for n in names if n)
+
+    def child_names(self) -> list[str]:
+        return self._ls(self.root)
+
+    def sibling_names(self, prefix: str) -> list[str]:
+        return [n for n in self._ls(posixpath.dirname(self.root)) if n.startswith(prefix)]
+
     def delete(self, key: str) -> None:
         def rm() -> None:
             try:
@@ -702,6 +858,13 @@ class FsspecStore(Store):
                 pass
 
         self.retry.call(f"deleting {self.url}/{key}", rm)
+
+    def prune(self, folders: Iterable[str]) -> None:
+        # only object stores that keep folder entries (SeaweedFS's filer) list emptied folders
+        for d in [*sorted(set(folders), key=lambda f: (-f.count("/"), f)), ""]:
+            path = posixpath.join(self.root, d) if d else self.root
+            if not self._ls(path):
+                self._remove_folder_entry(path)
 
     def remove(self) -> None:
         keys = self.list()
@@ -731,17 +894,23 @@ class FsspecStore(Store):
             raise ValueError(f"{self.url} has no parent to hold a sibling {name!r}")
         return FsspecStore(f"{parent}/{name}", self.storage_options, self.retry)
 
-    def adopt(self, src: Store, key: str) -> None:
+    def adopt(self, src: Store, key: str, tag: str) -> None:
         if not isinstance(src, FsspecStore) or type(src.fs) is not type(self.fs):
             raise TypeError(f"cannot adopt objects of {src.url} into {self.url}")
         self.retry.call(f"copying {src.url}/{key}", lambda: self.fs.copy(src._path(key), self._path(key)))
 
 
 def open_store(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Store:
-    """A store for a local path, a ``file://`` URL or any other fsspec URL."""
+    """A store for a local path or ``file://`` URL (always the local store: exclusive
+    creation, fsync), or any other fsspec URL. ``storage_options`` apply to fsspec URLs
+    only; given for a local path they are refused, never silently ignored."""
     path = os.fspath(path)
-    if "://" not in path:
-        return LocalStore(path)
-    if path.startswith("file://") and not storage_options:
-        return LocalStore(path[len("file://") :])
-    return FsspecStore(path, storage_options)
+    local = path[len("file://") :] if path.startswith("file://") else path if "://" not in path else None
+    if local is None:
+        return FsspecStore(path, storage_options)
+    if storage_options:
+        raise ValueError(
+            f"storage_options {sorted(storage_options)} do not apply to the local path {local!r} "
+            "(it is written with the local store); drop them"
+        )
+    return LocalStore(local)

@@ -4,36 +4,53 @@ A checkpoint path moves through these states (each a set of objects under the pa
 
 * **empty**: nothing there;
 * **claimed**: ``.ucp_zarr_pending`` (the *owner marker*) names the save writing it: its
-  save id, host, process id and lease. It is created exclusively (``O_EXCL``/hard link on
-  local disks, ``If-None-Match: *`` on object stores), so two saves never both own a path;
+  save id, host, PID namespace, process id and lease. It is created exclusively
+  (``O_EXCL``/hard link on local disks, ``If-None-Match: *`` on object stores), so two saves
+  never both own a path. Right after claiming, the save records the objects it will write
+  (``.ucp_zarr_owned.<save id>``, see :mod:`.owned`), before writing any;
 * **committed**: the root ``zarr.json`` exists. It is created exclusively too, so a commit
   never replaces a committed checkpoint, and only after the owner re-checked the marker.
+  A claim that finds the path committed right after it won the marker gives it back.
 
-Leftovers of another save are removed only when that save is provably dead: on the same
-host (same host name and boot id) its process is gone; elsewhere its lease expired (the
-owner renews ``.ucp_zarr_heartbeat.<save id>`` every ``lease_s / 4``); or the caller says
-so (``overwrite_incomplete=True``). Taking over from a dead owner ``X`` first creates
-``.ucp_zarr_takeover.<X>`` exclusively, so two newcomers never both clear and claim; a
-takeover whose taker died is itself taken over the same way.
+**What may be deleted.** Nothing is deleted by a pattern over the directory: an abort
+deletes the objects its save recorded, a takeover those its dead owner recorded, an
+overwrite those the replaced commit record names (:mod:`.owned`). A checkpoint nested in a
+subfolder, a foreign Zarr group and any other file survive all of them.
 
-Every writing rank checks, at most every ``FENCE_INTERVAL_S``, that the marker still names
-its save (:class:`Fence`), so a stale writer that lost its claim stops within seconds; and
-every shard carries its save id (see :mod:`.codec`), so a stray object of another save is
-detected when read.
+**Liveness.** Leftovers of another save are removed only when that save is provably dead:
+in the same PID namespace of the same boot of the same host its process is gone; anywhere
+else (another host, container or PID namespace, where its process cannot be seen) its
+lease expired (the owner renews ``.ucp_zarr_heartbeat.<save id>`` every ``lease_s / 4``);
+or the caller says so (``overwrite_incomplete=True``). Taking over from a dead owner ``X``
+first creates ``.ucp_zarr_takeover.<X>`` exclusively, so two newcomers never both clear and
+claim; a takeover whose taker died is itself taken over the same way.
+
+**Fencing.** Every writing rank checks, at most every ``FENCE_INTERVAL_S``, that the marker
+still names its save (:class:`Fence`), and the coordinator that its own lease has not
+lapsed (:meth:`Heartbeat.lapsed`: no renewal for ``lease_s / 2``, as after a stall); once
+either fails the save writes nothing more and raises. On local disks every object is
+written under a save-unique temporary name and moved into place only if nothing is there
+(or, after a forced re-check, to replace a dead save's stray), so a writer that stalled
+past its lease cannot replace a successor's objects. Every shard also carries its save id
+(see :mod:`.codec`), so a stray object of another save is detected when read.
 
 **Overwrite.** ``overwrite=True`` on a committed path writes the new checkpoint into a
 staging sibling ``.<name>.ucp_zarr-<save id>`` and commits it there; then the *replace
 record* ``.ucp_zarr_replace`` (created exclusively, naming the staging sibling) is written
-into the path, the old root is removed, the new objects are adopted (hard links / server-
-side copies), the old ones deleted, the new root created, the record and the sibling
+into the path, what the old checkpoint owns is recorded (``.ucp_zarr_retired``), the old
+root removed, the new objects adopted (hard links / server-side copies; data before
+documents), the old ones deleted, the new root created, the records and the sibling
 removed. Until the new root exists, readers follow the record to the complete staging copy;
 after a crash, whoever finds the record of a dead owner rolls the replacement forward. At
-every point the old or the new checkpoint is complete and findable, never a mix.
+every point the old or the new checkpoint is complete and findable, never a mix. Staging
+siblings of dead saves that never got that far are removed by the next save at the path
+(and by the manager's retention).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -46,13 +63,20 @@ from typing import Any, Callable
 
 from .errors import CheckpointExistsError, FormatError, IncompleteCheckpointError, NotACheckpointError, OwnershipError
 from .format import _COMPONENT, METADATA_FILE
-from .storage import Store
+from .owned import Owned
+from .storage import Store, temp_name
 from .version import __version__
+
+log = logging.getLogger(__name__)
 
 MARKER = ".ucp_zarr_pending"
 HEARTBEAT = ".ucp_zarr_heartbeat."
 TAKEOVER = ".ucp_zarr_takeover."
+OWNED = ".ucp_zarr_owned."
+"""+ save id: the objects that save writes (:class:`~ucp_zarr.owned.Owned`)."""
 REPLACE_RECORD = ".ucp_zarr_replace"
+RETIRED = ".ucp_zarr_retired"
+"""During an overwrite or a deletion: the objects of the checkpoint being removed."""
 INTERNAL_PREFIX = ".ucp_zarr_"
 """Top-level objects of the protocol (marker, heartbeats, takeovers, replace record)."""
 STAGING_INFIX = ".ucp_zarr-"
@@ -83,12 +107,15 @@ class Owner:
     library: str = f"ucp_zarr {__version__}"
     staged: str | None = None
     """For a replace record: the staging sibling holding the new checkpoint."""
+    pid_ns: str = ""
+    """The PID namespace ``pid`` is a process of (``pid:[4026531836]``); empty where
+    unknown (then only the lease tells whether the owner is alive)."""
 
     @classmethod
     def this_process(cls, save_id: str, lease_s: float, staged: str | None = None) -> "Owner":
-        host, boot = host_identity()
+        host, boot, pid_ns = host_identity()
         pid = os.getpid()
-        return cls(save_id, host, boot, pid, process_start(pid), time.time(), lease_s, staged=staged)
+        return cls(save_id, host, boot, pid, process_start(pid), time.time(), lease_s, staged=staged, pid_ns=pid_ns)
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -101,7 +128,7 @@ class Owner:
                 str(d["save_id"]), str(d["host"]), str(d["boot_id"]), int(d["pid"]),
                 None if d.get("pid_start") is None else int(d["pid_start"]),
                 float(d["started"]), float(d["lease_s"]), str(d.get("library", "")),
-                None if d.get("staged") is None else str(d["staged"]),
+                None if d.get("staged") is None else str(d["staged"]), str(d.get("pid_ns", "")),
             )
             if not _SAVE_ID.fullmatch(owner.save_id):  # (save ids name protocol files)
                 raise ValueError(f"save_id {owner.save_id[:40]!r} is not 32 hex digits")
@@ -118,15 +145,20 @@ class Owner:
         )
 
 
-def host_identity() -> tuple[str, str]:
-    """This machine: its host name and kernel boot id (two containers on one kernel share
-    the boot id but not, usually, the host name; the pair names one process namespace)."""
+def host_identity() -> tuple[str, str, str]:
+    """Where this process's process ids mean something: the host name, the kernel's boot
+    id and the PID namespace (two containers on one kernel share the boot id, and may
+    share the host name, but not the PID namespace, unless they see each other's processes)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return socket.gethostname(), boot
+    try:
+        pid_ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pid_ns = ""
+    return socket.gethostname(), boot, pid_ns
 
 
 def process_start(pid: int) -> int | None:
@@ -160,7 +192,8 @@ def process_alive(pid: int, start: int | None) -> bool:
 class Liveness:
     """How this process judges another save's owner (injectable for tests)."""
 
-    host: tuple[str, str]
+    host: tuple[str, ...]
+    """This process's :func:`host_identity`."""
     alive: Callable[[int, int | None], bool] = process_alive
     clock: Callable[[], float] = time.time
 
@@ -169,11 +202,13 @@ class Liveness:
         return cls(host_identity())
 
     def is_dead(self, owner: Owner, renewed: float | None) -> bool:
-        """Provably dead: same host and its process is gone, or its lease has expired
-        (measured from its last heartbeat, else its start)."""
+        """Provably dead: it aborted; or in this PID namespace (same host, boot and
+        namespace, all known) its process is gone; or, anywhere else, its lease has expired
+        (measured from its last heartbeat, else its start). A process this one cannot see
+        is never judged by ``/proc``."""
         if owner.pid < 0 or renewed == -math.inf:
             return True
-        if (owner.host, owner.boot_id) == self.host:
+        if owner.pid_ns and (owner.host, owner.boot_id, owner.pid_ns) == tuple(self.host):
             return not self.alive(owner.pid, owner.pid_start)
         last = max(owner.started, renewed or 0.0)
         return self.clock() > last + owner.lease_s
@@ -201,10 +236,42 @@ def last_heartbeat(store: Store, save_id: str) -> float | None:
         return None
 
 
+def read_owned(store: Store, key: str) -> Owned | None:
+    """The objects recorded at ``key`` (:data:`OWNED` + save id, or :data:`RETIRED`); None
+    when absent or unreadable (then nothing is deleted on its behalf)."""
+    try:
+        return Owned.from_bytes(store.read(key), f"{store.url}/{key}")
+    except FileNotFoundError:
+        return None
+    except FormatError as e:
+        log.warning("ucp_zarr: ignoring the unreadable record %s/%s (its objects are left in place): %s", store.url, key, e)
+        return None
+
+
+def delete_owned(store: Store, owned: Owned, tag: str | None = None, keep: frozenset[str] = frozenset()) -> None:
+    """Delete ``owned`` from ``store`` (documents first), except ``keep``, with the temporary
+    names a save ``tag`` stages them under on stores that have them, then the folders left
+    empty."""
+    folders: set[str] = set()
+    staged = tag is not None and store.stages_writes
+    for key in owned.deletion_order():
+        if key in keep:
+            continue
+        store.delete(key)
+        if staged:
+            store.delete(temp_name(key, tag))  # type: ignore[arg-type]
+        folder = key.rpartition("/")[0]
+        while folder and folder not in folders:
+            folders.add(folder)
+            folder = folder.rpartition("/")[0]
+    store.prune(folders)
+
+
 _NAME = _COMPONENT.pattern  # an escaped group or array name (schema/FORMAT.md, section 1)
 _CHECKPOINT_OBJECT = re.compile(
     rf"(?:zarr\.json|{_NAME}/zarr\.json|{_NAME}/{_NAME}/(?:zarr\.json|c(?:/[0-9]+)*))(?:\.tmp-[0-9a-f]{{32}})?"
 )
+_FINAL_OBJECT = re.compile(rf"{_NAME}/zarr\.json|{_NAME}/{_NAME}/(?:zarr\.json|c(?:/[0-9]+)*)")
 
 
 def is_checkpoint_object(key: str) -> bool:
@@ -213,7 +280,8 @@ def is_checkpoint_object(key: str) -> bool:
     (``<group>/zarr.json``, ``<group>/<array>/zarr.json``), a shard (``<group>/<array>/c/i/j``,
     ``c`` for a 0-d array), or a store's temporary name for one of them. Anything else
     (``config.json``, ``tokenizer/vocab.json``, DCP's ``.metadata``) is another file sharing
-    the directory, which no step of the protocol deletes."""
+    the directory. Deletions never go by this test (see :mod:`.owned`): it tells only
+    whether a directory holds anything that is not a checkpoint's."""
     return is_internal(key) or _CHECKPOINT_OBJECT.fullmatch(key) is not None
 
 
@@ -259,35 +327,109 @@ def committed_store(store: Store) -> Store:
     raise NotACheckpointError(f"no checkpoint at {store.url}")
 
 
-# --- the fence ------------------------------------------------------------------------------
+def require_exclusive_create(store: Store, allow: bool) -> None:
+    """Refuse to save to a store whose exclusive create is check-then-write (two saves could
+    both claim the path), unless the caller took that risk (``allow``)."""
+    if not store.exclusive_create and not allow:
+        raise OwnershipError(
+            f"{store.url}: this store cannot create an object exclusively (its 'exclusive' create is "
+            "check-then-write), so two saves racing for the path could both claim it and corrupt each "
+            "other. Save to a local path or an s3:// URL, or, if no other save can ever target this "
+            "path, pass unsafe_non_exclusive_store=True"
+        )
+
+
+# --- the lease and the fence ----------------------------------------------------------------------
+
+
+class Heartbeat:
+    """Renews ``.ucp_zarr_heartbeat.<id>`` every ``lease_s / 4`` until stopped, and knows
+    when the lease may have lapsed: no renewal succeeded for ``lease_s / 2`` (the process
+    stalled, or storage failed). Once lapsed it never renews again: whoever judged the save
+    dead may have taken over, so the save must stop writing (:meth:`lapsed`)."""
+
+    def __init__(self, store: Store, save_id: str, lease_s: float) -> None:
+        self.store = store
+        self.key = HEARTBEAT + save_id
+        self.lease_s = lease_s
+        self.period = max(lease_s / 4, 0.05)
+        self._renewed = time.monotonic()
+        self._lapsed = False
+        self._stop = threading.Event()
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="ucp_zarr-heartbeat", daemon=True)
+        self._thread.start()
+
+    def lapsed(self) -> bool:
+        if not self._lapsed and time.monotonic() - self._renewed > self.lease_s / 2:
+            self._lapsed = True
+        return self._lapsed
+
+    def _beat(self) -> None:
+        started = time.monotonic()  # before the write: others date the lease from its content
+        if self.lapsed():
+            return
+        self.store.write_atomic(self.key, json.dumps({"renewed": time.time()}).encode())
+        self._renewed = started
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self._beat()
+            except Exception:  # a storage hiccup: the next beat tries again
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class Fence:
-    """Checks, at most every ``interval_s``, that the owner marker of ``store`` still names
-    save ``save_id``; every writing rank calls :meth:`check` before each object it writes."""
+    """A save's right to write (a :class:`~ucp_zarr.storage.WriteGuard`): checks, at most
+    every ``interval_s``, that the record ``key`` of ``store`` (the owner marker, or the
+    replace record) still names save ``save_id``, and, on every call, that the save's own
+    ``lease`` (when this rank holds it) has not lapsed. Every writing rank calls
+    :meth:`check` before each object it writes."""
 
-    def __init__(self, store: Store, save_id: str, interval_s: float = FENCE_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        store: Store,
+        save_id: str,
+        interval_s: float = FENCE_INTERVAL_S,
+        *,
+        lease: Heartbeat | None = None,
+        key: str = MARKER,
+    ) -> None:
         self.store = store
         self.save_id = save_id
+        self.tag = save_id
         self.interval_s = interval_s
+        self.lease = lease
+        self.key = key
         self._checked = -float("inf")
         self._failed: BaseException | None = None
         self._lock = threading.Lock()
 
     def check(self, force: bool = False) -> None:
-        """Raise :class:`OwnershipError` if the claim is lost (or the error of a failed check:
-        once failed, every later check fails at once)."""
+        """Raise :class:`OwnershipError` if the claim is lost or the lease may have lapsed
+        (or the error of a failed check: once failed, every later check fails at once)."""
         with self._lock:
             if self._failed is not None:
                 raise self._failed
-            if not force and time.monotonic() - self._checked < self.interval_s:
-                return
             try:
-                owner = read_owner(self.store, MARKER)
+                if self.lease is not None and self.lease.lapsed():
+                    raise OwnershipError(
+                        f"save {self.save_id} on {self.store.url}: its lease may have lapsed (no renewal for "
+                        f"{self.lease.lease_s / 2:g} s: the process stalled or storage failed), so another save "
+                        "may have taken the path over; it writes nothing more"
+                    )
+                if not force and time.monotonic() - self._checked < self.interval_s:
+                    return
+                owner = read_owner(self.store, self.key)
                 if owner is None or owner.save_id != self.save_id:
                     now = "no save" if owner is None else owner.describe()
                     raise OwnershipError(
-                        f"save {self.save_id} lost its claim on {self.store.url}: the owner marker now names {now}"
+                        f"save {self.save_id} lost its claim on {self.store.url}: {self.key} now names {now}"
                     )
             except BaseException as e:
                 self._failed = e
@@ -303,12 +445,14 @@ class Transaction:
 
     Only the coordinating rank runs it; the other ranks learn :attr:`save_id` and
     :attr:`staged` from it and write into :func:`target_store` behind a :class:`Fence`.
+    ``owned`` names every object the save will write (recorded before any is written).
     """
 
     def __init__(
         self,
         store: Store,
         *,
+        owned: Owned | None = None,
         overwrite: bool = False,
         overwrite_incomplete: bool = False,
         lease_s: float = DEFAULT_LEASE_S,
@@ -316,6 +460,7 @@ class Transaction:
         liveness: Liveness | None = None,
     ) -> None:
         self.store = store
+        self.owned = owned or Owned()
         self.overwrite = overwrite
         self.overwrite_incomplete = overwrite_incomplete
         self.lease_s = lease_s
@@ -327,30 +472,43 @@ class Transaction:
         self.target = store
         """Where this save's objects go: ``store``, or the staging sibling."""
         self.claimed = False
-        self._heartbeat: _Heartbeat | None = None
+        self.heartbeat: Heartbeat | None = None
+
+    def fence(self) -> Fence:
+        """The coordinator's fence: the marker and this save's own lease."""
+        return Fence(self.target, self.save_id, min(FENCE_INTERVAL_S, self.lease_s / 4), lease=self.heartbeat)
 
     # -- begin ---------------------------------------------------------------------------
 
     def begin(self) -> None:
-        """Claim the path (or a staging sibling when overwriting), or raise
-        :class:`CheckpointExistsError` / :class:`OwnershipError`."""
-        self._settle_replacement()
-        if self.store.exists(METADATA_FILE):
-            if not self.overwrite:
-                raise CheckpointExistsError(
-                    f"a checkpoint is already committed at {self.store.url}; choose a new path "
-                    "or pass overwrite=True"
-                )
-            self.staged = staging_name(self.store, self.save_id)
-            self.target = self.store.sibling(self.staged)
-        self._claim(self.target)
+        """Claim the path (or a staging sibling when overwriting) and record what this save
+        will write, or raise :class:`CheckpointExistsError` / :class:`OwnershipError`."""
+        for _ in range(16):
+            self._settle_replacement()
+            collect_staging(self.store, self.liveness)
+            if self.store.exists(METADATA_FILE):
+                if not self.overwrite:
+                    raise CheckpointExistsError(
+                        f"a checkpoint is already committed at {self.store.url}; choose a new path "
+                        "or pass overwrite=True"
+                    )
+                self.staged = staging_name(self.store, self.save_id)
+                self.target = self.store.sibling(self.staged)
+            if self._claim(self.target):
+                break
+            self.staged, self.target = None, self.store  # committed just before we claimed it
+        else:
+            raise OwnershipError(f"could not claim {self.store.url}: other saves keep committing it")
         self.claimed = True
-        self._heartbeat = _Heartbeat(self.target, self.save_id, self.lease_s)
+        self.heartbeat = Heartbeat(self.target, self.save_id, self.lease_s)
+        self.target.write_atomic(OWNED + self.save_id, self.owned.to_bytes())
 
     def _alive(self, store: Store, owner: Owner) -> bool:
         return not self.liveness.is_dead(owner, last_heartbeat(store, owner.save_id))
 
-    def _claim(self, store: Store) -> None:
+    def _claim(self, store: Store) -> bool:
+        """Own ``store``'s marker; False (and the marker given back) when the path turned
+        out committed once we held it: a save never writes into a committed path."""
         for _ in range(16):
             if not store.exists(MARKER) and not store.exists(METADATA_FILE):
                 leftovers = [k for k in store.list() if not is_internal(k)]
@@ -361,24 +519,33 @@ class Transaction:
                     )
             try:
                 store.create_exclusive(MARKER, self.me.to_bytes())
-                return
+                won = True
             except FileExistsError:
-                pass
-            holder = read_owner(store, MARKER)
-            if holder is None:
-                continue  # it was just released: try again
-            if not self.overwrite_incomplete and self._alive(store, holder):
-                raise OwnershipError(
-                    f"{store.url} is being written by {holder.describe()}, which is still alive; "
-                    "wait for it, choose another path, or pass overwrite_incomplete=True if you "
-                    "know it is dead"
-                )
-            if self._take_over(store, holder):
-                return
+                holder = read_owner(store, MARKER)
+                if holder is None:
+                    continue  # it was just released: try again
+                if not self.overwrite_incomplete and self._alive(store, holder):
+                    raise OwnershipError(
+                        f"{store.url} is being written by {holder.describe()}, which is still alive; "
+                        "wait for it, choose another path, or pass overwrite_incomplete=True if you "
+                        "know it is dead"
+                    ) from None
+                won = self._take_over(store, holder)
+            if won:
+                if not store.exists(METADATA_FILE):
+                    return True
+                self._release(store)
+                return False
         raise OwnershipError(f"could not claim {store.url}: other saves keep claiming it")
 
+    def _release(self, store: Store) -> None:
+        current = read_owner(store, MARKER)
+        if current is not None and current.save_id == self.save_id:
+            store.delete(MARKER)
+
     def _take_over(self, store: Store, victim: Owner) -> bool:
-        """Replace the dead ``victim``'s claim by ours; False if someone else got there first."""
+        """Replace the dead ``victim``'s claim by ours, deleting what it recorded as its own;
+        False if someone else got there first."""
         chain = [victim]
         while True:
             key = TAKEOVER + chain[-1].save_id
@@ -393,26 +560,24 @@ class Transaction:
                     raise OwnershipError(
                         f"{store.url}: {taker.describe()} is taking over the leftovers of "
                         f"{victim.describe()} right now"
-                    )
+                    ) from None
                 chain.append(taker)
         mine = [TAKEOVER + o.save_id for o in chain]
         current = read_owner(store, MARKER)
         if current is None or current.save_id != victim.save_id:
             store.delete(mine[-1])
             return False
-        for key in store.list():
-            if key != MARKER and key not in mine and is_checkpoint_object(key) and not self._live_takeover(store, key):
-                store.delete(key)
+        for dead in chain:
+            owned = read_owned(store, OWNED + dead.save_id)
+            if owned is not None:
+                delete_owned(store, owned, tag=dead.save_id)
+        for dead in chain:
+            store.delete(HEARTBEAT + dead.save_id)
+            store.delete(OWNED + dead.save_id)
         store.write_atomic(MARKER, self.me.to_bytes())
         for key in reversed(mine):
             store.delete(key)
         return True
-
-    def _live_takeover(self, store: Store, key: str) -> bool:
-        if not key.startswith(TAKEOVER):
-            return False
-        taker = read_owner(store, key)
-        return taker is not None and self._alive(store, taker)
 
     # -- replacement (overwrite) -----------------------------------------------------------
 
@@ -429,41 +594,54 @@ class Transaction:
             roll_forward(self.store, staged)
         else:  # it names no committed staging copy of its own save: garbage
             self.store.delete(REPLACE_RECORD)
+            self.store.delete(HEARTBEAT + record.save_id)
 
     def _replace(self) -> None:
         record = Owner.this_process(self.save_id, self.lease_s, staged=self.staged)
         assert self.staged is not None
-        for _ in range(16):
-            try:
-                self.store.create_exclusive(REPLACE_RECORD, record.to_bytes())
-                break
-            except FileExistsError:
-                self._settle_replacement()
-        else:
-            raise OwnershipError(f"could not replace {self.store.url}: other saves keep replacing it")
-        roll_forward(self.store, self.target)
+        lease = Heartbeat(self.store, self.save_id, self.lease_s)  # the record's liveness
+        try:
+            for _ in range(16):
+                try:
+                    self.store.create_exclusive(REPLACE_RECORD, record.to_bytes())
+                    break
+                except FileExistsError:
+                    self._settle_replacement()
+            else:
+                raise OwnershipError(f"could not replace {self.store.url}: other saves keep replacing it")
+            fence = Fence(self.store, self.save_id, min(FENCE_INTERVAL_S, self.lease_s / 4), lease=lease, key=REPLACE_RECORD)
+            roll_forward(self.store, self.target, fence)
+        finally:
+            lease.stop()
+            self.store.delete(HEARTBEAT + self.save_id)
 
     # -- commit and abort --------------------------------------------------------------------
 
     def commit(self, root: bytes) -> None:
         """Re-check ownership, create the root exclusively, release the claim; when
         overwriting, put the staged checkpoint in place."""
-        Fence(self.target, self.save_id).check(force=True)
+        self.fence().check(force=True)
         try:
             self.target.create_exclusive(METADATA_FILE, root)
         except FileExistsError:
             raise OwnershipError(f"{self.target.url} was committed by another save meanwhile") from None
+        self.claimed = False
+        if self.staged is not None:
+            try:
+                self._replace()  # the staging sibling keeps its marker and lease until removed
+            finally:
+                self._stop_heartbeat()
+            return
         self._stop_heartbeat()
         self.target.delete(MARKER)
         self.target.delete(HEARTBEAT + self.save_id)
-        self.claimed = False
-        if self.staged is not None:
-            self._replace()
+        self.target.delete(OWNED + self.save_id)
 
     def abort(self) -> None:
         """Give up the claim: mark this save aborted (so the next save may take over at
-        once) and delete its data, keeping the marker, so that the path reads as an
-        incomplete checkpoint rather than as nothing. A staging sibling is removed whole."""
+        once) and delete what it recorded as its own, keeping the marker, so that the path
+        reads as an incomplete checkpoint rather than as nothing. A staging sibling is
+        removed whole."""
         self._stop_heartbeat()
         if not self.claimed:
             return
@@ -472,74 +650,98 @@ class Transaction:
         if owner is None or owner.save_id != self.save_id:
             return  # taken over: the leftovers are the new owner's business
         if self.staged is not None:
-            self.target.remove()
+            remove_staging(self.target)
             return
         self.target.write_atomic(HEARTBEAT + self.save_id, json.dumps({"aborted": True}).encode())
-        for key in self.target.list():
-            if not is_internal(key) and is_checkpoint_object(key):
-                self.target.delete(key)
+        delete_owned(self.target, self.owned, tag=self.save_id)
 
     def _stop_heartbeat(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
 
 
-def roll_forward(store: Store, staged: Store) -> None:
-    """Put the committed checkpoint of ``staged`` in place at ``store`` (whose replace record
-    names it), idempotently, then remove the record and ``staged``."""
+def roll_forward(store: Store, staged: Store, fence: Fence | None = None) -> None:
+    """Put the committed checkpoint of ``staged`` (named by the replace record of ``store``)
+    in place at ``store``, idempotently, then remove the records and
+    ``staged``. ``fence`` (the replacing save's own) is checked before every change."""
+    check = fence.check if fence is not None else (lambda: None)
     root = staged.read(METADATA_FILE)
-    store.delete(METADATA_FILE)
-    new = [k for k in staged.list() if not is_internal(k) and k != METADATA_FILE]
-    for key in new:
-        store.adopt(staged, key)
-    keep = set(new)
-    for key in store.list():  # the old checkpoint's objects; other files in the directory stay
-        if key not in keep and not is_internal(key) and is_checkpoint_object(key):
-            store.delete(key)
-    store.sync()
     try:
-        store.create_exclusive(METADATA_FILE, root)
-    except FileExistsError:
-        if store.read(METADATA_FILE) != root:
-            raise OwnershipError(f"{store.url} was committed by another save while being replaced") from None
-    for key in store.list():
-        if is_internal(key) and key != REPLACE_RECORD:
-            store.delete(key)
+        current: bytes | None = store.read(METADATA_FILE)
+    except FileNotFoundError:
+        current = None
+    if current != root:
+        if current is not None:  # what the old checkpoint owns, kept until it is deleted
+            check()
+            store.write_atomic(RETIRED, _owned_by_root(store, current).to_bytes())
+            store.delete(METADATA_FILE)
+        new = [k for k in staged.list() if _FINAL_OBJECT.fullmatch(k)]
+        tag = staged.name.rpartition(STAGING_INFIX)[2]  # the replacing save's id
+        for key in sorted(new, key=lambda k: k.endswith(METADATA_FILE)):  # data first, then documents
+            check()
+            store.adopt(staged, key, tag)
+        check()
+        delete_owned(store, read_owned(store, RETIRED) or Owned(), keep=frozenset(new))
+        store.sync()
+        check()
+        try:
+            store.create_exclusive(METADATA_FILE, root)
+        except FileExistsError:
+            if store.read(METADATA_FILE) != root:
+                raise OwnershipError(f"{store.url} was committed by another save while being replaced") from None
+    store.delete(RETIRED)
     store.delete(REPLACE_RECORD)
+    remove_staging(staged)
+
+
+def _owned_by_root(store: Store, root: bytes) -> Owned:
+    """The objects of the committed checkpoint whose commit record is ``root``; nothing
+    (and a warning) if the record is unreadable: then no old object is deleted."""
+    where = f"{store.url}/{METADATA_FILE}"
+    try:
+        return Owned.from_commit_record(root, where, store.read)
+    except FormatError as e:
+        log.warning("ucp_zarr: the replaced commit record %s is unreadable (%s); its objects are left in place", where, e)
+        return Owned()
+
+
+def remove_staging(staged: Store) -> None:
+    """Remove a staging sibling whole, its root first (from then on nobody reads it)."""
+    staged.delete(METADATA_FILE)
     staged.remove()
+
+
+def collect_staging(store: Store, liveness: Liveness) -> list[str]:
+    """Remove the staging siblings of ``store`` (``.<name>.ucp_zarr-<save id>``) that no
+    live save works on and no replace record names: those whose owner is dead, and those
+    without an owner marker that hold anything but a marker being created (a committed copy
+    never put in place, or the remains of a removal). Returns the names removed."""
+    prefix = f".{store.name}{STAGING_INFIX}"
+    names = [n for n in store.sibling_names(prefix) if _SAVE_ID.fullmatch(n[len(prefix):])]
+    if not names:
+        return []
+    record = read_owner(store, REPLACE_RECORD)
+    removed = []
+    for name in names:
+        if record is not None and record.staged == name:
+            continue  # the replacement's business (rolled forward, or live)
+        sibling = store.sibling(name)
+        owner = read_owner(sibling, MARKER)
+        if owner is None:
+            if all(k.startswith(MARKER) for k in sibling.list()):
+                continue  # empty, or a claim being made right now
+        elif not liveness.is_dead(owner, last_heartbeat(sibling, owner.save_id)):
+            continue
+        remove_staging(sibling)
+        removed.append(name)
+        log.info("ucp_zarr: removed the staging copy %s of a dead save", sibling.url)
+    return removed
 
 
 def target_store(store: Store, staged: str | None) -> Store:
     """Where a save writes, given the coordinator's :attr:`Transaction.staged`."""
     return store if staged is None else store.sibling(staged)
-
-
-class _Heartbeat:
-    """Renews ``.ucp_zarr_heartbeat.<save id>`` every ``lease_s / 4`` until stopped."""
-
-    def __init__(self, store: Store, save_id: str, lease_s: float) -> None:
-        self.store = store
-        self.key = HEARTBEAT + save_id
-        self.period = max(lease_s / 4, 0.05)
-        self._stop = threading.Event()
-        self._beat()
-        self._thread = threading.Thread(target=self._run, name="ucp_zarr-heartbeat", daemon=True)
-        self._thread.start()
-
-    def _beat(self) -> None:
-        self.store.write_atomic(self.key, json.dumps({"renewed": time.time()}).encode())
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.period):
-            try:
-                self._beat()
-            except Exception:  # a storage hiccup: the next beat tries again
-                pass
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def describe_claim(store: Store) -> dict[str, Any] | None:

@@ -24,10 +24,9 @@ from .errors import LayoutError
 from .exchange import Exchange
 from .layout import Box
 from .planner import FragmentInfo, SavePlan, plan_save
-from .saver import PreparedSave, SaveOptions, SaveResult
+from .saver import PreparedSave, SaveOptions, SaveResult, begin_transaction
 from .statedict import to_json
 from .storage import Store
-from .transaction import Transaction
 
 CONVERT_SHARD_BYTES = 256 << 20
 """Shard size for converted checkpoints: bounds the memory of one writing thread."""
@@ -126,10 +125,7 @@ def write_checkpoint(
         infos.append(FragmentInfo(key, shape, str(src.dtype).removeprefix("torch."), (Box.whole(shape),)))
     json_values = {k: to_json(v, k) for k, v in (values or {}).items()}
     plan = plan_save([infos], chunk_bytes=options.chunk_bytes, shard_bytes=options.shard_bytes)
-    txn = Transaction(
-        store, overwrite=options.overwrite, overwrite_incomplete=options.overwrite_incomplete, lease_s=options.lease_s
-    )
-    txn.begin()
+    txn = begin_transaction(store, plan, options)
     prepared = PreparedSave(
         store, Comm(local=True), options, plan, txn, txn.save_id, txn.staged, _SourceStaging(plan, tensors, progress),
         Exchange(), (json_values, {}), list(tensors), layout,

@@ -117,7 +117,7 @@ from ..layout import Box
 from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ..saver import Collected, SaveOptions, prepare
 from ..statedict import from_json, to_json
-from ..storage import Buffer, ReadRequest, Store, open_store
+from ..storage import Buffer, ReadRequest, Store, WriteGuard, open_store
 from ..transaction import is_checkpoint_object
 
 __all__ = ["ZarrStorageReader", "ZarrStorageWriter"]
@@ -168,9 +168,12 @@ class _BesideOtherFiles(Store):
         self.inner = inner
         self.url = inner.url
         self.stats = inner.stats
+        self.exclusive_create = inner.exclusive_create
+        self.durable = inner.durable
+        self.stages_writes = inner.stages_writes
 
-    def write(self, key: str, buffers: Iterable[Buffer | bytes]) -> int:
-        return self.inner.write(key, buffers)
+    def write(self, key: str, buffers: Iterable[Buffer | bytes], guard: WriteGuard | None = None) -> int:
+        return self.inner.write(key, buffers, guard)
 
     def write_atomic(self, key: str, data: bytes) -> None:
         self.inner.write_atomic(key, data)
@@ -193,8 +196,17 @@ class _BesideOtherFiles(Store):
     def list(self) -> list[str]:
         return [k for k in self.inner.list() if is_checkpoint_object(k)]
 
+    def child_names(self) -> list[str]:
+        return self.inner.child_names()
+
+    def sibling_names(self, prefix: str) -> list[str]:
+        return self.inner.sibling_names(prefix)
+
+    def prune(self, folders: Iterable[str]) -> None:
+        self.inner.prune(folders)
+
     def delete(self, key: str) -> None:
-        if not is_checkpoint_object(key):  # the transaction only deletes what list() shows
+        if not is_checkpoint_object(key):  # (the transaction deletes only what a save recorded)
             raise ValueError(f"refusing to delete {self.url}/{key}: it is not part of the checkpoint")
         self.inner.delete(key)
 
@@ -206,8 +218,8 @@ class _BesideOtherFiles(Store):
     def sibling(self, name: str) -> Store:
         return self.inner.sibling(name)
 
-    def adopt(self, src: Store, key: str) -> None:
-        self.inner.adopt(src, key)
+    def adopt(self, src: Store, key: str, tag: str) -> None:
+        self.inner.adopt(src, key, tag)
 
     def sync(self) -> None:
         self.inner.sync()
@@ -217,8 +229,8 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
     """A DCP ``StorageWriter`` that writes the ucp_zarr universal format at ``path``
     (a local path or fsspec URL), a drop-in for DCP's ``FileSystemWriter``.
 
-    ``chunk_bytes``, ``shard_bytes``, ``max_workers``, ``overwrite_incomplete`` and
-    ``hmac_key`` are those of ``ucp_zarr.save``. ``overwrite`` defaults to True, as DCP's
+    ``chunk_bytes``, ``shard_bytes``, ``max_workers``, ``overwrite_incomplete``,
+    ``unsafe_non_exclusive_store`` and ``hmac_key`` are those of ``ucp_zarr.save``. ``overwrite`` defaults to True, as DCP's
     own writer overwrites: a committed checkpoint at ``path`` is replaced, crash-safely
     (the old or the new one is complete and findable at every point); with
     ``overwrite=False`` a save onto a committed checkpoint raises
@@ -239,6 +251,7 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         shard_bytes: int = DEFAULT_SHARD_BYTES,
         max_workers: int = 4,
+        unsafe_non_exclusive_store: bool = False,
     ) -> None:
         super().__init__()
         self.path = path
@@ -251,6 +264,7 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
             overwrite=overwrite,
             overwrite_incomplete=overwrite_incomplete,
             hmac_key=hmac_key,
+            unsafe_non_exclusive_store=unsafe_non_exclusive_store,
         )
         self._fresh()
 
@@ -460,6 +474,7 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
         *,
         storage_options: dict[str, Any] | None = None,
         max_workers: int = 4,
+        unsafe_non_exclusive_store: bool = False,
     ) -> None:
         super().__init__()
         self.path = path

@@ -25,6 +25,7 @@ from .steps import (
     ReadLease,
     StepGoneError,
     clean_folder,
+    collect_staging_copies,
     delete_step,
     inspect_step,
     is_committed,
@@ -252,6 +253,7 @@ class CheckpointManager:
             folder = inspect_step(self._step(s), s, liveness)
             if not folder.committed and clean_folder(folder, lease_s=self.lease_s):
                 log.info("ucp_zarr: removed the %s step folder %s", folder.state, folder.store.url)
+        collect_staging_copies(self._store, liveness)
         return tuple(deleted)
 
     def wait(self) -> SaveMetrics | None:

@@ -37,17 +37,24 @@ from typing import Any
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, NotACheckpointError
 from ..format import METADATA_FILE, CheckpointMeta, parse_document
 from ..storage import FsspecStore, LocalStore, Store, open_store
+from ..owned import Owned
 from ..transaction import (
     DEFAULT_LEASE_S,
     HEARTBEAT,
+    INTERNAL_PREFIX,
     MARKER,
     REPLACE_RECORD,
+    RETIRED,
+    STAGING_INFIX,
+    Heartbeat,
     Liveness,
     Owner,
     Transaction,
-    _Heartbeat,
+    collect_staging,
     committed_store,
+    delete_owned,
     last_heartbeat,
+    read_owned,
     read_owner,
 )
 
@@ -79,28 +86,6 @@ def parse_step(name: str) -> int | None:
 # --- the root and its step folders ------------------------------------------------------------
 
 
-def child_names(store: Store) -> list[str]:
-    """The names of the immediate children (objects and folders) of ``store``'s root: one
-    directory read, or one delimited listing on an object store."""
-    if isinstance(store, LocalStore):
-        try:
-            return sorted(os.listdir(store.root))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-    if isinstance(store, FsspecStore):
-
-        def ls() -> list[str]:
-            try:
-                store.fs.invalidate_cache(store.root)
-                return store.fs.ls(store.root, detail=False)
-            except FileNotFoundError:
-                return []
-
-        names = {posixpath.basename(p.rstrip("/")) for p in store.retry.call(f"listing {store.url}", ls)}
-        return sorted(n for n in names if n)
-    return sorted({k.split("/", 1)[0] for k in store.list()})
-
-
 def step_store(root: Store, step: int, storage_options: dict[str, Any] | None = None) -> Store:
     """The store of ``step``'s folder under ``root``."""
     if isinstance(root, LocalStore):
@@ -112,7 +97,7 @@ def step_store(root: Store, step: int, storage_options: dict[str, Any] | None = 
 
 def step_numbers(root: Store) -> list[int]:
     """The steps that have a folder under ``root`` (committed or not), ascending."""
-    return sorted(s for s in (parse_step(n) for n in child_names(root)) if s is not None)
+    return sorted(s for s in (parse_step(n) for n in root.child_names()) if s is not None)
 
 
 def is_committed(store: Store) -> bool:
@@ -198,7 +183,7 @@ def _alive(store: Store, owner: Owner, liveness: Liveness) -> bool:
 
 def inspect_step(store: Store, step: int, liveness: Liveness) -> _Folder:
     """What the step folder ``store`` holds: one listing, and the owner records it names."""
-    names = frozenset(child_names(store))
+    names = frozenset(store.child_names())
     committed = METADATA_FILE in names or (REPLACE_RECORD in names and is_committed(store))
     folder = _Folder(step, store, names, committed)
     if not committed and MARKER in names:
@@ -262,14 +247,14 @@ class ReadLease:
         self.liveness = liveness or Liveness.here()
         self.id = uuid.uuid4().hex
         self.key = READER + self.id
-        self._heartbeat: _Heartbeat | None = None
+        self._heartbeat: Heartbeat | None = None
 
     def __enter__(self) -> "ReadLease":
         if not is_committed(self.store):  # (never create a lease in a folder that is gone)
             raise StepGoneError(f"no committed checkpoint at {self.store.url}")
         self.store.create_exclusive(self.key, Owner.this_process(self.id, self.lease_s).to_bytes())
         try:
-            self._heartbeat = _Heartbeat(self.store, self.id, self.lease_s)
+            self._heartbeat = Heartbeat(self.store, self.id, self.lease_s)
             deleter = read_owner(self.store, DELETING)
             if deleter is not None and _alive(self.store, deleter, self.liveness):
                 raise StepGoneError(f"{self.store.url} is being deleted by {deleter.describe()}")
@@ -298,7 +283,7 @@ def delete_step(store: Store, *, lease_s: float = DEFAULT_LEASE_S, liveness: Liv
     """Delete the step folder ``store`` crash-safely (see the module docstring); False
     (nothing deleted) while a live reader, deleter or replacement holds it."""
     liveness = liveness or Liveness.here()
-    if REPLACE_RECORD in child_names(store):  # an overwrite in progress: the transaction's business
+    if REPLACE_RECORD in store.child_names():  # an overwrite in progress: the transaction's business
         return False
     me = Owner.this_process(uuid.uuid4().hex, lease_s)
     try:
@@ -308,15 +293,41 @@ def delete_step(store: Store, *, lease_s: float = DEFAULT_LEASE_S, liveness: Liv
         if other is not None and _alive(store, other, liveness):
             return False
         store.write_atomic(DELETING, me.to_bytes())  # resume a dead deleter's work
-    for name in child_names(store):
+    for name in store.child_names():
         if name.startswith(READER):
             reader = read_owner(store, name)
             if reader is not None and _alive(store, reader, liveness):
                 _withdraw(store, me)
                 return False
-    store.delete(METADATA_FILE)  # the commit record first: from here on, not committed
-    store.remove()  # in any order: whatever a crash leaves now is an uncommitted leftover
+    remove_checkpoint(store)
+    for name in store.child_names():  # the protocol's records (dead readers' leases among them)
+        if name.startswith(INTERNAL_PREFIX) and name not in (DELETING, REPLACE_RECORD):
+            store.delete(name)
+    store.delete(DELETING)
+    store.prune(())
     return True
+
+
+def remove_checkpoint(store: Store) -> None:
+    """Delete the committed checkpoint of ``store``: what its commit record names is
+    recorded (``.ucp_zarr_retired``), the commit record deleted first (from here on the
+    checkpoint is not committed), then the recorded objects. Other files and folders (a
+    checkpoint nested in a subfolder among them) stay. Resumes a crashed removal."""
+    try:
+        root = store.read(METADATA_FILE)
+    except FileNotFoundError:
+        pass
+    else:
+        where = f"{store.url}/{METADATA_FILE}"
+        try:
+            owned = Owned.from_commit_record(root, where, store.read)
+        except FormatError as e:
+            log.warning("ucp_zarr: the commit record %s is unreadable (%s); its objects are left in place", where, e)
+            owned = Owned()
+        store.write_atomic(RETIRED, owned.to_bytes())
+        store.delete(METADATA_FILE)
+    delete_owned(store, read_owned(store, RETIRED) or Owned())
+    store.delete(RETIRED)
 
 
 def _withdraw(store: Store, me: Owner) -> None:
@@ -337,9 +348,24 @@ def drop_interrupted(store: Store, *, lease_s: float = DEFAULT_LEASE_S) -> bool:
     except CheckpointError as e:  # a live owner (OwnershipError), or committed meanwhile
         log.debug("ucp_zarr: leaving %s: %s", store.url, e)
         return False
-    txn.abort()
-    store.remove()
+    txn.abort()  # (deletes nothing of its own: it recorded no objects)
+    for name in store.child_names():
+        if name.startswith(INTERNAL_PREFIX):
+            store.delete(name)
+    store.prune(())
     return True
+
+
+_STAGING_COPY = re.compile(rf"\.(step_[0-9]{{8,}}){re.escape(STAGING_INFIX)}[0-9a-f]{{32}}")
+
+
+def collect_staging_copies(root: Store, liveness: Liveness | None = None) -> list[str]:
+    """Remove the staging copies (``.step_XXXXXXXX.ucp_zarr-<save id>``) that crashed
+    overwrites of steps under ``root`` left, where no live save works on them and no
+    replace record names them (see :func:`~ucp_zarr.transaction.collect_staging`)."""
+    liveness = liveness or Liveness.here()
+    steps = {parse_step(m.group(1)) for n in root.child_names() if (m := _STAGING_COPY.fullmatch(n))}
+    return [name for s in sorted(x for x in steps if x is not None) for name in collect_staging(step_store(root, s), liveness)]
 
 
 def clean_folder(folder: _Folder, *, lease_s: float = DEFAULT_LEASE_S) -> bool:
