@@ -295,9 +295,10 @@ class PreparedSave:
             sbox = meta.grid.shard_box(task.shard)
             if not task.sources:
                 src, held = self.staging.holding(task.key, sbox)
-                sealed = write_shard(self.target, path, meta, task.shard, src, held, seal, fence)
-                self.staging.release(task.key, sbox)
-                return sealed
+                try:
+                    return write_shard(self.target, path, meta, task.shard, src, held, seal, fence)
+                finally:  # (a pooled copy not given back on a failure would block the other writers forever)
+                    self.staging.release(task.key, sbox)
             buf = torch.empty(sbox.shape, dtype=meta.dtype.storage_torch_dtype)
             for i, (src_rank, box) in enumerate(task.sources):
                 part = self.staging.data(task.key, box) if src_rank == rank else received[(n, i)]

@@ -100,8 +100,9 @@ class Staging:
         else:  # host copies (and the first touch of the fresh buffer) on every worker: copy_ frees the GIL
             with ThreadPoolExecutor(workers) as pool:
                 list(pool.map(lambda f: self._fill(*f, False), _balanced(fills, workers)))
-        if pin:
-            torch.cuda.synchronize()
+        if pin:  # every device the copies came from (the caller's current device may be another)
+            for device in {self._fragment(akey).device for akey, _ in todo if self._fragment(akey).device.type == "cuda"}:
+                torch.cuda.synchronize(device)
 
     def _lazy(self, akey: str) -> bool:
         """Whether shards of ``akey`` are staged one by one as they are written."""
@@ -139,8 +140,8 @@ class Staging:
             raw = self.pool.take(box.numel * self._fragment(akey).dtype.itemsize)
             dst = self._view(raw, akey, box)
             self._fill(dst, akey, box, self.pool.pin)
-            if self.pool.pin:
-                torch.cuda.current_stream().synchronize()
+            if self.pool.pin:  # the stream of the tensor's device (a writer thread's current device is cuda:0)
+                torch.cuda.current_stream(self._fragment(akey).device).synchronize()
             with self._lock:
                 self.leased[(akey, box)] = raw
             return dst, box
