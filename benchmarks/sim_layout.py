@@ -88,7 +88,7 @@ def rank_infos(world: int, rank: int, layers: int = LAYERS) -> list[FragmentInfo
     slabs = [slab(p, tp_rank, tp) for p in params]
     for p, s in zip(params, slabs):
         plain = p.split is None
-        infos.append(FragmentInfo(f"model.{p.name}", p.shape, "bfloat16", (s,), plain=plain, digest=0 if plain else None))
+        infos.append(FragmentInfo(f"model.{p.name}", p.shape, "bfloat16", (s,), plain=plain))
     total = sum(s.numel for s in slabs)
     share = -(-total // dp)
     lo, hi = dp_rank * share, min(total, (dp_rank + 1) * share)

@@ -405,3 +405,19 @@ def test_a_zarr_reader_never_reads_fill_values_for_data_not_yet_written(tmp_path
         poller.join()
     assert seen, "the reader never found an array (the test polled too late)"
     assert not wrong, f"a Zarr reader read fill values for {sorted(set(wrong))[:5]}"
+
+
+def test_a_save_never_writes_through_a_symbolic_link_inside_its_path(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    ck = tmp_path / "ck"
+    ucp_zarr.save(_state(1.0), ck)
+    shutil.rmtree(ck / "w")
+    (ck / "w").symlink_to(outside)
+    with pytest.raises(ucp_zarr.NotACheckpointError, match="symbolic link inside the checkpoint"):
+        ucp_zarr.save(_state(2.0), ck, overwrite=True)
+    assert not any(outside.iterdir())
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")  # the path itself may be a link
+    ucp_zarr.save(_state(3.0), tmp_path / "link" / "ck")
+    _assert_holds(tmp_path / "real" / "ck", 3.0)

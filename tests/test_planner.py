@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from ucp_zarr.layout import Box
 from ucp_zarr.layout.flat import flat_range_boxes
+from ucp_zarr.replicas import check_replicas
 from ucp_zarr.planner import FragmentInfo, LayoutError, plan_save
 
 
@@ -96,7 +97,7 @@ def test_aligned_fragments_need_no_exchange(infos):
 
 
 def test_replicated_tensor_is_written_by_every_replica():
-    infos = [[FragmentInfo("w", (1024, 256), "float32", (Box.whole((1024, 256)),), plain=True, digest=7)] for _ in range(4)]
+    infos = [[FragmentInfo("w", (1024, 256), "float32", (Box.whole((1024, 256)),), plain=True)] for _ in range(4)]
     plan = plan_save(infos, chunk_bytes=64 << 10)
     assert {t.writer for t in plan.shards} == {0, 1, 2, 3}
     assert all(not t.sources for t in plan.shards)
@@ -113,9 +114,15 @@ def test_per_rank_state_gets_one_array_per_rank():
 def test_plain_tensor_differing_between_ranks_is_an_error_naming_the_ranks():
     """Regression: a plain tensor whose copies differ used to be stored per rank silently
     (and then left untouched on new ranks at load); per-rank state must be PerRank."""
-    infos = [[FragmentInfo("emb", (16,), "float32", (Box.whole((16,)),), plain=True, digest=d)] for d in (7, 7, 8, 7)]
+    infos = [[FragmentInfo("emb", (16,), "float32", (Box.whole((16,)),), plain=True)] for d in (7, 7, 8, 7)]
+    plan = plan_save(infos)
+    whole = Box.whole((16,))
+    assert [(r.key, r.boxes, r.plain) for r in plan.replicas] == [("emb", ((whole, (0, 1, 2, 3)),), True)]
+    digests = [{("emb", whole): d} for d in (7, 7, 8, 7)]
     with pytest.raises(LayoutError, match=r"'emb'.*differ.*\[0, 1, 3\] vs ranks \[2\].*PerRank"):
-        plan_save(infos)
+        check_replicas(plan, digests)
+    check_replicas(plan, [{("emb", whole): 7}] * 4)
+    assert [p.replicas for p in plan.split(4)] == [[plan.replicas[0]]] * 4
     mixed = [[FragmentInfo("rng", (4,), "uint8", (Box.whole((4,)),), plain=True, per_rank=r == 0)] for r in range(2)]
     with pytest.raises(LayoutError, match=r"'rng': ranks \[0\] wrap it in PerRank, ranks \[1\] do not"):
         plan_save(mixed)

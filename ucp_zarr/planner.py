@@ -11,7 +11,11 @@ same :class:`SavePlan`:
 3. give every shard exactly **one writer**: a rank holding it whole (spreading replicas by
    bytes), or else the rank holding most of it, to which the other holders send their
    boundary pieces (:attr:`ShardTask.sources`; at most one shard each, shards being
-   chunk-sized where fragments cut chunks).
+   chunk-sized where fragments cut chunks);
+4. list every box that several ranks hold (:attr:`SavePlan.replicas`): their copies are
+   compared by digest before anything is written (:mod:`.replicas`), whatever the kind of
+   fragment, so that a layout mistake (two pipeline stages holding "layer 0", shards of
+   one box with different values) is an error, not the first rank's copy saved.
 """
 
 from __future__ import annotations
@@ -40,8 +44,6 @@ class FragmentInfo:
     boxes: tuple[Box, ...]
     flat: tuple[int, int] | None = None
     plain: bool = False
-    digest: int | None = None
-    """A fingerprint of a plain tensor's bytes: replicas must agree."""
     per_rank: bool = False
     """Wrapped in :class:`~ucp_zarr.PerRank`: this rank's own copy, stored per rank."""
     meaning: str | None = None
@@ -70,6 +72,21 @@ class ShardTask:
 
 
 @dataclass(frozen=True)
+class Replicated:
+    """Boxes of one tensor that several ranks hold: each box with its holders."""
+
+    key: str
+    boxes: tuple[tuple[Box, tuple[int, ...]], ...]
+    plain: bool = False
+    """A plain tensor (held whole, as-is, by every rank)."""
+    rule: str = ""
+    """The rule pattern that placed it (for messages)."""
+
+    def held_by(self, rank: int) -> "Replicated":
+        return Replicated(self.key, tuple(b for b in self.boxes if rank in b[1]), self.plain, self.rule)
+
+
+@dataclass(frozen=True)
 class SavePlan:
     arrays: dict[str, tuple[str, ArrayMeta]]
     """array key (``key``, or ``key@rankN`` for per-rank state) -> (path, metadata)."""
@@ -84,6 +101,8 @@ class SavePlan:
     """The Zarr groups (one per parameter)."""
     numbers: list[int] | None = None
     """In a rank's part of a plan (:meth:`for_rank`): the plan-wide number of each task."""
+    replicas: list[Replicated] = field(default_factory=list)
+    """The boxes held by several ranks (in a rank's part: those it holds)."""
 
     def numbered(self) -> list[tuple[int, ShardTask]]:
         """``(number, task)`` of every task here, numbered as in the whole plan."""
@@ -110,6 +129,7 @@ class SavePlan:
                 doc_writers=docs[r],
                 groups=[g for g in self.groups if f"{g}/{METADATA_FILE}" in docs[r]],
                 numbers=tasks[r],
+                replicas=[h for rep in self.replicas if (h := rep.held_by(r)).boxes],
             ))
         return parts
 
@@ -140,18 +160,21 @@ def plan_save(
             for r, f in held:
                 layouts[per_rank_key(key, r)] = [(r, f)]
         else:
-            _check_replicas(key, held)
             layouts[key] = held
 
     base_paths = assign_array_paths(list(by_key), {k: held[0][1].alias for k, held in by_key.items()})
     loads = [0] * len(infos)
     arrays: dict[str, tuple[str, ArrayMeta]] = {}
     shards: list[ShardTask] = []
+    replicas: list[Replicated] = []
     for akey, held in layouts.items():
         f0 = held[0][1]
         rank = held[0][0] if f0.key in per_rank else None
         path = base_paths[f0.key] + (f"~rank{rank}" if rank is not None else "")
         regions = _regions(f0.key, held)
+        shared = tuple((b, tuple(rs)) for b, rs in regions.items() if len(rs) > 1)
+        if shared and rank is None:
+            replicas.append(Replicated(f0.key, shared, f0.plain, f0.rule))
         sd = stored_dtype(getattr(torch, f0.dtype), key=f0.key)
         grid = grid_for_regions(f0.shape, sd.itemsize, regions, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
         writers: dict[Box, set[int]] = defaultdict(set)
@@ -162,7 +185,7 @@ def plan_save(
     doc_writers = _spread_documents(arrays, shards, len(infos))
     meanings = {k: held[0][1].meaning for k, held in by_key.items() if held[0][1].meaning is not None}
     groups = sorted({path.split("/")[0] for path, _ in arrays.values()})
-    return SavePlan(arrays, shards, per_rank, doc_writers, meanings, groups)
+    return SavePlan(arrays, shards, per_rank, doc_writers, meanings, groups, replicas=replicas)
 
 
 def _check_consistent(key: str, held: list[tuple[int, FragmentInfo]]) -> None:
@@ -184,27 +207,6 @@ def _check_consistent(key: str, held: list[tuple[int, FragmentInfo]]) -> None:
                 f"tensor {key!r}: ranks {wrapped} wrap it in PerRank, ranks "
                 f"{sorted(q for q, _ in held if q not in wrapped)} do not; per-rank state must be per-rank on every rank"
             )
-
-
-def _check_replicas(key: str, held: list[tuple[int, FragmentInfo]]) -> None:
-    """A plain tensor is one tensor held whole by every rank: its copies must be equal."""
-    plain = [(r, f.digest) for r, f in held if f.plain]
-    groups: dict[int | None, list[int]] = defaultdict(list)
-    for r, d in plain:
-        groups[d].append(r)
-    if len(groups) > 1:
-        shown = " vs ".join(f"ranks {rs}" for rs in sorted(groups.values()))
-        rule = held[0][1].rule
-        if rule:
-            raise LayoutError(
-                f"parameter {key!r} is replicated by rule {rule!r}, so every rank holding it must hold the same "
-                f"value, but its copies differ ({shown} hold different values)"
-            )
-        raise LayoutError(
-            f"tensor {key!r} is a plain tensor, so every rank must hold the same value, but its "
-            f"copies differ ({shown} hold different values). Wrap per-rank state (RNG states, "
-            "data positions) in ucp_zarr.PerRank(...), or make the replicas equal"
-        )
 
 
 def _regions(key: str, held: list[tuple[int, FragmentInfo]]) -> dict[Box, list[int]]:

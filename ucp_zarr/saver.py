@@ -31,7 +31,6 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .arrayio import Seal, write_shard
-from .codec import checksum
 from .distributed import Comm, describe, raise_failures
 from .errors import LayoutError
 from .exchange import Exchange, build_exchange, check_sizes
@@ -41,8 +40,10 @@ from .integrity import array_digest, document_digest, sign
 from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from .optimizer_names import alias, state_names
 from .planner import FragmentInfo, SavePlan, ShardTask, plan_save
+from .replicas import Digests, check_replicas, replica_digests
 from .staging import Staging
-from .statedict import iter_leaves, to_json
+from .ties import agree_ties, find_ties
+from .statedict import Structure, iter_leaves, structure_of, to_json
 from .owned import Owned, OwnedArray
 from .storage import Store
 from .transaction import (
@@ -57,10 +58,6 @@ from .transaction import (
 from .version import __version__
 
 log = logging.getLogger(__name__)
-
-DIGEST_COPY_BYTES = 16 << 20
-"""Off-CPU plain tensors up to this size are copied to the host for their fingerprint."""
-
 
 @dataclass(frozen=True)
 class SaveOptions:
@@ -127,6 +124,10 @@ class Collected:
     """The rule patterns that matched a parameter on this rank."""
     aliases: dict[str, str] = field(default_factory=dict)
     """Tensor key -> the key its array is named after (see :mod:`.optimizer_names`)."""
+    structure: Structure | None = None
+    """How the state dict nested (stored with the checkpoint)."""
+    ties: dict[str, str] = field(default_factory=dict)
+    """Alias key -> canonical key of tensors given under several keys (see :mod:`.ties`)."""
 
 
 def collect(state_dict: Mapping[str, Any], model: Any = None) -> Collected:
@@ -140,7 +141,9 @@ def collect(state_dict: Mapping[str, Any], model: Any = None) -> Collected:
     per_rank: set[str] = set()
     rules: dict[str, Any] | None = None
     used: set[str] = set()
-    for leaf in iter_leaves(state_dict):
+    empty: list[tuple[int, tuple[Any, ...]]] = []
+    unplaced: list[tuple[str, Any, Fragment]] = []
+    for leaf in iter_leaves(state_dict, empty):
         value, wrapped = leaf.value, isinstance(leaf.value, PerRank)
         if wrapped:
             value = value.value
@@ -155,6 +158,8 @@ def collect(state_dict: Mapping[str, Any], model: Any = None) -> Collected:
                     "plain tensor (or a JSON value) that each rank holds whole"
                 )
             frag.per_rank = wrapped
+            if not wrapped and not isinstance(value, Placed):
+                unplaced.append((frag.key, value, frag))
             if isinstance(value, Placed):
                 if rules is not None and value.rules != rules:
                     raise LayoutError(f"tensor {leaf.key!r} was placed by other rules than the rest of the state dict")
@@ -167,6 +172,7 @@ def collect(state_dict: Mapping[str, Any], model: Any = None) -> Collected:
                 paths[frag.key] = leaf.path
         else:
             values[leaf.key] = to_json(value, leaf.key)
+            paths[leaf.key] = leaf.path
             if wrapped:
                 per_rank.add(leaf.key)
     clash = sorted(set(fragments) & set(values))
@@ -174,7 +180,9 @@ def collect(state_dict: Mapping[str, Any], model: Any = None) -> Collected:
         raise LayoutError(f"keys {clash} are both a placed tensor and a value")
     names = state_names(state_dict, model)  # (after iter_leaves refused cycles and deep nesting)
     aliases = {k: a for k, p in paths.items() if (a := alias(k, p, names)) is not None} if names else {}
-    return Collected(fragments, values, frozenset(per_rank), rules, frozenset(used), aliases)
+    structure = structure_of(state_dict, paths, empty)
+    ties = find_ties(unplaced)
+    return Collected(fragments, values, frozenset(per_rank), rules, frozenset(used), aliases, structure, ties)
 
 
 def _merge(into: Fragment, other: Fragment, leaf_key: str) -> None:
@@ -215,6 +223,8 @@ class PreparedSave:
         values: tuple[dict[str, Any], dict[str, dict[int, Any]]],
         order: list[str],
         layout: dict[str, Any] | None = None,
+        structure: Structure | None = None,
+        ties: dict[str, str] | None = None,
     ) -> None:
         self.store = store
         self.comm = comm
@@ -228,6 +238,8 @@ class PreparedSave:
         self.values = values
         self.order = order
         self.layout = layout or {}
+        self.structure = structure
+        self.ties = ties or {}
 
     def finish(self, comm: Comm | None = None) -> SaveResult:
         """Exchange boundary pieces, write this rank's documents and shards, commit (over
@@ -340,6 +352,7 @@ class PreparedSave:
         position = {k: i for i, k in enumerate(self.order)}
         docs = document_dicts(plan)
         global_values, rank_values = self.values
+        stored = set(entries) | set(global_values) | set(rank_values) | set(self.ties)
         meta = CheckpointMeta(
             tensors=dict(sorted(entries.items(), key=lambda kv: position.get(kv[0], 0))),
             values=global_values,
@@ -349,8 +362,10 @@ class PreparedSave:
             world_size=self.comm.world,
             layout=self.layout,
             rank_values=rank_values,
+            structure=None if self.structure is None else self.structure.select(stored.__contains__, lambda _: True),
             documents={k: document_digest(dump_document(d)) for k, d in docs},
             consolidated=consolidated_nodes(docs),
+            ties=self.ties,
         )
         attrs = meta.attributes()
         if self.options.hmac_key is not None:
@@ -422,9 +437,8 @@ def _set_means(fragments: dict[str, Fragment], means: dict[str, torch.Tensor]) -
         fragments[key].pieces[0] = (box, mean)
 
 
-def _infos(fragments: dict[str, Fragment], aliases: dict[str, str], fingerprint: bool = True) -> list[FragmentInfo]:
-    """What each fragment is, for the planner; ``fingerprint``: of plain tensors, whose
-    replicas on other ranks must be equal (a single process has no replicas to compare)."""
+def _infos(fragments: dict[str, Fragment], aliases: dict[str, str]) -> list[FragmentInfo]:
+    """What each fragment is, for the planner."""
     return [
         FragmentInfo(
             f.key,
@@ -433,7 +447,6 @@ def _infos(fragments: dict[str, Fragment], aliases: dict[str, str], fingerprint:
             tuple(b for b, _ in f.pieces),
             f.flat,
             f.plain,
-            _fingerprint(f) if fingerprint and f.plain and not f.per_rank and not f.average else None,
             f.per_rank,
             None if f.meaning is None else json.dumps(f.meaning, sort_keys=True),
             f.rule,
@@ -441,34 +454,6 @@ def _infos(fragments: dict[str, Fragment], aliases: dict[str, str], fingerprint:
         )
         for f in fragments.values()
     ]
-
-
-def _fingerprint(f: Fragment) -> int | None:
-    """A fingerprint of a plain tensor's bytes, compared across ranks (replicas must be
-    equal): crc32c on the host; for a large off-CPU tensor, a sum of its bytes and of its
-    bytes weighted by position, computed on the device."""
-    if not f.pieces:
-        return None
-    t = f.pieces[0][1].detach().contiguous().reshape(-1)
-    if t.dtype.is_complex:
-        t = torch.view_as_real(t).reshape(-1)
-    raw = t.view(torch.uint8)
-    if t.device.type == "cpu" or f.nbytes <= DIGEST_COPY_BYTES:
-        return checksum(memoryview(raw.cpu().numpy()))
-    return device_fingerprint(raw)
-
-
-def device_fingerprint(raw: torch.Tensor, block: int = 16 << 20) -> int:
-    """A fingerprint of a flat ``uint8`` tensor computed where it lives: the sum of its bytes
-    and of its bytes weighted by position (mod 65521), ``block`` bytes at a time, so that
-    the temporaries stay about ``24 * block`` bytes whatever the tensor's size."""
-    total = weighted = 0
-    for start in range(0, raw.numel(), block):
-        v = raw[start : start + block].to(torch.int64)
-        pos = torch.arange(start + 1, start + v.numel() + 1, device=v.device) % 65521
-        total += int(v.sum())
-        weighted += int((v * pos).sum())
-    return hash((total, weighted))
 
 
 def _merge_values(
@@ -522,7 +507,7 @@ def prepare(
     averaged: dict[str, torch.Tensor] = {}
     try:
         col = collected()
-        infos = _infos(col.fragments, col.aliases, fingerprint=comm.world > 1)
+        infos = _infos(col.fragments, col.aliases)
         averaged = {k: f.pieces[0][1].detach().cpu() for k, f in col.fragments.items() if f.average and f.pieces}
     except BaseException as e:
         error = e
@@ -533,19 +518,26 @@ def prepare(
     def plan_all(payloads: list[Any]) -> list[Any]:
         rules = _agreed_rules([(g[3], g[4]) for g in payloads])
         means = _means([g[5] for g in payloads])
-        plan = plan_save([g[0] for g in payloads], chunk_bytes=options.chunk_bytes, shard_bytes=options.shard_bytes)
+        ties = agree_ties([(g[7], g[0]) for g in payloads])  # (an alias is stored as its canonical tensor)
+        plan = plan_save([[i for i in g[0] if i.key not in ties] for g in payloads], chunk_bytes=options.chunk_bytes,
+                         shard_bytes=options.shard_bytes)
         coordinator.update(
             plan=plan,
             values=_merge_values([(g[1], g[2]) for g in payloads]),
             order=[f.key for g in payloads for f in g[0]],
             layout={} if rules is None else {"rules": rules},
+            structure=Structure.merged([g[6] for g in payloads]),
+            ties=ties,
         )
         parts = [(part, {k: means[k] for k in g[5]}) for part, g in zip(plan.split(len(payloads)), payloads)]
         parts[0] = (plan, parts[0][1])  # the coordinator writes the commit record from the whole plan
         return parts
 
     plan, means = comm.coordinate(
-        error, "preparing the save", (infos, col.values, col.per_rank_values, col.rules, col.used, averaged), plan_all
+        error,
+        "preparing the save",
+        (infos, col.values, col.per_rank_values, col.rules, col.used, averaged, col.structure, col.ties),
+        plan_all,
     )
     _set_means(col.fragments, means)
     values, order, layout = coordinator.get("values", ({}, {})), coordinator.get("order", []), coordinator.get("layout", {})
@@ -559,21 +551,31 @@ def prepare(
     claim = comm.agree(error, f"starting a checkpoint at {store.url}", (txn.save_id, txn.staged) if txn else None)
     save_id, staged = claim[0]
 
-    # 3. stage and build the exchange
+    # 3. show replicas equal, stage and build the exchange
     error = None
     staging: Staging | None = None
     exchange = Exchange()
+    digests: Digests = {}
     try:
+        digests = replica_digests(plan, col.fragments)
         staging = Staging(plan, col.fragments, comm.rank, copy, workers=options.max_workers)
         exchange = build_exchange(plan, comm.rank, staging)
         check_sizes(plan, comm.rank, exchange)
     except BaseException as e:
         error = e
+
+    def compare(payloads: list[Digests]) -> list[None]:
+        check_replicas(plan, payloads)  # (the coordinator holds the whole plan)
+        return [None] * len(payloads)
+
     try:
-        comm.agree(error, "staging the save")
+        comm.coordinate(error, "staging the save", digests, compare)
     except BaseException:
         if txn is not None:
             txn.abort()
         raise
     assert staging is not None
-    return PreparedSave(store, comm, options, plan, txn, save_id, staged, staging, exchange, values, order, layout)
+    return PreparedSave(
+        store, comm, options, plan, txn, save_id, staged, staging, exchange, values, order, layout,
+        structure=coordinator.get("structure"), ties=coordinator.get("ties"),
+    )

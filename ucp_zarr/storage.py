@@ -224,20 +224,35 @@ class LocalStore(Store):
         return os.path.join(self.root, *key.split("/"))
 
     def _makedirs(self, d: str) -> None:
+        """Create directory ``d`` (inside the root) and its parents, never through a symbolic
+        link inside the checkpoint (the root itself may be one)."""
         with self._dirs_lock:
             if d in self._dirs:
                 return
-        try:
-            os.makedirs(d, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise NotACheckpointError(
-                f"cannot create the directory {d}: a file is in the way (a checkpoint path must be a directory)"
-            ) from None
+        if self.root not in self._dirs:
+            self._mkdir(self.root, os.makedirs)
+        new, cur = [self.root, os.path.dirname(self.root)], self.root
+        for part in os.path.relpath(d, self.root).split(os.sep) if d != self.root else ():
+            cur = os.path.join(cur, part)
+            if cur not in self._dirs:
+                self._mkdir(cur, os.mkdir)
+                new.append(cur)
         with self._dirs_lock:
-            while d.startswith(self.root) and d not in self._dirs:
-                self._dirs.add(d)
-                d = os.path.dirname(d)
-            self._dirs.add(os.path.dirname(self.root))
+            self._dirs.update(new)
+
+    def _mkdir(self, path: str, mkdir: Callable[[str], None]) -> None:
+        try:
+            mkdir(path)
+        except (FileExistsError, NotADirectoryError):
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode) and path != self.root:
+                raise NotACheckpointError(
+                    f"{path} is a symbolic link inside the checkpoint at {self.root}: refusing to write through it"
+                ) from None
+            if not stat.S_ISDIR(os.stat(path).st_mode):
+                raise NotACheckpointError(
+                    f"cannot create the directory {path}: a file is in the way (a checkpoint path must be a directory)"
+                ) from None
 
     def write(self, key: str, buffers: Iterable[Buffer | bytes], guard: WriteGuard | None = None) -> int:
         path = self._path(key)
@@ -295,7 +310,7 @@ class LocalStore(Store):
         """Create ``path`` from ``buffers`` with ``writev``, then ``fsync`` it; with ``defer``,
         a small file on a batching file system is left to :meth:`sync` instead."""
         self._makedirs(os.path.dirname(path))
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         total = 0
         try:
             # joined before the first byte is written: its syncfs reports every later writeback error
