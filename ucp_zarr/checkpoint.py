@@ -28,7 +28,15 @@ from .arrayio import (
     writable_view,
 )
 from .dtypes import is_lossless_cast, stored_dtype_by_name
-from .errors import CorruptChunkError, DtypeMismatchError, FormatError, LayoutError, ShapeMismatchError
+from .errors import (
+    CorruptChunkError,
+    DtypeMismatchError,
+    FormatError,
+    LayoutError,
+    ShapeMismatchError,
+    UnknownKeyError,
+    did_you_mean,
+)
 from .format import ATTRIBUTE, METADATA_FILE, ArrayMeta, CheckpointMeta, TensorEntry, parse_document
 from .integrity import array_digest, check_signature, document_digest
 from .layout import Box
@@ -113,7 +121,13 @@ class Checkpoint:
         try:
             return self.meta.tensors[key]
         except KeyError:
-            raise KeyError(f"no tensor {key!r} in checkpoint {self.store.url}") from None
+            raise UnknownKeyError(f"no tensor {key!r} in checkpoint {self.store.url}" + self._near(key)) from None
+
+    def _near(self, key: str) -> str:
+        """What ``key`` may have meant: a value of that name, or close tensor keys."""
+        if key in self.meta.values or key in self.meta.rank_values:
+            return f" ({key!r} is one of its values, not a tensor)"
+        return did_you_mean(key, self.meta.tensors)
 
     def _path(self, key: str, rank: int | None) -> str:
         entry = self._entry(key)

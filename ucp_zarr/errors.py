@@ -8,9 +8,54 @@ raised (``ValueError``, ``TypeError``, ``KeyError``, ``FileNotFoundError``,
 
 from __future__ import annotations
 
+import difflib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+
+@dataclass(frozen=True)
+class Keyword:
+    """A keyword argument that an error message names (``overwrite=True``, ``source``).
+    ``str()`` spells it as Python does; a face with other spellings (the command line:
+    ``--overwrite``, ``--from``) renders it its own way (:func:`render`)."""
+
+    name: str
+    value: Any = ...
+    """What to pass (``...``: the message names the keyword only)."""
+
+    def __str__(self) -> str:
+        return self.name if self.value is ... else f"{self.name}={self.value!r}"
+
 
 class CheckpointError(Exception):
-    """Base class of every error ucp_zarr raises on purpose."""
+    """Base class of every error ucp_zarr raises on purpose.
+
+    A message that names a keyword argument is given in parts, the keyword as a
+    :class:`Keyword`: ``CheckpointExistsError(f"{url} exists; pass ", Keyword("overwrite", True))``.
+    ``str(error)`` (and ``args[0]``) is the message as Python spells it; ``parts`` keeps
+    the parts for :func:`render`."""
+
+    parts: tuple[Any, ...] = ()
+
+    def __init__(self, *args: Any) -> None:
+        if any(isinstance(a, Keyword) for a in args):
+            self.parts = args
+            args = ("".join(map(str, args)),)
+        super().__init__(*args)
+
+
+def render(error: BaseException, spell: Callable[[Keyword], str] = str) -> str:
+    """The message of ``error`` with each :class:`Keyword` it names spelled by ``spell``."""
+    parts = getattr(error, "parts", ())
+    if not parts:
+        return str(error)
+    return "".join(spell(p) if isinstance(p, Keyword) else str(p) for p in parts)
+
+
+def did_you_mean(word: str, candidates: Iterable[str]) -> str:
+    """`` (did you mean 'a', 'b'?)`` with up to three close candidates, or ``""``."""
+    close = difflib.get_close_matches(word, list(candidates), n=3)
+    return f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
 
 
 # --- the checkpoint as a whole -------------------------------------------------------------
@@ -81,6 +126,18 @@ class PerRankStateError(CheckpointError, KeyError):
     (pass ``allow_new_ranks=True`` to keep the current values)."""
 
     def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class OptionError(CheckpointError, ValueError):
+    """A keyword argument that does not apply to the call, or a value it cannot take (the
+    message names it)."""
+
+
+class UnknownKeyError(CheckpointError, KeyError):
+    """A checkpoint holds no tensor of that key (the message suggests close ones)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])
 
 

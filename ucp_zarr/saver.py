@@ -109,6 +109,10 @@ class SaveResult:
     """The keys of the objects this rank wrote (no other rank wrote any of them)."""
     save_id: str = ""
 
+    def __repr__(self) -> str:  # one line, whatever the number of objects
+        return (f"SaveResult(url={self.url!r}, rank={self.rank}, bytes_written={self.bytes_written}, "
+                f"objects=<{len(self.objects)} keys>, save_id={self.save_id!r})")
+
 
 @dataclass
 class Collected:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVa
 import fsspec
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
-from .errors import FormatError, NotACheckpointError
+from .errors import FormatError, Keyword, NotACheckpointError, OptionError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -924,8 +924,8 @@ def open_store(path: str | os.PathLike[str], storage_options: dict[str, Any] | N
     if local is None:
         return FsspecStore(path, storage_options)
     if storage_options:
-        raise ValueError(
-            f"storage_options {sorted(storage_options)} do not apply to the local path {local!r} "
-            "(it is written with the local store); drop them"
+        raise OptionError(
+            Keyword("storage_options"), f" {sorted(storage_options)} do not apply to the local path {local!r} "
+            "(it is written with the local store); drop them",
         )
     return LocalStore(local)

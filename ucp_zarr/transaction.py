@@ -61,7 +61,14 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from .errors import CheckpointExistsError, FormatError, IncompleteCheckpointError, NotACheckpointError, OwnershipError
+from .errors import (
+    CheckpointExistsError,
+    FormatError,
+    IncompleteCheckpointError,
+    Keyword,
+    NotACheckpointError,
+    OwnershipError,
+)
 from .format import _COMPONENT, METADATA_FILE
 from .owned import Owned
 from .storage import Store, temp_name
@@ -335,7 +342,7 @@ def require_exclusive_create(store: Store, allow: bool) -> None:
             f"{store.url}: this store cannot create an object exclusively (its 'exclusive' create is "
             "check-then-write), so two saves racing for the path could both claim it and corrupt each "
             "other. Save to a local path or an s3:// URL, or, if no other save can ever target this "
-            "path, pass unsafe_non_exclusive_store=True"
+            "path, pass ", Keyword("unsafe_non_exclusive_store", True),
         )
 
 
@@ -490,7 +497,7 @@ class Transaction:
                 if not self.overwrite:
                     raise CheckpointExistsError(
                         f"a checkpoint is already committed at {self.store.url}; choose a new path "
-                        "or pass overwrite=True"
+                        "or pass ", Keyword("overwrite", True),
                     )
                 self.staged = staging_name(self.store, self.save_id)
                 self.target = self.store.sibling(self.staged)
@@ -527,8 +534,8 @@ class Transaction:
                 if not self.overwrite_incomplete and self._alive(store, holder):
                     raise OwnershipError(
                         f"{store.url} is being written by {holder.describe()}, which is still alive; "
-                        "wait for it, choose another path, or pass overwrite_incomplete=True if you "
-                        "know it is dead"
+                        "wait for it, choose another path, or pass ", Keyword("overwrite_incomplete", True),
+                        " if you know it is dead",
                     ) from None
                 won = self._take_over(store, holder)
             if won:

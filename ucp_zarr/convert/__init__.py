@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..checkpoint import open as open_checkpoint
-from ..errors import ConversionError
+from ..errors import ConversionError, Keyword
 from ..safe_paths import check_no_links_under
 from ..saver import SaveOptions, SaveResult
 from ..storage import LocalStore, open_store
@@ -60,8 +60,8 @@ def detect(src: str | os.PathLike[str]) -> str:
             return "safetensors"
     elif not p.exists():
         raise ConversionError(f"{src}: no such file or folder")
-    raise ConversionError(f"{src}: not a checkpoint kind ucp_zarr recognises; say which with source= "
-                          f"(one of {sorted(SOURCES)})")
+    raise ConversionError(f"{src}: not a checkpoint kind ucp_zarr recognises; say which with ", Keyword("source"),
+                          f" (one of {sorted(SOURCES)})")
 
 
 def read_source(src: str | os.PathLike[str], source: str | None = None, **options: Any) -> Imported:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from ..errors import ConversionError, UntrustedInputError
+from ..errors import ConversionError, Keyword, UntrustedInputError
 from ..writer import TensorSource
 
 
@@ -119,7 +119,7 @@ def torch_load_mapped(path: Path, *, trust: bool, opaque: Iterable[str] = (), mm
             raise ConversionError(f"{path}: cannot be unpickled: {e}") from None
         raise UntrustedInputError(
             f"{path} holds Python objects that a weights-only load refuses ({_first_line(e)}); reading it "
-            "runs code from the file: pass trust=True (--trust) only if you trust where it came from"
+            "runs code from the file: pass ", Keyword("trust", True), " only if you trust where it came from",
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         raise ConversionError(f"{path}: unreadable or truncated torch file: {_first_line(e)}") from None
@@ -164,7 +164,7 @@ def atomic_folder(dst: Path, *, overwrite: bool) -> Iterator[Path]:
     unless ``overwrite`` (then it is replaced only after the new folder is complete)."""
     dst = Path(dst)
     if dst.exists() and not overwrite:
-        raise ConversionError(f"{dst} already exists; pass overwrite=True to replace it")
+        raise ConversionError(f"{dst} already exists; pass ", Keyword("overwrite", True), " to replace it")
     tmp = dst.parent / f".{dst.name}.partial-{uuid.uuid4().hex[:12]}"
     tmp.mkdir(parents=True)
     try:

@@ -42,7 +42,7 @@ from typing import IO, Any, Callable, Iterator
 import torch
 
 from ..checkpoint import Checkpoint
-from ..errors import ConversionError, NotJSONableError, UntrustedInputError
+from ..errors import ConversionError, Keyword, NotJSONableError, UntrustedInputError
 from ..layout import Box
 from ..safe_paths import inside_relative
 from ..statedict import from_json, to_json
@@ -116,8 +116,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         except (KeyError, TypeError):
             raise UntrustedInputError(
                 f"{self.where}: holds a pickled {module}.{name}, which DCP metadata is not made of; "
-                "unpickling it could run code from the file: pass trust=True (--trust) only if you trust "
-                "where it came from"
+                "unpickling it could run code from the file: pass ", Keyword("trust", True),
+                " only if you trust where it came from",
             ) from None
 
     def persistent_load(self, pid: Any) -> Any:
@@ -463,7 +463,7 @@ def _value(s: _Stored, fqn: str, key: str, trust: bool) -> Any:
             if not trust:
                 raise UntrustedInputError(
                     f"{where} holds Python objects that a weights-only load refuses ({_first_line(e)}); reading "
-                    "it runs code from the file: pass trust=True (--trust) only if you trust where it came from"
+                    "it runs code from the file: pass ", Keyword("trust", True), " only if you trust where it came from",
                 ) from None
             v = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
     except UntrustedInputError:
@@ -517,7 +517,7 @@ def write(
     if per_rank:
         raise ConversionError(
             f"{per_rank} are per-rank state (one copy per saving rank); a DCP checkpoint holds one tensor or "
-            "value per key: export the other keys with keys=[...]"
+            "value per key: export the other keys by naming them in ", Keyword("keys"),
         )
     if block_bytes < 1:
         raise ConversionError(f"block_bytes must be positive, not {block_bytes}")

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import ConversionError
+from ..errors import ConversionError, Keyword
 from ..layout import Box
 from ..layout.pieces import Piece
 from ..layout.zero import (
@@ -132,7 +132,7 @@ def _consolidate(folder: Path, parts: list[Imported], rules: Any) -> Imported:
         if not isinstance(info, dict):
             raise ConversionError(
                 f"{folder}: a tensor-parallel checkpoint ({tp_size} mp_rank files) that records no "
-                "universal_checkpoint_info: pass rules= (ucp_zarr.Rules) saying how its tensors are split"
+                "universal_checkpoint_info: pass ", Keyword("rules"), " (a ucp_zarr.Rules) saying how its tensors are split",
             )
         rules = Rules.from_deepspeed(info)
     buffers = set(parts[0].values.get("deepspeed.buffer_names") or [])
