@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .convert import convert, export
     from .fragments import FlatShard, PerRank, Placed, Shard
     from .inspect import diff
-    from .loader import IncompatibleKeys, IncompatibleKeysWarning, load
+    from .loader import IncompatibleKeys, IncompatibleKeysWarning, load, read_state_dict
     from .ops import CheckpointManager, optimal_interval
     from .place import place
     from .rules import RuleError, Rules
@@ -50,6 +50,7 @@ _LAZY = {
     "IncompatibleKeys": ".loader",
     "IncompatibleKeysWarning": ".loader",
     "load": ".loader",
+    "read_state_dict": ".loader",
     "save": ".api",
     "wait_for_pending_save": ".api",
     "Checkpoint": ".checkpoint",
@@ -115,6 +116,7 @@ __all__ = [
     "open",
     "optimal_interval",
     "place",
+    "read_state_dict",
     "save",
     "wait_for_pending_save",
 ]

@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .dtypes import StoredDtype, stored_dtype_by_name
 from .errors import FormatError
 from .layout import ChunkGrid
-from .statedict import from_json
+from .statedict import Structure, from_json
 
 FORMAT_VERSION = 2
 MAX_CHUNK_BYTES = 1 << 30
@@ -419,6 +419,9 @@ class CheckpointMeta:
     consolidated: dict[str, Any] = field(default_factory=dict)
     """The root's consolidated metadata: node path (``<group>/<array>``) -> its document,
     as written. Not trusted by itself: a reader checks each against ``documents``."""
+    structure: Structure | None = None
+    """How the saved state dict nested (None: not recorded, by an older ucp_zarr or a
+    converter)."""
 
     @property
     def authenticated(self) -> bool:
@@ -444,6 +447,8 @@ class CheckpointMeta:
             "rank_values": {k: {str(r): v for r, v in sorted(per.items())} for k, per in self.rank_values.items()},
             "documents": dict(sorted(self.documents.items())),
         }
+        if self.structure is not None:
+            attrs["structure"] = self.structure.to_json()
         if self.signature is not None:
             attrs["signature"] = self.signature
         return attrs
@@ -491,6 +496,9 @@ class CheckpointMeta:
                 signature=signature,
                 consolidated=_consolidated(doc, where),
             )
+            if "structure" in attrs:
+                keys = set(meta.tensors) | set(meta.values) | set(meta.rank_values)
+                meta = replace(meta, structure=Structure.from_json(attrs["structure"], keys, where))
             meta._check_values(where)
             meta._check_paths(where)
             return meta

@@ -10,11 +10,12 @@ for its key, or the load raises naming both keys.
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, MutableMapping, NamedTuple
+from typing import Any, Iterable, Mapping, MutableMapping, NamedTuple
 
 import torch
 
@@ -22,10 +23,23 @@ from .checkpoint import Checkpoint, check_destination, open_store_checkpoint
 from .distributed import Comm
 from .dtypes import is_lossless_cast, stored_dtype_by_name
 from .errors import DtypeMismatchError, KeyMismatchError, LayoutError, PerRankStateError, ShapeMismatchError
-from .fragments import Fragment, PerRank, Placed, is_fragment_value, to_fragment
+from .fragments import FlatShard, Fragment, PerRank, Placed, Shard, is_dtensor, is_fragment_value, to_fragment
 from .rules import same_meaning
-from .statedict import from_json, iter_leaves, set_leaf
+from .format import CheckpointMeta
+from .statedict import (
+    STRUCTURE_FORMAT,
+    ListIndex,
+    Path,
+    Structure,
+    from_json,
+    hashable,
+    iter_leaves,
+    key_of,
+    put_path,
+    typed_path,
+)
 from .storage import open_store
+from .ties import memory_of
 
 LOAD_WORKERS = 4
 """Threads a load reads with."""
@@ -99,76 +113,12 @@ def load(
     ``load``).
     """
     comm = Comm(process_group)
-    rank = comm.rank
     ck = open_store_checkpoint(open_store(path, storage_options), hmac_key)
-    leaves = {leaf.key: leaf for leaf in iter_leaves(state_dict)}
-    # a tensor placed by rules is read from its consolidated key
-    stored_key = {k: leaf.value.key if isinstance(leaf.value, Placed) else k for k, leaf in leaves.items()}
-    meta = ck.meta
-    saved_values = set(meta.values) | set(meta.rank_values)
-    saved = list(meta.tensors) + list(meta.values) + list(meta.rank_values)
-    missing = [k for k, s in stored_key.items() if s not in meta.tensors and s not in saved_values]
-    held = set(stored_key.values())
-    if strict and comm.active and any(isinstance(leaf.value, Placed) for leaf in leaves.values()):
-        # placed state dicts hold different keys on different ranks (pipeline stages, experts)
-        held = set().union(*comm.all_gather(held))
-    unexpected = [k for k in saved if k not in held]
-    if strict and (missing or unexpected):
-        raise KeyMismatchError(missing, unexpected)
-
-    reads: list[_Read] = []
-    unrestorable: list[str] = []
-    for leaf_key, leaf in leaves.items():
-        key = stored_key[leaf_key]
-        value = leaf.value.value if isinstance(leaf.value, PerRank) else leaf.value
-        if key in meta.tensors:
-            entry = meta.tensors[key]
-            if not is_fragment_value(value):
-                raise DtypeMismatchError(f"key {key!r}: the checkpoint holds a tensor, the state dict a {type(value).__name__}")
-            frag = to_fragment(key, value)
-            if not allow_other_rules and not same_meaning(entry.rule, frag.meaning):
-                raise LayoutError(
-                    f"tensor {key!r} was saved as {entry.rule} and the rules loading it ({frag.rule!r}) make it "
-                    f"{frag.meaning}: another consolidated form (pass allow_other_rules=True to load it anyway)"
-                )
-            if frag.shape != entry.shape:
-                raise ShapeMismatchError(
-                    f"tensor {key!r}: checkpoint shape {list(entry.shape)}, state dict shape {list(frag.shape)}"
-                )
-            saved_dtype = stored_dtype_by_name(entry.dtype).torch_dtype
-            if not allow_lossy_cast and not is_lossless_cast(saved_dtype, frag.dtype):
-                raise DtypeMismatchError(
-                    f"tensor {key!r}: the checkpoint holds {saved_dtype}, the state dict {frag.dtype}; "
-                    "converting loses information (pass allow_lossy_cast=True to convert anyway)"
-                )
-            for _, view in frag.pieces:
-                check_destination(leaf_key, view)
-            per_rank = entry.ranks is not None
-            if per_rank and rank not in entry.ranks:
-                unrestorable.append(key)
-                continue
-            reads.append(_Read(key, leaf_key, frag, per_rank))
-        elif key in saved_values:
-            if is_fragment_value(value):
-                raise DtypeMismatchError(f"key {key!r}: the state dict holds a tensor, the checkpoint a JSON value")
-            if key in meta.rank_values and rank not in meta.rank_values[key]:
-                unrestorable.append(key)
-    if strict and unrestorable and not allow_new_ranks:
-        raise PerRankStateError(
-            f"rank {rank} has no saved copy of the per-rank state {unrestorable} (the checkpoint was saved by "
-            f"{meta.world_size} rank(s)), so it cannot be restored; pass allow_new_ranks=True to keep the current values"
-        )
-
-    fill(ck, reads, rank, allow_lossy_cast, max_workers)
-    for key, leaf in leaves.items():
-        if key in meta.values:
-            value = from_json(meta.values[key], key)
-        elif key in meta.rank_values and rank in meta.rank_values[key]:
-            value = from_json(meta.rank_values[key][rank], key)
-        else:
-            continue
-        set_leaf(state_dict, leaf.path, PerRank(value) if isinstance(leaf.value, PerRank) else value)
-    skipped = IncompatibleKeys(missing + unrestorable, unexpected)
+    plan = _Planner(ck, state_dict, comm).plan(strict, allow_new_ranks, allow_lossy_cast, allow_other_rules)
+    fill(ck, plan.reads, comm.rank, allow_lossy_cast, max_workers)
+    for where, value in plan.values:
+        put_path(state_dict, where, value, "the state dict")
+    skipped = IncompatibleKeys(plan.missing, plan.unexpected)
     if return_incompatible_keys:
         return state_dict, skipped
     if not strict and (skipped.missing_keys or skipped.unexpected_keys):
@@ -209,6 +159,375 @@ def _names(keys: list[str], shown: int) -> str:
     return f"{len(keys)} key(s): {listed}{more}"
 
 
+# --- planning --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    reads: list[_Read]
+    values: list[tuple[Path, Any]]
+    """What to set in the state dict after the reads: JSON values, and the entries made for
+    what it lacks (their tensors filled by ``reads``)."""
+    missing: list[str]
+    unexpected: list[str]
+
+
+@dataclass
+class _Optimizer:
+    """An optimizer state dict in the target (``{"state": ..., "param_groups": [...]}``)."""
+
+    path: Path
+    prefix: str
+    """Its flattened key and a dot (empty at the root)."""
+    groups: list[list[Any]]
+    """The parameter ids of each param group, as the target keys its state."""
+    names: list[list[Any]] | None
+    """The parameter names of each param group (``param_names``), when every group has them."""
+
+
+class _Planner:
+    """Matches a target state dict against a checkpoint (see :func:`load`)."""
+
+    def __init__(self, ck: Checkpoint, state_dict: MutableMapping[str, Any], comm: Comm) -> None:
+        self.ck, self.meta, self.comm, self.target = ck, ck.meta, comm, state_dict
+        empty: list[tuple[int, Path]] = []
+        self.leaves = {leaf.key: leaf for leaf in iter_leaves(state_dict, empty)}
+        self.empty = [typed_path(state_dict, p) for _, p in empty]
+        # a tensor placed by rules is read from its consolidated key
+        # (and an alias of tied tensors from its canonical key)
+        self.stored_key = {
+            k: ck.meta.canonical(leaf.value.key if isinstance(leaf.value, Placed) else k) for k, leaf in self.leaves.items()
+        }
+        self.saved = [*self.meta.tensors, *self.meta.values, *self.meta.rank_values]
+        self.optimizers = _optimizers(state_dict)
+
+    def plan(self, strict: bool, allow_new_ranks: bool, lossy: bool, other_rules: bool) -> _Plan:
+        meta, rank = self.meta, self.comm.rank
+        kept = self._match_optimizer_state()
+        absent = self._absent_entries()
+        missing = [k for k, s in self.stored_key.items() if not self._saved(s)]
+        held = set(self.stored_key.values()) | {key for _, key in absent}
+        if strict and self.comm.active and any(isinstance(leaf.value, Placed) for leaf in self.leaves.values()):
+            # placed state dicts hold different keys on different ranks (pipeline stages, experts)
+            held = set().union(*self.comm.all_gather(held))
+        unexpected = [k for k in self.saved if k not in held]
+        if strict and (missing or unexpected):
+            raise KeyMismatchError(missing, unexpected)
+
+        reads: list[_Read] = []
+        values: list[tuple[Path, Any]] = []
+        unrestorable: list[str] = []
+        for leaf_key, leaf in self.leaves.items():
+            key = self.stored_key[leaf_key]
+            wrapped = isinstance(leaf.value, PerRank)
+            value = leaf.value.value if wrapped else leaf.value
+            if key in meta.tensors:
+                read = self._read(key, leaf_key, value, lossy, other_rules)
+                if read is None:
+                    unrestorable.append(key)
+                else:
+                    reads.append(read)
+            elif self._saved(key):
+                if is_fragment_value(value):
+                    raise DtypeMismatchError(f"key {key!r}: the state dict holds a tensor, the checkpoint a JSON value")
+                saved = self._value(key)
+                if saved is _NONE:
+                    unrestorable.append(key)
+                elif leaf_key not in kept:
+                    values.append((typed_path(self.target, leaf.path), PerRank(saved) if wrapped else saved))
+        if strict and unrestorable and not allow_new_ranks:
+            raise PerRankStateError(
+                f"rank {rank} has no saved copy of the per-rank state {unrestorable} (the checkpoint was saved by "
+                f"{meta.world_size} rank(s)), so it cannot be restored; pass allow_new_ranks=True to keep the current values"
+            )
+        for where, key in absent:
+            if key in meta.tensors:
+                made = self._make(key, where)
+                read = self._read(key, key_of(where), made, lossy, other_rules)
+                assert read is not None  # (only restorable entries are made)
+                reads.append(read)
+            else:
+                made = self._value(key)
+            values.append((where, made))
+        return _Plan(reads, values, missing + unrestorable, unexpected)
+
+    # --- the checkpoint's side ---------------------------------------------------------------
+
+    def _saved(self, key: str) -> bool:
+        return key in self.meta.tensors or key in self.meta.values or key in self.meta.rank_values
+
+    def _restorable(self, key: str) -> bool:
+        """Whether this rank can load ``key`` (per-rank state: whether its rank saved a copy)."""
+        entry = self.meta.tensors.get(key)
+        if entry is not None:
+            return entry.ranks is None or self.comm.rank in entry.ranks
+        return key in self.meta.values or self.comm.rank in self.meta.rank_values.get(key, {})
+
+    def _value(self, key: str) -> Any:
+        """The JSON value of ``key`` for this rank, or ``_NONE`` when its rank saved none."""
+        if key in self.meta.values:
+            return from_json(self.meta.values[key], key)
+        per = self.meta.rank_values[key]
+        return from_json(per[self.comm.rank], key) if self.comm.rank in per else _NONE
+
+    def _saved_path(self, key: str) -> Path | None:
+        structure = self.meta.structure
+        return None if structure is None else structure.paths.get(key)
+
+    def _read(self, key: str, leaf_key: str, value: Any, lossy: bool, other_rules: bool) -> _Read | None:
+        """The read filling ``value`` from tensor ``key``, every check passed; None when this
+        rank has no copy of per-rank state ``key``."""
+        entry = self.meta.tensors[key]
+        if not is_fragment_value(value):
+            raise DtypeMismatchError(f"key {key!r}: the checkpoint holds a tensor, the state dict a {type(value).__name__}")
+        frag = to_fragment(key, value)
+        if not other_rules and not same_meaning(entry.rule, frag.meaning):
+            raise LayoutError(
+                f"tensor {key!r} was saved as {entry.rule} and the rules loading it ({frag.rule!r}) make it "
+                f"{frag.meaning}: another consolidated form (pass allow_other_rules=True to load it anyway)"
+            )
+        if frag.shape != entry.shape:
+            raise ShapeMismatchError(f"tensor {key!r}: checkpoint shape {list(entry.shape)}, state dict shape {list(frag.shape)}")
+        saved_dtype = stored_dtype_by_name(entry.dtype).torch_dtype
+        if not lossy and not is_lossless_cast(saved_dtype, frag.dtype):
+            raise DtypeMismatchError(
+                f"tensor {key!r}: the checkpoint holds {saved_dtype}, the state dict {frag.dtype}; "
+                "converting loses information (pass allow_lossy_cast=True to convert anyway)"
+            )
+        for _, view in frag.pieces:
+            check_destination(leaf_key, view)
+        if not self._restorable(key):
+            return None
+        return _Read(key, leaf_key, frag, entry.ranks is not None)
+
+    # --- what the target lacks --------------------------------------------------------------
+
+    def _match_optimizer_state(self) -> set[str]:
+        """Point each optimizer state entry of the target at its key in the checkpoint (the
+        checkpoint may key parameters otherwise: by number for FQNs, or the reverse); note
+        what the target lacks for ``_absent_entries``. Returns the leaves whose values stay
+        (the param groups' ``params`` when the two key parameters differently)."""
+        kept: set[str] = set()
+        self.absent_state: list[tuple[Path, str, _Optimizer, Any]] = []
+        taken: set[str] = set()
+        for opt in self.optimizers:
+            translate = self._translation(opt)
+            if any(s != t for s, t in translate.items()):
+                kept |= {f"{opt.prefix}param_groups.{g}.params" for g in range(len(opt.groups))}
+            spelled = {str(s): s for s in translate}
+            for key in self.saved:
+                split = self._split_state_key(key, opt, spelled)
+                if split is None or split[0] not in translate:
+                    continue
+                where = (*opt.path, "state", translate[split[0]], *split[1])
+                leaf_key = key_of(where)
+                if leaf_key in self.leaves:
+                    if self.stored_key[leaf_key] == leaf_key and not isinstance(self.leaves[leaf_key].value, Placed):
+                        self.stored_key[leaf_key] = key
+                elif leaf_key not in taken and self._restorable(key) and _can_hold(self.target, where):
+                    taken.add(leaf_key)
+                    self.absent_state.append((where, key, opt, translate[split[0]]))
+        return kept
+
+    def _translation(self, opt: _Optimizer) -> dict[Any, Any]:
+        """Saved parameter id -> the target's: by position in the param groups (as
+        ``Optimizer.load_state_dict`` matches them) when both have the same group sizes,
+        else each id to itself."""
+        saved = []
+        for g in range(len(opt.groups)):
+            raw = self.meta.values.get(f"{opt.prefix}param_groups.{g}.params")
+            ids = None if raw is None else from_json(raw)
+            if not isinstance(ids, list) or len(ids) != len(opt.groups[g]):
+                return {t: t for ids in opt.groups for t in ids}
+            saved.append(ids)
+        if len(saved) != len(opt.groups):
+            return {t: t for ids in opt.groups for t in ids}
+        return {s: t for ids, targets in zip(saved, opt.groups) for s, t in zip(ids, targets) if hashable(s)}
+
+    def _split_state_key(self, key: str, opt: _Optimizer, spelled: dict[str, Any]) -> tuple[Any, Path] | None:
+        """``(saved parameter id, path below it)`` of a checkpoint key in ``opt``'s state:
+        from the recorded structure, else by the longest id spelled at its start (the rest
+        one key: a checkpoint that does not record its nesting cannot tell more)."""
+        head = f"{opt.prefix}state."
+        if not key.startswith(head):
+            return None
+        path = self._saved_path(key)
+        if path is not None:
+            i = len(opt.path)
+            if len(path) > i + 2 and key_of(path[: i + 1]) + "." == head:
+                return path[i + 1], tuple(path[i + 2 :])
+            return None
+        tail = key[len(head) :]
+        for s in sorted(spelled, key=len, reverse=True):
+            if tail.startswith(s + ".") and len(tail) > len(s) + 1:
+                return spelled[s], (tail[len(s) + 1 :],)
+        return None
+
+    def _absent_entries(self) -> list[tuple[Path, str]]:
+        """``(where in the target, checkpoint key)`` of every entry the target lacks that a
+        load fills: optimizer state of the target's parameters, and what an empty mapping
+        of the target (below its root) held when saved."""
+        out = [(where, key) for where, key, _, _ in self.absent_state]
+        self.parameter_of = {key: (opt, pid) for _, key, opt, pid in self.absent_state}
+        taken = {key_of(w) for w, _ in out} | set(self.leaves)
+        matched = set(self.stored_key.values()) | {key for _, key in out}
+        for hole in self.empty:
+            head = key_of(hole) + "."
+            for key in self.saved:
+                if key in matched or not key.startswith(head) or not self._restorable(key):
+                    continue
+                path = self._saved_path(key)
+                if path is not None:
+                    rest = path[len(hole) :] if key_of(path[: len(hole)]) == key_of(hole) else None
+                else:
+                    rest = (key[len(head) :],) if "." not in key[len(head) :] else None  # else: its nesting is unknown
+                where = (*hole, *rest) if rest else None
+                if where is not None and key_of(where) not in taken and _can_hold(self.target, where):
+                    taken.add(key_of(where))
+                    matched.add(key)
+                    out.append((where, key))
+        return out
+
+    def _make(self, key: str, where: Path) -> Any:
+        """An empty tensor for the absent entry ``key``: of the checkpoint's shape and dtype,
+        in the layout of its parameter when it is optimizer state of one whose shape it has
+        (a DTensor, ``Shard`` or ``FlatShard`` like it), else whole on its device."""
+        entry = self.meta.tensors[key]
+        shape, dtype = tuple(entry.shape), stored_dtype_by_name(entry.dtype).torch_dtype
+        param = self._parameter(key)
+        if param is None:
+            if self.comm.active and key in self.parameter_of and shape:
+                raise LayoutError(
+                    f"optimizer state {key!r} is not in the state dict, and which of its tensors is its parameter "
+                    "cannot be told (no param_names in its param group, no parameter beside it in the checkpoint), so "
+                    "its layout on this rank is unknown. Build the optimizer from model.named_parameters() and load the "
+                    "model's state dict with it, or create the optimizer state first "
+                    "(torch.distributed.checkpoint.state_dict.get_state_dict does)"
+                )
+            return torch.empty(shape, dtype=dtype, device=self._device())
+        return _empty_like(param, shape, dtype, key)
+
+    def _parameter(self, key: str) -> Any:
+        """The target's value of the parameter whose optimizer state ``key`` is: by its name
+        (an FQN-keyed state, or ``param_names``), else the one tensor of the target stored in
+        the same Zarr group as ``key`` (the checkpoint keeps moments beside their parameter)."""
+        if key not in self.parameter_of:
+            return None
+        opt, pid = self.parameter_of[key]
+        outside = {k: leaf for k, leaf in self.leaves.items() if not _under(leaf.path, [o.path for o in self.optimizers])}
+        name = pid if isinstance(pid, str) else _name_of(opt, pid)
+        if name is not None:
+            found = [leaf.value for k, leaf in outside.items() if k == name or k.endswith("." + name)]
+            if len(found) == 1:
+                return found[0]
+        group = self.meta.tensors[key].path.partition("/")[0]
+        found = [
+            leaf.value
+            for k, leaf in outside.items()
+            if (e := self.meta.tensors.get(self.stored_key[k])) is not None and e.path.partition("/")[0] == group
+        ]
+        return found[0] if len(found) == 1 else None
+
+    def _device(self) -> torch.device:
+        """The one device every tensor of the target is on (else the CPU)."""
+        devices = {_local(leaf.value).device for leaf in self.leaves.values() if _local(leaf.value) is not None}
+        return devices.pop() if len(devices) == 1 else torch.device("cpu")
+
+
+_NONE = object()
+
+
+def _optimizers(state_dict: Any) -> list[_Optimizer]:
+    """The optimizer state dicts in ``state_dict`` (itself included), outermost only."""
+    out: list[_Optimizer] = []
+
+    def walk(path: Path, value: Any) -> None:
+        if isinstance(value, Mapping):
+            groups = value.get("param_groups")
+            if isinstance(value.get("state"), Mapping) and isinstance(groups, list) and all(
+                isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
+            ):
+                names = [g.get("param_names") for g in groups]
+                ok = all(isinstance(n, list) and len(n) == len(g["params"]) for n, g in zip(names, groups))
+                prefix = key_of(path) + "." if path else ""
+                out.append(_Optimizer(typed_path(state_dict, path), prefix, [list(g["params"]) for g in groups], names if ok else None))
+                return
+            items = value.items()
+        elif isinstance(value, list):
+            items = enumerate(value)
+        else:
+            return
+        for k, v in items:
+            walk((*path, k), v)
+
+    walk((), state_dict)
+    return out
+
+
+def _name_of(opt: _Optimizer, pid: Any) -> str | None:
+    for ids, names in zip(opt.groups, opt.names or []):
+        for i, n in zip(ids, names):
+            if i == pid and isinstance(n, str):
+                return n
+    return None
+
+
+def _under(path: Path, roots: list[Path]) -> bool:
+    return any(path[: len(r)] == r for r in roots)
+
+
+def _can_hold(root: Any, where: Path) -> bool:
+    """Whether ``where`` can be made in ``root``: every node on the way that exists is a
+    mutable mapping (or a list, for a position), and ``where`` itself does not exist."""
+    node = root
+    for i, here in enumerate(where):
+        if isinstance(here, ListIndex):
+            if not isinstance(node, list):
+                return False
+            if here >= len(node) or node[here] is None:
+                return True
+        else:
+            if not isinstance(node, MutableMapping):
+                return False
+            if here not in node:
+                return True
+        if i == len(where) - 1:
+            return False
+        node = node[here]
+    return False
+
+
+def _local(value: Any) -> torch.Tensor | None:
+    value = value.value if isinstance(value, PerRank) else value
+    if is_dtensor(value):
+        return value.to_local()
+    if isinstance(value, (Shard, FlatShard, Placed)):
+        return value.local
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _empty_like(param: Any, shape: tuple[int, ...], dtype: torch.dtype, key: str) -> Any:
+    """An empty tensor of ``shape`` and ``dtype`` laid out as ``param`` when it has that
+    (global) shape, else whole on its device."""
+    local = _local(param)
+    assert local is not None
+    if isinstance(param, Placed):
+        raise LayoutError(
+            f"optimizer state {key!r} is not in the state dict, and its parameter is placed by rules; place the "
+            "optimizer state too (create it first, e.g. with one optimizer step on zero gradients)"
+        )
+    fresh = torch.empty(local.shape, dtype=dtype, device=local.device)
+    if is_dtensor(param) and tuple(param.shape) == shape:
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(fresh, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    if isinstance(param, Shard) and param.global_shape == shape:
+        return Shard(fresh, shape, param.global_offset, param.replica_id)
+    if isinstance(param, FlatShard) and param.global_shape == shape:
+        return FlatShard(fresh, shape, param.flat_offset, param.replica_id, param.slab_offset, param.slab_shape)
+    return torch.empty(shape, dtype=dtype, device=local.device)
+
+
 # --- filling the targets ---------------------------------------------------------------------
 
 
@@ -232,8 +551,10 @@ def _read_fragment(ck: Checkpoint, r: _Read, rank: int, lossy: bool) -> None:
 
 
 def _fill_shared(ck: Checkpoint, reads: list[_Read], rank: int, lossy: bool) -> None:
-    """Fill targets that share memory in turn; then every one but the last (whose values
-    were written last) must still show what the checkpoint holds for its key."""
+    """Fill targets that share memory in turn (the same tensor under several keys, such as
+    tied weights, once); then every one but the last (whose values were written last) must
+    still show what the checkpoint holds for its key."""
+    reads = _once(reads)
     for r in reads:
         _read_fragment(ck, r, rank, lossy)
     for r in reads[:-1]:
@@ -245,6 +566,19 @@ def _fill_shared(ck: Checkpoint, reads: list[_Read], rank: int, lossy: bool) -> 
                     f"tensor {r.leaf!r} shares memory with {others}, and the checkpoint holds other values for "
                     f"them: one cannot show both; pass tensors that do not share memory (or load them separately)"
                 )
+
+
+def _once(reads: list[_Read]) -> list[_Read]:
+    """``reads`` without those filling exactly what an earlier one fills: the same stored
+    tensor into the same views of the same memory."""
+    seen: set[tuple[Any, ...]] = set()
+    out = []
+    for r in reads:
+        views = tuple((box.offset, box.shape, memory_of(view)) for box, view in r.frag.pieces)
+        if any(m is None for *_, m in views) or (r.key, r.per_rank, views) not in seen:
+            out.append(r)
+        seen.add((r.key, r.per_rank, views))
+    return out
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -304,3 +638,101 @@ def _byte_span(t: torch.Tensor) -> tuple[tuple[str, int], int, int] | None:
     start = t.storage_offset() * t.element_size()
     extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1
     return (str(t.device), storage), start, start + extent * t.element_size()
+
+
+# --- the whole state dict ----------------------------------------------------------------------
+
+
+def read_state_dict(
+    path: str | os.PathLike[str],
+    *,
+    keys: Iterable[str] | None = None,
+    device: str | torch.device = "cpu",
+    storage_options: dict[str, Any] | None = None,
+    hmac_key: bytes | None = None,
+) -> dict[Any, Any]:
+    """The state dict saved at ``path``, as ``torch.load`` would give it back: nested
+    mappings and lists, integer (and other non-string) keys, tuples and every other value
+    as saved, tensors materialised on ``device`` in their saved dtype. What a trainer's
+    loader needs, as DCP's ``dcp_to_torch_save`` gives it; no unpickling, nothing to
+    fill in advance (:func:`load` fills a state dict of any layout in place instead).
+
+    ``keys`` selects flattened keys (``ck.keys()``'s spelling) or prefixes of them at a
+    dot (``"model"``, ``"optim.state"``); one that selects nothing raises
+    :class:`~ucp_zarr.KeyMismatchError`. Per-rank state (:class:`~ucp_zarr.PerRank`) comes
+    back as the lowest saving rank's copy, unwrapped (``ucp_zarr.open(path).read(key,
+    rank=r)`` reads another). ``BytesIO`` values saved through DCP come back as
+    ``BytesIO``. A checkpoint that does not record its nesting (saved by an older
+    ucp_zarr, converted from another format, or through DCP without ``planner_data``) comes
+    back flat: ``{flattened key: value}``.
+    """
+    ck = open_store_checkpoint(open_store(path, storage_options), hmac_key)
+    meta = ck.meta
+    stored = [*meta.tensors, *meta.values, *meta.rank_values, *meta.ties]
+    wanted = _selected(stored, keys)
+    device = torch.device(device)
+    needed = wanted | {meta.ties[a] for a in wanted & set(meta.ties)}
+    to_read = [k for k in meta.tensors if k in needed]
+    with ThreadPoolExecutor(LOAD_WORKERS) as pool:
+        tensors = dict(zip(to_read, pool.map(lambda k: _materialise(ck, k, device), to_read)))
+    where = f"{ck.store.url}/zarr.json"
+    structure, blobs = meta.structure, _dcp_blobs(meta)
+    if structure is None:
+        structure = _dcp_structure(meta, where)
+    values: dict[str, Any] = {}
+    for key in stored:
+        if key not in wanted:
+            continue
+        if meta.canonical(key) in tensors:  # (tied tensors: one tensor under each of their keys)
+            values[key] = tensors[meta.canonical(key)]
+        else:
+            raw = meta.values[key] if key in meta.values else meta.rank_values[key][min(meta.rank_values[key])]
+            value = from_json(raw, key)
+            values[key] = io.BytesIO(value) if key in blobs and isinstance(value, bytes) else value
+    if structure is None:
+        return values
+    return structure.select(wanted.__contains__, lambda k: _selects(k, keys)).nest(values, f"{where}: structure")
+
+
+def _selected(stored: list[str], keys: Iterable[str] | None) -> set[str]:
+    if keys is None:
+        return set(stored)
+    asked = [keys] if isinstance(keys, str) else list(keys)
+    out = {k for k in stored if _selects(k, asked)}
+    unmatched = [a for a in asked if not any(_selects(k, [a]) for k in stored)]
+    if unmatched:
+        raise KeyMismatchError(unmatched, [])
+    return out
+
+
+def _selects(key: str, asked: Iterable[str] | None) -> bool:
+    """Whether ``key`` is one of ``asked`` or lies below one (all keys: ``asked`` None)."""
+    if asked is None:
+        return True
+    asked = [asked] if isinstance(asked, str) else asked
+    return any(key == a or key.startswith(a + ".") for a in asked)
+
+
+def _materialise(ck: Checkpoint, key: str, device: torch.device) -> torch.Tensor:
+    entry = ck.meta.tensors[key]
+    out = torch.empty(tuple(entry.shape), dtype=stored_dtype_by_name(entry.dtype).torch_dtype, device=device)
+    return ck.read(key, out=out)
+
+
+def _dcp_structure(meta: CheckpointMeta, where: str) -> Structure | None:
+    """The nesting a save through torch DCP recorded (``layout.dcp.planner_data``: names
+    and list positions, as this format's structure spells them), if any."""
+    dcp = meta.layout.get("dcp")
+    planner = dcp.get("planner_data") if isinstance(dcp, dict) else None
+    if not isinstance(planner, dict):
+        return None
+    keys = {*meta.tensors, *meta.values, *meta.rank_values}
+    doc = {"format": STRUCTURE_FORMAT, "paths": {k: p for k, p in planner.items() if k in keys}}
+    return Structure.from_json(doc, keys, f"{where}: layout.dcp.planner_data")
+
+
+def _dcp_blobs(meta: CheckpointMeta) -> set[str]:
+    """Keys of values a save through torch DCP was given as ``io.BytesIO``."""
+    dcp = meta.layout.get("dcp")
+    blobs = dcp.get("bytes_io") if isinstance(dcp, dict) else None
+    return {k for k in blobs if isinstance(k, str)} if isinstance(blobs, list) else set()

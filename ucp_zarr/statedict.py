@@ -14,7 +14,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, MutableMapping
 
 from .errors import FormatError, LayoutError, NotJSONableError
 
@@ -40,18 +40,23 @@ MAX_DEPTH = 100
 and well within what a JSON reader parses without running out of stack."""
 
 
-def iter_leaves(state_dict: Mapping[str, Any]) -> Iterator[Leaf]:
-    """The leaves of a nested state dict with their DCP-style flattened keys.
+def iter_leaves(state_dict: Mapping[str, Any], empty: list[tuple[int, Path]] | None = None) -> Iterator[Leaf]:
+    """The leaves of a nested state dict with their DCP-style flattened keys; ``empty``, when
+    given, receives ``(leaves before it, path)`` for every empty mapping below the root
+    (which has no leaf to stand for it).
 
     Raises :class:`LayoutError` when two entries flatten to one key (``{"a.b": x, "a":
     {"b": y}}``, or keys ``1`` and ``"1"``) and :class:`NotJSONableError` for a state dict
     that contains itself or nests deeper than :data:`MAX_DEPTH`."""
+    seen: dict[str, Path] = {}
 
     def walk(path: Path, value: Any, inside: tuple[int, ...]) -> Iterator[Leaf]:
         if isinstance(value, Mapping) or (isinstance(value, list) and not _is_terminal(value, len(path))):
             _check_nesting(path, value, inside)
             inside = inside + (id(value),)
             items = value.items() if isinstance(value, Mapping) else enumerate(value)
+            if empty is not None and isinstance(value, Mapping) and not value:
+                empty.append((len(seen), path))
             for k, v in items:
                 yield from walk(path + (k,), v, inside)
         else:
@@ -59,7 +64,6 @@ def iter_leaves(state_dict: Mapping[str, Any]) -> Iterator[Leaf]:
             _check_text(key, key)
             yield Leaf(key, path, value)
 
-    seen: dict[str, Path] = {}
     for k, v in state_dict.items():
         for leaf in walk((k,), v, (id(state_dict),)):
             if leaf.key in seen:
@@ -217,6 +221,231 @@ def _from_tag(value: dict[str, Any], key: str, depth: int) -> Any:
     if tag == "$tuple" and isinstance(body, list):
         return tuple(_from_json(v, f"{key}.{i}", depth + 1) for i, v in enumerate(body))
     raise FormatError(f"value {key!r}: {str(value)[:200]} is not a valid tagged value of this format")
+
+
+# --- nesting -------------------------------------------------------------------------------
+
+STRUCTURE_FORMAT = "ucp_zarr.structure/1"
+
+
+class ListIndex(int):
+    """A position in a list, as an element of a :data:`Path` read from a checkpoint (a
+    plain ``int`` there is a mapping key)."""
+
+
+@dataclass(frozen=True)
+class Structure:
+    """How a saved state dict nested: each flattened key's path (list positions as
+    :class:`ListIndex`, mapping keys as themselves), in the state dict's order, and its
+    empty mappings, each after the first ``n`` keys of ``paths``."""
+
+    paths: dict[str, Path]
+    empty: list[tuple[int, Path]]
+
+    def to_json(self) -> dict[str, Any]:
+        """The commit record's ``structure`` member (FORMAT.md section 3)."""
+        out: dict[str, Any] = {"format": STRUCTURE_FORMAT, "paths": {k: _path_to_json(p) for k, p in self.paths.items()}}
+        if self.empty:
+            out["empty"] = [[n, _path_to_json(p)] for n, p in self.empty]
+        return out
+
+    @classmethod
+    def from_json(cls, doc: Any, keys: set[str], where: str) -> "Structure":
+        """Decode and check a ``structure`` member: every key one of ``keys`` and spelled by
+        its path, list positions below the number of entries (so a rebuild allocates no
+        more than the record holds). Raises :class:`FormatError`."""
+        if not (isinstance(doc, dict) and doc.get("format") == STRUCTURE_FORMAT and isinstance(doc.get("paths"), dict)):
+            raise FormatError(f"{where}: structure is not a {STRUCTURE_FORMAT} object with paths")
+        empty = doc.get("empty", [])
+        if not isinstance(empty, list):
+            raise FormatError(f"{where}: structure.empty is not a list")
+        paths: dict[str, Path] = {}
+        for key, raw in doc["paths"].items():
+            if key not in keys:
+                raise FormatError(f"{where}: structure names {key!r}, which the checkpoint does not hold")
+            path = _path_from_json(raw, f"{where}: structure of {key!r}")
+            if key_of(path) != key:
+                raise FormatError(f"{where}: the structure path of {key!r} spells another key")
+            paths[key] = path
+        out = []
+        for item in empty:
+            if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int and 0 <= item[0] <= len(paths)):
+                raise FormatError(f"{where}: structure.empty holds {str(item)[:100]}, not [position, path]")
+            out.append((item[0], _path_from_json(item[1], f"{where}: structure.empty")))
+        _check_list_slots([*paths.values(), *(p for _, p in out)], where)
+        return cls(paths, out)
+
+    def select(self, keep: Callable[[str], bool], keep_empty: Callable[[str], bool] | None = None) -> "Structure":
+        """The structure of the keys ``keep`` accepts, and of the empty mappings (by their
+        spelling) that ``keep_empty`` (default ``keep``) accepts."""
+        kept, before = {}, [0]
+        for key, path in self.paths.items():
+            if keep(key):
+                kept[key] = path
+            before.append(len(kept))
+        keep_empty = keep_empty or keep
+        return Structure(kept, [(before[n], p) for n, p in self.empty if keep_empty(key_of(p))])
+
+    @classmethod
+    def merged(cls, per_rank: list["Structure | None"]) -> "Structure | None":
+        """One structure from every saving rank's (None when none recorded one): the first
+        rank's, then the keys and empty mappings only later ranks hold, in rank order; a
+        mapping empty on one rank that holds keys on another is not empty."""
+        given = [s for s in per_rank if s is not None]
+        if not given:
+            return None
+        paths = dict(given[0].paths)
+        empty = list(given[0].empty)
+        for other in given[1:]:
+            for key, path in other.paths.items():
+                paths.setdefault(key, path)
+            known = {p for _, p in empty}
+            empty += [(len(paths), p) for _, p in other.empty if p not in known]
+        held = {path[:i] for path in paths.values() for i in range(1, len(path))}
+        return cls(paths, [(n, p) for n, p in empty if p not in held])
+
+    def nest(self, values: Mapping[str, Any], where: str) -> dict[Any, Any]:
+        """The nested state dict of ``values`` (flattened key -> value) as it was saved, with
+        its empty mappings; a key of ``values`` without a path stays flat at the top."""
+        root: dict[Any, Any] = {}
+        empty: dict[int, list[Path]] = {}
+        for n, path in self.empty:
+            empty.setdefault(n, []).append(path)
+        for i, key in enumerate([*self.paths, None]):
+            for path in empty.get(i, []):
+                put_path(root, path, {}, where, replace=False)
+            if key is not None and key in values:
+                put_path(root, self.paths[key], values[key], where)
+        for key, value in values.items():
+            if key not in self.paths:
+                put_path(root, (key,), value, where)
+        return root
+
+
+def structure_of(state_dict: Mapping[str, Any], paths: Mapping[str, Path], empty: list[tuple[int, Path]]) -> Structure:
+    """The :class:`Structure` of ``state_dict`` from the live paths of its stored keys (as
+    :func:`iter_leaves` gave them; a key placed under another name maps to its leaf's
+    path) and its empty mappings (as :func:`iter_leaves` gave them; a leaf not stored
+    before one only moves it later among its siblings): list positions and mapping keys
+    told apart by walking it."""
+    out = {key: typed_path(state_dict, path, key) for key, path in paths.items()}
+    return Structure(out, [(min(n, len(out)), typed_path(state_dict, p)) for n, p in empty])
+
+
+def typed_path(state_dict: Any, path: Path, key: str | None = None) -> Path:
+    """``path`` with list positions as :class:`ListIndex`; with ``key`` (a stored key that
+    differs from the path's spelling: a placed tensor's consolidated key), the leading and
+    trailing elements that still spell it, and the rest of ``key`` as one mapping key."""
+    node, typed = state_dict, []
+    for p in path:
+        typed.append(ListIndex(p) if isinstance(node, list) else p)
+        node = node[p] if isinstance(node, (list, Mapping)) else None
+    spelled = [str(p) for p in typed]
+    if key is None or ".".join(spelled) == key:
+        return tuple(typed)
+    head = 0
+    while head < len(typed) - 1 and key.startswith(".".join(spelled[: head + 1]) + "."):
+        head += 1
+    tail = 0
+    while tail < len(typed) - head - 1 and key.endswith("." + ".".join(spelled[len(typed) - tail - 1 :])):
+        tail += 1
+    lead = ".".join(spelled[:head]) + "." if head else ""
+    trail = "." + ".".join(spelled[len(typed) - tail :]) if tail else ""
+    middle = key[len(lead) : len(key) - len(trail)]
+    if not middle:
+        return (key,)
+    return (*typed[:head], middle, *typed[len(typed) - tail :])
+
+
+def key_of(path: Path) -> str:
+    """The flattened key ``path`` spells."""
+    return ".".join(str(p) for p in path)
+
+
+def _path_to_json(path: Path) -> list[Any]:
+    """String keys as strings, list positions as integers, other mapping keys as
+    ``{"key": <value>}`` (section 8's JSON values; a key JSON cannot hold, as its text)."""
+    out: list[Any] = []
+    for p in path:
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, ListIndex):
+            out.append(int(p))
+        else:
+            try:
+                out.append({"key": to_json(p, "")})
+            except NotJSONableError:
+                out.append(str(p))
+    return out
+
+
+MAX_EXTRA_LIST_SLOTS = 1 << 16
+"""How many list slots a structure may make beyond one per node it names (a saved list has
+no holes, so it makes none)."""
+
+
+def _check_list_slots(paths: list[Path], where: str) -> None:
+    """Refuse list positions that would make a rebuild allocate far more than the record
+    holds (:class:`FormatError`)."""
+    slots: dict[Path, int] = {}
+    nodes = set()
+    for path in paths:
+        for i, p in enumerate(path):
+            nodes.add(path[: i + 1])
+            if isinstance(p, ListIndex):
+                slots[path[:i]] = max(slots.get(path[:i], 0), p + 1)
+    if sum(slots.values()) > len(nodes) + MAX_EXTRA_LIST_SLOTS:
+        raise FormatError(f"{where}: the list positions of structure would make {sum(slots.values())} list slots")
+
+
+def _path_from_json(raw: Any, where: str) -> Path:
+    if not (isinstance(raw, list) and raw):
+        raise FormatError(f"{where}: a path is a non-empty list")
+    out: list[Any] = []
+    for p in raw:
+        if isinstance(p, str):
+            out.append(p)
+        elif type(p) is int and p >= 0:
+            out.append(ListIndex(p))
+        elif isinstance(p, dict) and set(p) == {"key"}:
+            key = from_json(p["key"], where)
+            if isinstance(key, str) or not hashable(key):
+                raise FormatError(f"{where}: mapping key {str(p)[:100]} is not a key of another type than str")
+            out.append(key)
+        else:
+            raise FormatError(f"{where}: path element {str(p)[:100]} is neither a key nor a list position")
+    return tuple(out)
+
+
+def hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def put_path(root: MutableMapping[Any, Any], path: Path, value: Any, where: str, replace: bool = True) -> None:
+    """Set ``path`` in ``root`` (unless ``replace`` is false and it is set), making the
+    dicts and lists on the way (list slots not reached yet are None, as DCP's loaders
+    leave them); :class:`FormatError` (naming ``where``) where ``root`` nests otherwise."""
+    node: Any = root
+    for i, here in enumerate(path):
+        last = i == len(path) - 1
+        if isinstance(here, ListIndex) != isinstance(node, list):
+            raise FormatError(f"{where}: {_spell(path)} does not match the nesting of the other keys")
+        if isinstance(node, list):
+            node.extend([None] * (here + 1 - len(node)))
+            held = node[here] is not None
+        else:
+            held = here in node
+        if last and (replace or not held):
+            node[here] = value
+        elif not last and not held:
+            node[here] = [] if isinstance(path[i + 1], ListIndex) else {}
+        node = node[here]
+        if not last and not isinstance(node, (list, MutableMapping)):
+            raise FormatError(f"{where}: {_spell(path)} passes through a value")
 
 
 # --- array paths ---------------------------------------------------------------------------
