@@ -9,6 +9,7 @@ from typing import Any, Mapping
 import torch
 
 from .fragments import FlatShard, PerRank, Placed
+from .layout import groups as G
 from .layout import pieces as P
 from .rules import ParamRule, RuleError, Rules
 from .statedict import Path, iter_leaves, set_leaf
@@ -50,9 +51,11 @@ def place(
     params = {_fqn(leaf.path)[0]: leaf.value for leaf in leaves if not _is_optimizer_state(leaf.path)}
     out = _copy_structure(state_dict)
     placed: list[Placed] = []
+    others: list[Path] = []
     for leaf in leaves:
         value = leaf.value
         if isinstance(value, PerRank) or not isinstance(value, (torch.Tensor, FlatShard)):
+            others.append(leaf.path)
             continue
         fqn, at = _fqn(leaf.path)
         param = params.get(fqn)
@@ -64,9 +67,32 @@ def place(
     for p in placed:  # (known only once every leaf is placed)
         p.used = used
         p.rules = rules_dict
+    _rename_values(out, others, placer)
     if rules.strict and pp_size == 1 and ep_size == 1:
         check_used(rules, [used])
     return out
+
+
+def _rename_values(out: dict[str, Any], paths: list[Path], placer: "_Placer") -> None:
+    """Values that are no tensors under a parameter's FQN (a module's ``_extra_state``, an int
+    ``step``) take its consolidated name too (a pipeline stage's layer 0 is not the model's)."""
+    moves: dict[tuple[Path, Any], str] = {}
+    for path in paths:
+        fqn, (start, stop) = _fqn(path)
+        name = placer.consolidated_name(fqn)
+        if name == fqn:
+            continue
+        if stop - start != 1:
+            raise RuleError(f"{'.'.join(map(str, path))!r} is not a tensor and sits below parameter {fqn!r}, renamed "
+                            f"{name!r}: give its FQN as one key (as model.state_dict() does)")
+        moves[path[:start], path[start]] = name
+    for (parent_path, key), name in moves.items():
+        parent = out
+        for part in parent_path:
+            parent = parent[part]
+        if name in parent:
+            raise RuleError(f"{key!r} is renamed {name!r}, which the state dict holds too")
+        parent[name] = parent.pop(key)
 
 
 def check_used(rules: Rules, used_by_rank: list[frozenset[str]]) -> None:
@@ -88,12 +114,16 @@ class _Placer:
         self.used: set[str] = set()
         self._names = set(rules.all_patterns())
 
+    def consolidated_name(self, fqn: str) -> str:
+        return self.rules.consolidated_name(fqn, pp_rank=self.pp[0], pp_size=self.pp[1], ep_rank=self.ep[0],
+                                            ep_size=self.ep[1])
+
     def place(
         self, value: torch.Tensor | FlatShard, fqn: str, path: Path, at: tuple[int, int], param_shape: tuple[int, ...] | None,
         optimizer_state: bool,
     ) -> Placed:
         rules = self.rules
-        cfqn = rules.consolidated_name(fqn, pp_rank=self.pp[0], pp_size=self.pp[1], ep_rank=self.ep[0], ep_size=self.ep[1])
+        cfqn = self.consolidated_name(fqn)
         key = ".".join(str(p) for p in path[: at[0]] + (cfqn,) + path[at[1] :])
         for pattern in self._names:
             if rules.pattern_used(pattern, [fqn]):
@@ -184,6 +214,9 @@ class _Placer:
                 raise P.PieceError(f"the rule views the tensor as {list(rule.view)}, but it is {list(glob)} "
                                    "(views that reshape a tensor are not supported)")
             return glob, pieces
+        if rule.kind == "grouped":
+            assert rule.groups is not None and rule.sizes is not None
+            return G.grouped(shape, rule.dim, rule.groups, rule.sizes, tp_rank, tp_size)
         per_rank = rule.pieces.get(tp_size)
         if per_rank is None:
             raise P.PieceError(f"the pieces rule has no pieces for TP size {tp_size} (it has: {sorted(rule.pieces)})")

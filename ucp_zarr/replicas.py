@@ -34,12 +34,14 @@ Digests = dict[tuple[str, Box], int]
 
 def replica_digests(plan: SavePlan, fragments: Mapping[str, Fragment]) -> Digests:
     """The digest of each box this rank holds that other ranks hold too (``plan``: this
-    rank's part)."""
+    rank's part; the coordinator's is the whole plan, so a box it does not hold is skipped:
+    were it one of its own, :func:`check_replicas` would see no digest and refuse)."""
     out: Digests = {}
     for rep in plan.replicas:
-        held = dict(fragments[rep.key].pieces)
+        held = dict(fragments[rep.key].pieces) if rep.key in fragments else {}
         for box, _ in rep.boxes:
-            out[(rep.key, box)] = fingerprint(held[box])
+            if box in held:
+                out[(rep.key, box)] = fingerprint(held[box])
     return out
 
 

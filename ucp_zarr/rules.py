@@ -19,6 +19,8 @@ The vocabulary (``Rules.from_dict``)::
                 {"kind": "split", "patterns": [...], "widths": {"3": [5, 5, 4]}},  # uneven
                 {"kind": "fused", "patterns": [...], "dim": 0, "sizes": [4096, 1024, 1024],
                  "widths": {"3": [[...], [...], [...]]}},                # uneven shards
+                {"kind": "grouped", "patterns": [...], "groups": 8,      # per group [q; k; v]
+                 "sizes": [512, 128, 128], "names": ["q", "k", "v"]},    # (Megatron-core's QKV)
                 {"kind": "replicated", "patterns": [...]},                # equal on all TP ranks
                 {"kind": "average", "patterns": [...]},                   # the mean is stored
                 {"kind": "pieces", "patterns": [...], "shape": [...],     # the escape hatch
@@ -43,7 +45,7 @@ from typing import Any, Iterable, Mapping
 from .errors import CheckpointError
 from .layout import pieces as P
 
-PRECEDENCE = ("replicated", "average", "pieces", "fused", "split")
+PRECEDENCE = ("replicated", "average", "pieces", "fused", "grouped", "split")
 """The kinds of parameter rules, strongest first (DeepSpeed's order: replicated, averaged,
 sub-parameters, row/column)."""
 RULES_FORMAT = "ucp_zarr.rules/1"
@@ -62,7 +64,12 @@ class ParamRule:
     dim: int = 0
     sizes: tuple[int, ...] | None = None
     """``fused``: the consolidated size of each sub-parameter along ``dim`` (``-1``: inferred:
-    all ``-1`` share the rest equally)."""
+    all ``-1`` share the rest equally); ``grouped``: each sub-parameter's size in one group."""
+    groups: int | None = None
+    """``grouped``: the number of groups, each ``[sub_1; ...; sub_k]`` of ``sizes``, that TP
+    splits contiguously (``ucp_zarr.layout.groups``)."""
+    names: tuple[str, ...] | None = None
+    """``fused``/``grouped``: a name per sub-parameter (``q``, ``k``, ``v``), for exports that split them."""
     widths: Mapping[int, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
     """Uneven shards: TP size -> per sub-parameter, each rank's width (``split``: one
     sub-parameter, the whole tensor; its size along ``axis``)."""
@@ -85,6 +92,20 @@ class ParamRule:
             _compile(p)
         if self.kind == "fused" and not self.sizes:
             raise RuleError(f"fused rule {list(self.patterns)} needs the sub-parameter sizes")
+        if self.kind == "grouped":
+            if not self.sizes or min(self.sizes) < 1 or self.groups is None or self.groups < 1:
+                raise RuleError(f"grouped rule {list(self.patterns)} needs 'groups' >= 1 and sizes >= 1 per group, "
+                                f"got groups={self.groups!r}, sizes={self.sizes!r}")
+            if self.widths or self.view is not None or self.axis != "tp":
+                raise RuleError(f"grouped rule {list(self.patterns)}: no widths, view or axis (TP splits the groups)")
+        elif self.groups is not None:
+            raise RuleError(f"{self.kind} rule {list(self.patterns)}: 'groups' is for grouped rules")
+        if self.names is not None and (
+            self.kind not in ("fused", "grouped") or len(self.names) != len(self.sizes or ())
+            or len(set(self.names)) != len(self.names) or not all(isinstance(n, str) and n for n in self.names)
+        ):
+            raise RuleError(f"{self.kind} rule {list(self.patterns)}: names must be distinct strings, one per "
+                            f"sub-parameter of a fused or grouped rule, got {self.names!r}")
         if self.kind == "pieces" and (self.shape is None or not self.pieces):
             raise RuleError(f"pieces rule {list(self.patterns)} needs 'shape' and 'pieces'")
         if self.axis not in ("tp", "ep"):
@@ -107,20 +128,28 @@ class ParamRule:
         """What the consolidated tensor is, independent of how a layout splits it (stored
         per tensor; a load with rules of another meaning is refused)."""
         m: dict[str, Any] = {"kind": self.kind}
-        if self.kind == "fused":
+        if self.kind in ("fused", "grouped"):
             m |= {"dim": self.dim, "sizes": list(self.sizes or ())}
+        if self.groups is not None:
+            m["groups"] = self.groups
+        if self.names is not None:
+            m["names"] = list(self.names)
         if vocab is not None:
             m["vocab"] = vocab
         return m
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind, "patterns": list(self.patterns)}
-        if self.kind in ("split", "fused"):
+        if self.kind in ("split", "fused", "grouped"):
             d["dim"] = self.dim
         if self.axis != "tp":
             d["axis"] = self.axis
         if self.sizes is not None:
             d["sizes"] = list(self.sizes)
+        if self.groups is not None:
+            d["groups"] = self.groups
+        if self.names is not None:
+            d["names"] = list(self.names)
         if self.widths and self.kind == "split":
             d["widths"] = {str(t): list(ws[0]) for t, ws in sorted(self.widths.items())}
         elif self.widths:
@@ -137,7 +166,7 @@ class ParamRule:
     def from_dict(cls, d: Mapping[str, Any]) -> "ParamRule":
         if not isinstance(d, Mapping):
             raise RuleError(f"a parameter rule must be a mapping, not {d!r}")
-        known = {"kind", "patterns", "dim", "sizes", "widths", "shape", "pieces", "axis", "view"}
+        known = {"kind", "patterns", "dim", "sizes", "groups", "names", "widths", "shape", "pieces", "axis", "view"}
         _no_unknown(d, known, f"rule {d.get('patterns')!r}")
         try:
             return cls(
@@ -153,6 +182,9 @@ class ParamRule:
                 },
                 axis=d.get("axis", "tp"),
                 view=None if d.get("view") is None else tuple(int(n) for n in d["view"]),
+                groups=None if d.get("groups") is None else _int(d["groups"]),
+                names=None if d.get("names") is None else tuple(d["names"]) if isinstance(d["names"], list)
+                else (d["names"],),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, RuleError):
@@ -169,13 +201,15 @@ def _widths(ws: Any, split: bool) -> tuple[tuple[int, ...], ...]:
 
 def same_meaning(saved: Mapping[str, Any] | None, loading: Mapping[str, Any] | None) -> bool:
     """Whether two rule descriptions (``ParamRule.meaning``) give a tensor the same
-    consolidated form: the same fused sub-parameters and the same unpadded vocabulary size.
-    How a layout splits it (dim, replication, averaging) does not matter."""
+    consolidated form: the same fused sub-parameters (a fused tensor is one group), and the
+    same unpadded vocabulary size. How a layout splits it (dim, replication, averaging) and
+    the sub-parameters' names do not matter."""
     if saved is None or loading is None:
         return True
 
     def form(m: Mapping[str, Any]) -> tuple[Any, ...]:
-        fused = (m.get("dim"), tuple(m.get("sizes", ()))) if m.get("kind") == "fused" else None
+        sub = m.get("kind") in ("fused", "grouped")
+        fused = (m.get("dim"), m.get("groups", 1), tuple(m.get("sizes", ()))) if sub else None
         return fused, m.get("vocab")
 
     return form(saved) == form(loading)
@@ -325,6 +359,15 @@ class Rules:
         from .deepspeed_rules import rules_from_deepspeed
 
         return rules_from_deepspeed(info)
+
+    @classmethod
+    def from_megatron(cls, model: Any, *, vocab_size: int) -> "Rules":
+        """Rules from a megatron-core ``GPTModel`` on its rank (its config, tied output layer
+        and pipeline stage); ``vocab_size`` is the tokenizer's size before Megatron pads it.
+        See :mod:`ucp_zarr.adapters.megatron`."""
+        from .adapters.megatron import rules_from_megatron
+
+        return rules_from_megatron(model, vocab_size=vocab_size)
 
     def to_dict(self) -> dict[str, Any]:
         """Our vocabulary, as JSON-able data (``Rules.from_dict`` gives back equal rules)."""
