@@ -21,10 +21,28 @@ def state_names(state_dict: Mapping[str, Any], model: Any = None) -> dict[str, s
     optimizer state dict found in ``state_dict`` whose parameter names are knowable."""
     names: dict[str, str] = {}
     for prefix, opt in _optimizer_dicts(state_dict, ()):
-        by_number = _param_names(opt) or (_model_order(opt, model, prefix) if model is not None else None)
-        for number, name in (by_number or {}).items():
+        try:
+            by_number = number_names(opt, model)
+        except ValueError as e:
+            if model is not None:
+                log.warning("ucp_zarr: %s stays keyed by number: %s", prefix, e)
+            continue
+        for number, name in by_number.items():
             names[f"{prefix}.state.{number}"] = f"{prefix}.state.{name}"
     return names
+
+
+def number_names(opt: Mapping[str, Any], model: Any = None) -> dict[int, str]:
+    """Parameter number -> parameter name of an optimizer state dict: from its param groups'
+    ``param_names``, else (``model`` given) from ``model.named_parameters()``. Raises
+    ``ValueError`` saying why the names are not knowable."""
+    names = _param_names(opt)
+    if names is not None:
+        return names
+    if model is None:
+        raise ValueError("its param groups carry no param_names (the optimizer was not built from named_parameters()) "
+                         "and no model was given")
+    return _model_order(opt, model)
 
 
 def alias(key: str, path: tuple[Any, ...], names: Mapping[str, str]) -> str | None:
@@ -33,7 +51,7 @@ def alias(key: str, path: tuple[Any, ...], names: Mapping[str, str]) -> str | No
     for i in range(len(path) - 2):
         if path[i] == "state" and isinstance(path[i + 1], int):
             prefix = ".".join(str(p) for p in path[: i + 2])
-            if prefix in names:
+            if prefix in names and (key == prefix or key.startswith(prefix + ".")):
                 return names[prefix] + key[len(prefix):]
     return None
 
@@ -62,24 +80,20 @@ def _param_names(opt: Mapping[str, Any]) -> dict[int, str] | None:
     return out if len(set(out.values())) == len(out) else None
 
 
-def _model_order(opt: Mapping[str, Any], model: Any, prefix: str) -> dict[int, str] | None:
+def _model_order(opt: Mapping[str, Any], model: Any) -> dict[int, str]:
     """Numbers in the order of ``model.named_parameters()``, when the groups number them
     0..N-1 for the model's N parameters and every state tensor of a parameter's rank has
     its shape (factored states of other ranks, and scalars, are not compared)."""
     named = list(model.named_parameters())
     numbers = [n for g in opt["param_groups"] if isinstance(g, Mapping) for n in g.get("params", [])]
     if numbers != list(range(len(named))):
-        log.warning("ucp_zarr: %s is not numbered like the model's parameters; its state stays keyed by number", prefix)
-        return None
+        raise ValueError(f"its param groups number {len(numbers)} parameters, not the model's {len(named)} in order")
     for number, state in opt["state"].items():
         if not (isinstance(number, int) and 0 <= number < len(named) and isinstance(state, Mapping)):
-            return None
+            raise ValueError(f"its state {number!r} is not a state of one of the model's {len(named)} parameters")
         shape = tuple(named[number][1].shape)
-        for v in state.values():
+        for k, v in state.items():
             if hasattr(v, "shape") and len(v.shape) == len(shape) and len(shape) and tuple(v.shape) != shape:
-                log.warning(
-                    "ucp_zarr: state %s.state.%d does not have the shape of parameter %r; %s stays keyed by number",
-                    prefix, number, named[number][0], prefix,
-                )
-                return None
+                raise ValueError(f"its state {number}.{k} ({list(v.shape)}) does not have the shape {list(shape)} "
+                                 f"of the model's parameter {number}, {named[number][0]!r}")
     return {i: name for i, (name, _) in enumerate(named)}
