@@ -10,6 +10,7 @@ for its key, or the load raises naming both keys.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import warnings
@@ -181,8 +182,8 @@ class _Optimizer:
     """Its flattened key and a dot (empty at the root)."""
     groups: list[list[Any]]
     """The parameter ids of each param group, as the target keys its state."""
-    names: list[list[Any]] | None
-    """The parameter names of each param group (``param_names``), when every group has them."""
+    names: dict[Any, str]
+    """Parameter id -> its name, from the groups' ``param_names`` (empty without them)."""
 
 
 class _Planner:
@@ -358,9 +359,10 @@ class _Planner:
                 return path[i + 1], tuple(path[i + 2 :])
             return None
         tail = key[len(head) :]
-        for s in sorted(spelled, key=len, reverse=True):
-            if tail.startswith(s + ".") and len(tail) > len(s) + 1:
-                return spelled[s], (tail[len(s) + 1 :],)
+        dots = [i for i, c in enumerate(tail) if c == "."]
+        for i in reversed(dots):  # the longest id first
+            if tail[:i] in spelled and i + 1 < len(tail):
+                return spelled[tail[:i]], (tail[i + 1 :],)
         return None
 
     def _absent_entries(self) -> list[tuple[Path, str]]:
@@ -404,7 +406,7 @@ class _Planner:
                     "model's state dict with it, or create the optimizer state first "
                     "(torch.distributed.checkpoint.state_dict.get_state_dict does)"
                 )
-            return torch.empty(shape, dtype=dtype, device=self._device())
+            return torch.empty(shape, dtype=dtype, device=self.device)
         return _empty_like(param, shape, dtype, key)
 
     def _parameter(self, key: str) -> Any:
@@ -414,23 +416,35 @@ class _Planner:
         if key not in self.parameter_of:
             return None
         opt, pid = self.parameter_of[key]
-        outside = {k: leaf for k, leaf in self.leaves.items() if not _under(leaf.path, [o.path for o in self.optimizers])}
-        name = pid if isinstance(pid, str) else _name_of(opt, pid)
-        if name is not None:
-            found = [leaf.value for k, leaf in outside.items() if k == name or k.endswith("." + name)]
-            if len(found) == 1:
-                return found[0]
-        group = self.meta.tensors[key].path.partition("/")[0]
-        found = [
-            leaf.value
-            for k, leaf in outside.items()
-            if (e := self.meta.tensors.get(self.stored_key[k])) is not None and e.path.partition("/")[0] == group
-        ]
-        return found[0] if len(found) == 1 else None
+        name = pid if isinstance(pid, str) else opt.names.get(pid)
+        by_name = self._outside[0].get(name, []) if name is not None else []
+        if len(by_name) == 1:
+            return by_name[0]
+        by_group = self._outside[1].get(self.meta.tensors[key].path.partition("/")[0], [])
+        return by_group[0] if len(by_group) == 1 else None
 
-    def _device(self) -> torch.device:
+    @functools.cached_property
+    def _outside(self) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+        """The target's tensors outside its optimizers, by every dotted suffix of their key
+        (a parameter's name is one) and by the Zarr group of their stored key."""
+        by_name: dict[str, list[Any]] = {}
+        by_group: dict[str, list[Any]] = {}
+        roots = [o.path for o in self.optimizers]
+        for k, leaf in self.leaves.items():
+            if _under(leaf.path, roots) or _local(leaf.value) is None:
+                continue
+            parts = k.split(".")
+            for i in range(len(parts)):
+                by_name.setdefault(".".join(parts[i:]), []).append(leaf.value)
+            entry = self.meta.tensors.get(self.stored_key[k])
+            if entry is not None:
+                by_group.setdefault(entry.path.partition("/")[0], []).append(leaf.value)
+        return by_name, by_group
+
+    @functools.cached_property
+    def device(self) -> torch.device:
         """The one device every tensor of the target is on (else the CPU)."""
-        devices = {_local(leaf.value).device for leaf in self.leaves.values() if _local(leaf.value) is not None}
+        devices = {t.device for leaf in self.leaves.values() if (t := _local(leaf.value)) is not None}
         return devices.pop() if len(devices) == 1 else torch.device("cpu")
 
 
@@ -447,10 +461,15 @@ def _optimizers(state_dict: Any) -> list[_Optimizer]:
             if isinstance(value.get("state"), Mapping) and isinstance(groups, list) and all(
                 isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
             ):
-                names = [g.get("param_names") for g in groups]
-                ok = all(isinstance(n, list) and len(n) == len(g["params"]) for n, g in zip(names, groups))
+                names = {
+                    i: n
+                    for g in groups
+                    if isinstance(g.get("param_names"), list) and len(g["param_names"]) == len(g["params"])
+                    for i, n in zip(g["params"], g["param_names"])
+                    if isinstance(n, str) and hashable(i)
+                }
                 prefix = key_of(path) + "." if path else ""
-                out.append(_Optimizer(typed_path(state_dict, path), prefix, [list(g["params"]) for g in groups], names if ok else None))
+                out.append(_Optimizer(typed_path(state_dict, path), prefix, [list(g["params"]) for g in groups], names))
                 return
             items = value.items()
         elif isinstance(value, list):
@@ -462,14 +481,6 @@ def _optimizers(state_dict: Any) -> list[_Optimizer]:
 
     walk((), state_dict)
     return out
-
-
-def _name_of(opt: _Optimizer, pid: Any) -> str | None:
-    for ids, names in zip(opt.groups, opt.names or []):
-        for i, n in zip(ids, names):
-            if i == pid and isinstance(n, str):
-                return n
-    return None
 
 
 def _under(path: Path, roots: list[Path]) -> bool:
