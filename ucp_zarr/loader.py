@@ -90,6 +90,19 @@ def load(
     weights) are filled and then checked: when the checkpoint holds different values for
     them, :class:`~ucp_zarr.LayoutError` names both keys.
 
+    Entries the state dict lacks are made and filled where the state dict shows their
+    place: the state of a fresh optimizer (``opt.state_dict()`` before any step holds
+    ``"state": {}``), and any entry below a parameter's state or an empty mapping. They
+    are keyed as the state dict keys its parameters (by number, or by name: the checkpoint
+    may key them the other way; they are matched by position in the param groups, as
+    ``Optimizer.load_state_dict`` matches them), with the checkpoint's shapes and dtypes,
+    on the device and in the layout of their parameter (a DTensor, ``Shard`` or
+    ``FlatShard`` like it; scalars such as Adam's ``step`` whole), so that
+    ``opt.load_state_dict(state["optim"])`` resumes exactly. They are neither missing nor
+    unexpected keys. In a load on several ranks, optimizer state whose parameter cannot be
+    told (no ``param_names`` and no parameter beside it in the checkpoint) raises
+    :class:`~ucp_zarr.LayoutError` naming the key, as its layout is unknown.
+
     With ``strict``: keys missing from the checkpoint or unexpected in it raise one
     :class:`~ucp_zarr.KeyMismatchError` listing them all, and a rank that did not exist at
     save time raises :class:`~ucp_zarr.PerRankStateError` for per-rank state it cannot
