@@ -20,7 +20,7 @@ import torch
 
 import ucp_zarr
 from ucp_zarr import inspect as I
-from ucp_zarr.cli import main
+from ucp_zarr.cli import COMMANDS, build_parser, main
 
 SMALL = dict(chunk_bytes=1 << 9, shard_bytes=1 << 11)
 PY = sys.executable
@@ -82,6 +82,27 @@ def test_help(capsys) -> None:
         main(["show", "--help"])
     out = capsys.readouterr().out
     assert "numpy-style selection" in out and "--json" in out and "--storage-options" in out
+
+
+def test_every_option_has_help() -> None:
+    parser = build_parser()
+    assert set(parser.commands) == set(COMMANDS)
+    for name, sub in parser.commands.items():
+        for action in sub._actions:
+            assert action.help and action.help.strip(), (name, action.dest)
+
+
+@pytest.mark.parametrize("cmd, option, table", [("export", "--to", "TARGETS"), ("convert", "--from", "SOURCES")])
+def test_help_lists_the_formats_of_the_code(capsys, cmd: str, option: str, table: str) -> None:
+    import importlib
+
+    convert = importlib.import_module("ucp_zarr.convert")  # (the package: ucp_zarr.convert is the function)
+    with pytest.raises(SystemExit):
+        main([cmd, "--help"])
+    out = capsys.readouterr().out
+    listed = out.split(f"({option}):\n")[1].splitlines()
+    kinds = [line.split()[0] for line in listed if line.startswith("  ") and not line.startswith("   ")]
+    assert kinds == list(getattr(convert, table)) and all(len(line) <= 100 for line in listed)
 
 
 def test_info(capsys, paths) -> None:
@@ -153,7 +174,9 @@ def test_show(capsys, paths) -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["model.layers.0.wieght"], "error: no tensor 'model.layers.0.wieght' in {a} (did you mean 'model.layers.0.weight'"),
+        (["model.layers.0.wieght"],
+         "error: no tensor 'model.layers.0.wieght' in checkpoint {a} (did you mean 'model.layers.0.weight'"),
+        (["step"], "error: no tensor 'step' in checkpoint {a} ('step' is one of its values, not a tensor)"),
         (["model.layers.0.weight", "1:2:3:4"], "error: bad selection '1:2:3:4': '1:2:3:4' is not a slice"),
         (["model.layers.0.weight", "os.system('x')"], "error: bad selection \"os.system('x')\""),
         (["model.layers.0.weight", "40"], "error: tensor 'model.layers.0.weight' of shape [40, 30]: index 40 is out of bounds"),
@@ -242,14 +265,25 @@ def test_diff(capsys, paths) -> None:
     assert rc == 2 and err == "error: no tensor of either checkpoint matches 'zzz'\n"
 
 
-def test_progress(capsys, paths) -> None:
-    rc, out, err = run(capsys, "verify", paths["a"], "--progress")
-    assert rc == 0 and err.startswith("\r[") and "100.0%" in err and err.endswith("\n")
-    for cmd in (["stats", paths["a"], "model.*"], ["diff", paths["a"], paths["b"]]):
-        rc, out, err = run(capsys, *cmd, "--progress")
-        assert "100.0%" in err, cmd
-        rc, out, err = run(capsys, *cmd)
-        assert err == "", cmd  # not a terminal: no bar
+def test_progress(capsys, paths, tmp_path) -> None:
+    """A tqdm bar on stderr with --progress (or on a terminal); none in logs (not a terminal)
+    or with --no-progress."""
+    ucp_zarr.export(paths["a"], tmp_path / "st", to="safetensors")
+    commands = {
+        "verify": lambda n: ["verify", paths["a"]],
+        "stats": lambda n: ["stats", paths["a"], "model.*"],
+        "diff": lambda n: ["diff", paths["a"], paths["b"]],
+        "convert": lambda n: ["convert", tmp_path / "st", tmp_path / f"c{n}"],
+        "export": lambda n: ["export", paths["a"], tmp_path / f"e{n}", "--to", "dcp"],
+    }
+    for name, args in commands.items():
+        for n, flag in enumerate(["--progress", None, "--no-progress"]):
+            rc, out, err = run(capsys, *args(n), *([flag] if flag else []))
+            assert rc in (0, 1), (name, flag, err)
+            if flag == "--progress":
+                assert err.startswith(f"\r{name}:") and f"{name}: 100%|" in err and err.endswith("\n"), (name, err)
+            else:
+                assert err == "", (name, flag, err)
 
 
 @pytest.mark.parametrize("cmd", ["info", "ls", "verify", "stats x", "show x"])
@@ -426,8 +460,151 @@ def test_closed_pipe_is_quiet(tmp_path) -> None:
     assert p.wait(timeout=60) == 141 and err == b""
 
 
-def test_ls_manager_root_without_ops(capsys, paths, monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "ucp_zarr.ops", None)  # as if ucp_zarr.ops were not installed
-    rc, out, err = run(capsys, "ls", paths["root"])
-    assert rc == 2 and out == "" and err.startswith(f"error: {paths['root']} holds files but no commit record")
-    assert err.endswith("(and listing a manager's steps needs ucp_zarr.ops, which is not available)\n")
+# --- folders that are no checkpoint ------------------------------------------------------------
+
+
+def test_folders_of_checkpoints_are_listed(capsys, tmp_path) -> None:
+    """The parent of ``ckpt/step_100`` (the README's naming, not a manager's), and a folder of
+    checkpoints at several depths beside other things (a foreign Zarr group, hidden folders,
+    plain files): ``info`` and ``ls`` list the checkpoints, not 'an incomplete checkpoint'."""
+    import zarr
+
+    for step in (100, 200):
+        ucp_zarr.save({"model": {"w": torch.ones(3, 4)}, "step": step}, tmp_path / "ckpt" / f"step_{step}")
+    runs = tmp_path / "runs"
+    ucp_zarr.save({"w": torch.ones(3)}, runs / "a")
+    ucp_zarr.save({"w": torch.ones(5), "step": 7}, runs / "b" / "final")
+    ucp_zarr.save({"w": torch.ones(2)}, runs / ".hidden" / "x")
+    zarr.open_group(str(runs / "group"), mode="w").create_array("x", shape=(2,), dtype="f4")
+    ucp_zarr.save({"w": torch.ones(1)}, runs / "group" / "inner")  # a checkpoint inside a foreign Zarr group
+    (runs / "notes.txt").write_text("hello")
+    for cmd in ("info", "ls"):
+        rc, out, err = run(capsys, cmd, tmp_path / "ckpt")
+        lines = out.splitlines()
+        assert rc == 0 and err == "" and lines[0].split() == ["path", "state", "step", "size", "tensors", "ranks", "created"]
+        assert [line.split()[:5] for line in lines[1:3]] == [["step_100", "committed", "100", "48", "B"],
+                                                            ["step_200", "committed", "200", "48", "B"]]
+        assert lines[3] == f"2 checkpoints in {tmp_path / 'ckpt'} (2 committed): ucp-zarr info {tmp_path / 'ckpt'}/PATH for one"
+        rc, data = run_json(capsys, cmd, runs)
+        assert rc == 0 and [(d["path"], d["state"], d["step"], d["tensors"], d["nbytes"]) for d in data] == [
+            ("a", "committed", None, 1, 12), ("b/final", "committed", 7, 1, 20), ("group/inner", "committed", None, 1, 4)]
+    rc, out, err = run(capsys, "info", runs / "b")  # one level above a checkpoint
+    assert rc == 0 and out.splitlines()[1].split()[:3] == ["final", "committed", "7"]
+
+
+def test_a_manager_root_lists_its_steps_in_info_too(capsys, paths) -> None:
+    rc, out, err = run(capsys, "info", paths["root"])
+    assert rc == 0 and err == "" and out.splitlines()[-1] == "2 steps, 2 committed"
+
+
+def test_an_unfinished_save_is_still_called_incomplete(capsys, tmp_path, monkeypatch) -> None:
+    """A folder holding a save that never committed is not a folder of checkpoints."""
+    from ucp_zarr import saver
+
+    ucp_zarr.save({"w": torch.ones(3)}, tmp_path / "run" / "a")
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt  # (not cleaned up, as after a kill)
+
+    monkeypatch.setattr(saver.PreparedSave, "_abort", lambda self: None)
+    monkeypatch.setattr(saver, "write_shard", crash)
+    with pytest.raises(KeyboardInterrupt):
+        ucp_zarr.save({"w": torch.ones(3)}, tmp_path / "run" / "b")
+    monkeypatch.undo()
+    rc, out, err = run(capsys, "ls", tmp_path / "run" / "b")
+    assert rc == 2 and err.startswith(f"error: {tmp_path / 'run' / 'b'} holds an incomplete checkpoint")
+    rc, data = run_json(capsys, "ls", tmp_path / "run")
+    assert rc == 0 and [(d["path"], d["state"]) for d in data] == [("a", "committed"), ("b", "incomplete")]
+
+
+def test_other_systems_checkpoints_are_named_with_the_convert_command(capsys, tmp_path) -> None:
+    """A DCP folder (torch's dcp.save), a DeepSpeed folder (DeepSpeed's save_checkpoint), a
+    safetensors file and folder: info/ls say what they are and how to convert them."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    import ds_checkpoints
+
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    save_file({"w": torch.ones(2)}, str(tmp_path / "st.safetensors"))
+    (tmp_path / "stdir").mkdir()
+    save_file({"w": torch.ones(2)}, str(tmp_path / "stdir" / "model.safetensors"))
+    cases = {tmp_path / "dcp": "dcp", ds_checkpoints.checkpoint(1, "fp32"): "deepspeed",
+             tmp_path / "st.safetensors": "safetensors", tmp_path / "stdir": "safetensors"}
+    for path, kind in cases.items():
+        for cmd in ("info", "ls"):
+            rc, out, err = run(capsys, cmd, path)
+            assert rc == 2 and out == "" and err == (
+                f"error: {path} holds a checkpoint of kind {kind!r}, not a ucp_zarr checkpoint: convert it with "
+                f"`ucp-zarr convert {path} DST` (see ucp-zarr convert --help)\n"), (path, err)
+
+
+# --- messages in the command line's words -----------------------------------------------------------
+
+
+def test_errors_name_options_not_keywords(capsys, paths, tmp_path) -> None:
+    """The fix an error names is this command's option; Python users see the keyword."""
+    import datetime
+
+    rc, out, err = run(capsys, "info", paths["a"], "--storage-options", '{"anon": true}')
+    assert rc == 2 and err.startswith("error: --storage-options ['anon'] do not apply to the local path")
+    with pytest.raises(ValueError, match=r"^storage_options \['anon'\] do not apply"):
+        ucp_zarr.open(paths["a"], storage_options={"anon": True})
+
+    ucp_zarr.export(paths["a"], tmp_path / "st", to="safetensors")
+    assert run(capsys, "convert", tmp_path / "st", tmp_path / "c")[0] == 0
+    rc, out, err = run(capsys, "convert", tmp_path / "st", tmp_path / "c")
+    assert rc == 2 and err == f"error: a checkpoint is already committed at {tmp_path / 'c'}; choose a new path or pass --overwrite\n"
+    assert run(capsys, "convert", tmp_path / "st", tmp_path / "c", "--overwrite")[0] == 0
+    with pytest.raises(ucp_zarr.CheckpointExistsError, match="or pass overwrite=True$"):
+        ucp_zarr.convert(tmp_path / "st", tmp_path / "c")
+
+    rc, out, err = run(capsys, "export", paths["a"], tmp_path / "st", "--to", "safetensors")
+    assert rc == 2 and err == f"error: {tmp_path / 'st'} already exists; pass --overwrite to replace it\n"
+
+    torch.save({"w": torch.ones(2), "when": datetime.date(2026, 1, 1)}, tmp_path / "sd.pt")
+    rc, out, err = run(capsys, "convert", tmp_path / "sd.pt", tmp_path / "c2")
+    assert rc == 2 and err.endswith("runs code from the file: pass --trust only if you trust where it came from\n")
+    with pytest.raises(ucp_zarr.UntrustedInputError, match="pass trust=True only if you trust"):
+        ucp_zarr.convert(tmp_path / "sd.pt", tmp_path / "c2")
+    rc, out, err = run(capsys, "convert", tmp_path / "sd.pt", tmp_path / "c2", "--trust")  # unpickled, then refused
+    assert rc == 2 and "of type date is neither a tensor nor JSON-able" in err
+
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "x.bin").write_bytes(b"x")
+    rc, out, err = run(capsys, "convert", tmp_path / "odd", tmp_path / "c3")
+    assert rc == 2 and "recognises; say which with --from (one of ['dcp', " in err
+
+
+def test_a_keyword_without_an_option_says_so() -> None:
+    from ucp_zarr.cli import _spelling
+    from ucp_zarr.errors import Keyword, OwnershipError, render
+
+    e = OwnershipError("x is being written; pass ", Keyword("overwrite_incomplete", True), " if it is dead")
+    assert str(e) == "x is being written; pass overwrite_incomplete=True if it is dead"
+    spell = _spelling(build_parser().commands["convert"])
+    assert render(e, spell) == ("x is being written; pass overwrite_incomplete=True (in Python: `ucp-zarr convert` "
+                                "has no option for it) if it is dead")
+    assert spell(Keyword("max_workers", 8)) == "--workers 8" and spell(Keyword("source")) == "--from"
+    assert _spelling(build_parser().commands["verify"])(Keyword("hmac_key")) == "--key-file"
+
+
+# --- the Python face ----------------------------------------------------------------------------------
+
+
+def test_a_key_typo_in_python_suggests_close_keys(paths) -> None:
+    ck = ucp_zarr.open(paths["a"])
+    with pytest.raises(KeyError) as e:
+        ck["model.layers.0.wieght"]
+    assert isinstance(e.value, ucp_zarr.CheckpointError)
+    assert str(e.value) == (f"no tensor 'model.layers.0.wieght' in checkpoint {paths['a']} "
+                            "(did you mean 'model.layers.0.weight', 'model.layers.1.weight', 'model.layers.0.bias'?)")
+    with pytest.raises(KeyError, match=r"'step' is one of its values, not a tensor"):
+        ck.read("step")
+
+
+def test_save_result_repr_is_one_line(tmp_path) -> None:
+    result = ucp_zarr.save({f"w{i}": torch.ones(2) for i in range(50)}, tmp_path / "ck")
+    assert repr(result) == (f"SaveResult(url={str(tmp_path / 'ck')!r}, rank=0, bytes_written={result.bytes_written}, "
+                            f"objects=<{len(result.objects)} keys>, save_id={result.save_id!r})")
+    assert len(result.objects) > 100

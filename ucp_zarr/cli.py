@@ -2,26 +2,42 @@
 
 The read-only commands (info, ls, show, stats, verify, diff) never import torch, so they
 start in a fraction of a second; each takes ``--json`` for scripts. Errors end the command
-with a one-line ``error: ...`` on stderr and a non-zero exit status.
+with a one-line ``error: ...`` on stderr and a non-zero exit status; a keyword argument an
+error names as the fix is spelled as this command's option (``--overwrite``, not
+``overwrite=True``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import dataclasses
+import importlib
+import importlib.util
 import json
 import math
 import os
 import re
 import sys
+import textwrap
 import time
-from typing import TYPE_CHECKING, Any, Callable, Collection
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator
 
 from .checkpoint import _human
-from .errors import CheckpointError, IncompleteCheckpointError, NotACheckpointError
+from .errors import (
+    CheckpointError,
+    FormatError,
+    IncompleteCheckpointError,
+    Keyword,
+    NotACheckpointError,
+    did_you_mean,
+    render,
+)
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
+    from .storage import Store
 
 EXAMPLES = """\
 examples:
@@ -40,6 +56,10 @@ exit status: 0 on success, 1 when verify finds damage or diff finds differences,
 
 SHOW_LIMIT = 1_000_000
 """The most elements ``show`` reads unless ``--limit`` says otherwise."""
+FIND_DEPTH = 3
+"""How many folder levels below a path ``info``/``ls`` look for checkpoints when the path is none."""
+KEYWORD_OPTIONS = {"hmac_key": "key_file", "to": "target"}
+"""Keyword arguments of the Python API whose option here has another ``dest``."""
 
 
 class UsageError(Exception):
@@ -49,35 +69,62 @@ class UsageError(Exception):
 # --- parser ---------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose epilog may be made when help is shown (``epilog_of``), so
+    that ``export --help`` lists the formats from the code without importing it (and torch)
+    for the other commands; ``commands`` holds the subcommands' parsers by name."""
+
+    def __init__(self, *args: Any, epilog_of: Callable[[], str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.epilog_of = epilog_of
+        self.commands: dict[str, argparse.ArgumentParser] = {}
+
+    def format_help(self) -> str:
+        if self.epilog_of is not None:
+            self.epilog = self.epilog_of()
+        return super().format_help()
+
+
+def build_parser() -> _Parser:
+    p = _Parser(
         prog="ucp-zarr", description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--traceback", action="store_true", help="show the full traceback of an error (for bug reports)")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    def reader(name: str, text: str, *, progress: bool = False) -> argparse.ArgumentParser:
-        s = sub.add_parser(name, help=text, description=text)
+    def command(name: str, text: str, **kwargs: Any) -> argparse.ArgumentParser:
+        s = sub.add_parser(name, help=text, description=text, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           **kwargs)
+        p.commands[name] = s
+        return s
+
+    def progress(s: argparse.ArgumentParser) -> None:
+        s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="progress bar on stderr (default: only when stderr is a terminal)")
+
+    def reader(name: str, text: str, *, bar: bool = False) -> argparse.ArgumentParser:
+        s = command(name, text)
         s.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
         s.add_argument("--storage-options", type=_json_dict, default=None, metavar="JSON",
                        help="fsspec options for remote paths, as a JSON object")
         s.add_argument("--key-file", default=None, metavar="FILE",
                        help="file holding the HMAC key the checkpoint was signed with (checks signatures and chunks)")
-        if progress:
-            s.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                           help="progress bar on stderr (default: when stderr is a terminal)")
+        if bar:
+            progress(s)
         return s
 
-    s = reader("info", "print a checkpoint's facts, saving layout and tensors")
-    s.add_argument("path", help="checkpoint folder or fsspec URL")
+    where = "checkpoint folder or fsspec URL"
+    s = reader("info", "print a checkpoint's facts, saving layout and tensors (of a folder of checkpoints: "
+                       "the checkpoints in it)")
+    s.add_argument("path", help=where + ", or a folder of checkpoints")
     s.add_argument("--lines", type=int, default=200, help="most lines of the tensor tree (default 200)")
     s.add_argument("--all", action="store_true", help="the whole tensor tree")
-    s = reader("ls", "list a checkpoint's tensors (or the steps under a checkpoint manager's root)")
-    s.add_argument("path", help="checkpoint, or a folder of checkpoints")
+    s = reader("ls", "list a checkpoint's tensors (of a folder of checkpoints: the checkpoints in it)")
+    s.add_argument("path", help=where + ", or a folder of checkpoints")
     s.add_argument("pattern", nargs="?", default=None,
                    help="glob over keys ('model.*'), or a key with what is under it ('model.layers.0')")
     s = reader("show", "print values of a tensor (a slice of it)")
-    s.add_argument("path")
+    s.add_argument("path", help=where)
     s.add_argument("key", help="the tensor's key, e.g. model.layers.0.weight")
     s.add_argument("slice", nargs="?", default="", help="numpy-style selection, e.g. '3:5, 0:4', '-1', '-3:', ':, ::2'")
     # a selection may start with '-' ('-3:', '-1, 0'): argument, not option (argparse itself
@@ -86,38 +133,66 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rank", type=int, default=None, help="the saving rank's copy of per-rank state (default: the lowest)")
     s.add_argument("--limit", type=int, default=SHOW_LIMIT, help=f"most elements read (default {SHOW_LIMIT:,})")
     s.add_argument("--full", action="store_true", help="print every value (default: numpy's summary with '...')")
-    s = reader("stats", "min, max, mean, std, L2 norm and NaN/Inf counts, chunk by chunk", progress=True)
-    s.add_argument("path")
+    s = reader("stats", "min, max, mean, std, L2 norm and NaN/Inf counts, chunk by chunk", bar=True)
+    s.add_argument("path", help=where)
     s.add_argument("keys", nargs="+", metavar="KEY", help="keys, key prefixes or globs ('optim.*.exp_avg')")
     s.add_argument("--rank", type=int, default=None, help="the saving rank's copy of per-rank state (default: the lowest)")
-    s = reader("verify", "check every document, chunk and array digest (and the signature, with --key-file)",
-               progress=True)
-    s.add_argument("path")
-    s = reader("diff", "compare two checkpoints tensor by tensor (bit-exact) and value by value", progress=True)
-    s.add_argument("a")
-    s.add_argument("b")
+    s = reader("verify", "check every document, chunk and array digest (and the signature, with --key-file)", bar=True)
+    s.add_argument("path", help=where)
+    s = reader("diff", "compare two checkpoints tensor by tensor (bit-exact) and value by value", bar=True)
+    s.add_argument("a", help="the first checkpoint (folder or fsspec URL)")
+    s.add_argument("b", help="the second checkpoint")
     s.add_argument("--keys", action="append", default=None, metavar="PATTERN",
                    help="compare only these keys, prefixes or globs (repeatable)")
     s.add_argument("--all", action="store_true", help="list equal tensors too")
 
-    d = sub.add_parser("demo", help="train on 4 processes (TP2xDP2), save, resume on 3 (FSDP2), compare losses")
-    d.add_argument("--steps", type=int, default=20, help="last step (exclusive) of both runs")
-    d.add_argument("--save-at", type=int, default=10, help="step at which the 4-process run saves")
+    d = command("demo", "train on 4 processes (TP2xDP2), save, resume on 3 (FSDP2), compare losses")
+    d.add_argument("--steps", type=int, default=20, help="last step (exclusive) of both runs (default 20)")
+    d.add_argument("--save-at", type=int, default=10, help="step at which the 4-process run saves (default 10)")
     d.add_argument("--dir", default=None, help="keep the checkpoint in a new folder here (default: a temp dir)")
-    c = sub.add_parser("convert", help="convert another system's checkpoint into a ucp_zarr checkpoint")
-    c.add_argument("src")
-    c.add_argument("dst")
-    c.add_argument("--from", dest="source", default=None, help="source kind (default: detected)")
-    c.add_argument("--trust", action="store_true", help="allow full unpickling of pickle-based files (runs their code)")
+    c = command("convert", "convert another system's checkpoint into a ucp_zarr checkpoint",
+                epilog_of=lambda: _kinds("source kinds (--from)", "SOURCES"))
+    c.add_argument("src", help="the checkpoint to convert (a file or folder; its kind is detected)")
+    c.add_argument("dst", help="the new ucp_zarr checkpoint (a folder)")
+    c.add_argument("--from", dest="source", default=None, metavar="KIND",
+                   help="the source's kind, when detection cannot tell (see below)")
+    c.add_argument("--trust", action="store_true",
+                   help="allow full unpickling of pickle-based files (runs code from them): only for files you trust")
     c.add_argument("--prefix", default="", help="prepended to the keys of flat sources (e.g. 'model.')")
-    c.add_argument("--overwrite", action="store_true")
-    c.add_argument("--workers", type=int, default=4)
-    e = sub.add_parser("export", help="export a ucp_zarr checkpoint into another format")
-    e.add_argument("src")
-    e.add_argument("dst")
-    e.add_argument("--to", required=True)
-    e.add_argument("--overwrite", action="store_true")
+    c.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    c.add_argument("--workers", dest="max_workers", type=int, default=4, metavar="N",
+                   help="threads reading and writing shards (default 4)")
+    progress(c)
+    e = command("export", "export a ucp_zarr checkpoint into another format",
+                epilog_of=lambda: _kinds("formats (--to)", "TARGETS"))
+    e.add_argument("src", help="the ucp_zarr checkpoint (folder or fsspec URL)")
+    e.add_argument("dst", help="the folder to write (made complete or not at all)")
+    e.add_argument("--to", dest="target", required=True, metavar="FORMAT", help="the format to write (see below)")
+    e.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    h = e.add_argument_group("hf (a folder for from_pretrained; its other files, such as config.json, are kept)")
+    h.add_argument("--prefix", default=None, help="the training prefix of the weights, removed (default: detected)")
+    h.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"), help="cast floating weights")
+    h.add_argument("--masters", action="store_true", help="write the fp32 masters where the checkpoint holds them")
+    h.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="the largest shard (default 5GB)")
+    h.add_argument("--names", default=None, metavar="MAPPING",
+                   help="Hugging Face names for the weights, fused ones split: megatron_to_llama")
+    progress(e)
     return p
+
+
+def _kinds(title: str, table: str) -> str:
+    """The kinds of a table of :mod:`ucp_zarr.convert` (``SOURCES``, ``TARGETS``), each with
+    the first sentence of its module's docstring (read from the source, not imported)."""
+    convert = importlib.import_module(".convert", __package__)
+    lines = [f"{title}:"]
+    for kind, module in getattr(convert, table).items():
+        name = f"{convert.__name__}.{module}"
+        spec = importlib.util.find_spec(name)
+        source = spec.loader.get_source(name) if spec is not None and spec.loader is not None else None
+        doc = " ".join((ast.get_docstring(ast.parse(source or "")) or "").split()).replace("``", "")
+        lines.append(textwrap.fill(doc.split(". ")[0].rstrip("."), 100, initial_indent=f"  {kind:<14}",
+                                   subsequent_indent=" " * 16))
+    return "\n".join(lines)
 
 
 def _json_dict(text: str) -> dict[str, Any]:
@@ -150,18 +225,36 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # every failure is one line (--traceback for the whole story)
         if args.traceback:
             raise
-        print(f"error: {_reason(e)}", file=sys.stderr)
+        print(f"error: {_reason(e, _spelling(parser.commands[args.cmd]))}", file=sys.stderr)
         return 2
 
 
-def _reason(e: BaseException) -> str:
+def _reason(e: BaseException, spell: Callable[[Keyword], str]) -> str:
+    if isinstance(e, CheckpointError):
+        return render(e, spell)
     if isinstance(e, KeyError) and e.args:
         return str(e.args[0])
-    if isinstance(e, (CheckpointError, UsageError, ValueError, IndexError)):
+    if isinstance(e, (UsageError, ValueError, IndexError)):
         return str(e)
     if isinstance(e, FileNotFoundError):
         return f"no such file or folder: {e.filename or e}"
     return f"{type(e).__name__}: {e}"
+
+
+def _spelling(parser: argparse.ArgumentParser) -> Callable[[Keyword], str]:
+    """How a command spells a keyword argument of the Python API that an error names: as its
+    option (``overwrite=True`` -> ``--overwrite``, ``source`` -> ``--from``), or, where it has
+    none, as Python does, saying so."""
+    options = {a.dest: a for a in parser._actions if a.option_strings}
+
+    def spell(kw: Keyword) -> str:
+        action = options.get(KEYWORD_OPTIONS.get(kw.name, kw.name))
+        if action is None:
+            return f"{kw} (in Python: `{parser.prog}` has no option for it)"
+        flag = max(action.option_strings, key=len)
+        return flag if action.nargs == 0 or kw.value is ... else f"{flag} {kw.value}"
+
+    return spell
 
 
 # --- shared -------------------------------------------------------------------------------
@@ -188,9 +281,37 @@ def _emit(data: Any) -> None:
     sys.stdout.write("\n")
 
 
-def _bar(args: argparse.Namespace) -> "_Progress | None":
-    on = args.progress if args.progress is not None else sys.stderr.isatty()
-    return _Progress() if on else None
+class _Bar:
+    """``progress(done, total)`` in bytes, drawn by tqdm on stderr from its first call."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.bar: Any = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=self.what, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
+        self.bar.total = total
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@contextlib.contextmanager
+def _progress(args: argparse.Namespace, what: str) -> Iterator[_Bar | None]:
+    """A progress bar when stderr is a terminal (or with ``--progress``), else None."""
+    if not (args.progress if args.progress is not None else sys.stderr.isatty()):
+        yield None
+        return
+    bar = _Bar(what)
+    try:
+        yield bar
+    finally:
+        bar.close()
 
 
 def _table(header: list[str], rows: list[list[str]], right: Collection[int] = ()) -> str:
@@ -214,7 +335,10 @@ def _num(x: Any) -> str:
 def cmd_info(args: argparse.Namespace) -> int:
     from .inspect import checkpoint_info
 
-    ck = _open(args.path, args)
+    try:
+        ck = _open(args.path, args)
+    except (NotACheckpointError, IncompleteCheckpointError) as e:
+        return _folder(args, e)
     info = checkpoint_info(ck)
     if args.json:
         _emit(info)
@@ -243,7 +367,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     try:
         ck = _open(args.path, args)
     except (NotACheckpointError, IncompleteCheckpointError) as e:
-        return _ls_steps(args, e)
+        return _folder(args, e)
     rows = list_tensors(ck, args.pattern)
     if args.pattern is not None and not rows:
         raise UsageError(f"no tensor of {ck.store.url} matches {args.pattern!r}")
@@ -260,15 +384,37 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ls_steps(args: argparse.Namespace, why: CheckpointError) -> int:
-    """``ls`` of a folder that is no checkpoint: the steps a checkpoint manager keeps there."""
-    try:
-        from .ops import list_steps
-    except ImportError:
-        raise UsageError(f"{why} (and listing a manager's steps needs ucp_zarr.ops, which is not available)") from None
-    steps = list_steps(args.path, storage_options=args.storage_options)
-    if not steps:
+# --- a folder that is no checkpoint ---------------------------------------------------------------
+
+
+def _folder(args: argparse.Namespace, why: CheckpointError) -> int:
+    """``info``/``ls`` of a path that is no (complete) checkpoint: the steps of a checkpoint
+    manager's root, or the checkpoints below it, or, for another system's checkpoint, what it
+    is and how to convert it; else ``why``."""
+    from .ops import list_steps
+    from .storage import open_store
+    from .transaction import MARKER, REPLACE_RECORD
+
+    store = open_store(args.path, args.storage_options)
+    if store.exists(MARKER) or store.exists(REPLACE_RECORD):  # itself a save that did not finish
         raise why
+    steps = list_steps(args.path, storage_options=args.storage_options)
+    if steps:
+        return _steps_table(args, steps)
+    found = _checkpoints_under(store, args.storage_options)
+    if found:
+        return _found_table(args, store, found)
+    kind = _foreign_kind(args.path)
+    if kind is not None:
+        raise UsageError(
+            f"{args.path} holds a checkpoint of kind {kind!r}, not a ucp_zarr checkpoint: convert it with "
+            f"`ucp-zarr convert {args.path} DST` (see ucp-zarr convert --help)"
+        )
+    raise why
+
+
+def _steps_table(args: argparse.Namespace, steps: list[Any]) -> int:
+    """The steps a checkpoint manager keeps under its root."""
     if args.json:
         _emit([dataclasses.asdict(s) for s in steps])
         return 0
@@ -282,6 +428,68 @@ def _ls_steps(args: argparse.Namespace, why: CheckpointError) -> int:
     return 0
 
 
+def _checkpoints_under(store: "Store", storage_options: dict[str, Any] | None) -> list[tuple[str, Any]]:
+    """The checkpoints in the folders below ``store`` (at most ``FIND_DEPTH`` levels, hidden
+    ones skipped, none inside another): (relative path, :class:`Checkpoint` or the
+    :class:`IncompleteCheckpointError` of one that was never committed), by path."""
+    from .checkpoint import open_store_checkpoint
+    from .format import METADATA_FILE
+    from .storage import open_store
+    from .transaction import MARKER
+
+    folders = {k.rpartition("/")[0] for k in store.list() if k.rpartition("/")[2] in (METADATA_FILE, MARKER)}
+    found: list[tuple[str, Any]] = []
+    for rel in sorted(folders - {""}, key=lambda f: (f.count("/"), f)):
+        parts = rel.split("/")
+        if len(parts) > FIND_DEPTH or any(p.startswith(".") for p in parts):
+            continue
+        if any(rel.startswith(f + "/") for f, _ in found):
+            continue
+        try:
+            found.append((rel, open_store_checkpoint(open_store(f"{store.url.rstrip('/')}/{rel}", storage_options))))
+        except IncompleteCheckpointError as e:
+            found.append((rel, e))
+        except (FormatError, NotACheckpointError):
+            continue  # a Zarr group of something else: there may be checkpoints inside it
+    return sorted(found, key=lambda f: f[0])
+
+
+def _found_table(args: argparse.Namespace, store: "Store", found: list[tuple[str, Any]]) -> int:
+    rows = []
+    for rel, ck in found:
+        if isinstance(ck, CheckpointError):
+            rows.append({"path": rel, "state": "incomplete", "error": str(ck)})
+        else:
+            rows.append({"path": rel, "state": "committed", "step": ck.metadata["step"], "nbytes": ck.nbytes(),
+                         "tensors": len(ck), "world_size": ck.meta.world_size, "created": ck.meta.created})
+    if args.json:
+        _emit(rows)
+        return 0
+    print(_table(
+        ["path", "state", "step", "size", "tensors", "ranks", "created"],
+        [[r["path"], r["state"], _num(r.get("step")), "-" if "nbytes" not in r else _human(r["nbytes"]),
+          _num(r.get("tensors")), _num(r.get("world_size")), r.get("created") or "-"] for r in rows],
+        right={2, 3, 4, 5},
+    ))
+    committed = sum(r["state"] == "committed" for r in rows)
+    print(f"{len(rows)} checkpoints in {store.url} ({committed} committed): ucp-zarr info {store.url}/PATH for one")
+    return 0
+
+
+def _foreign_kind(path: str) -> str | None:
+    """The kind of another system's checkpoint at the local ``path`` (``ucp-zarr convert
+    --from``), or None."""
+    if "://" in path and not path.startswith("file://"):
+        return None
+    from .convert import detect
+    from .errors import ConversionError
+
+    try:
+        return detect(path.removeprefix("file://"))
+    except ConversionError:
+        return None
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -289,9 +497,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from .inspect import format_index, parse_index, selection_shape, widen
 
     ck = _open(args.path, args)
-    if args.key not in ck:
-        raise UsageError(f"no tensor {args.key!r} in {ck.store.url}" + _near(args.key, ck.keys()))
-    entry = ck.meta.tensors[args.key]
+    entry = ck._entry(args.key)  # (an unknown key: the checkpoint's error, with close keys)
     index = parse_index(args.slice)
     try:
         shape = selection_shape(tuple(entry.shape), index)
@@ -335,13 +541,6 @@ def _json_values(x: Any) -> Any:
     return x
 
 
-def _near(key: str, keys: list[str]) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(key, keys, n=3)
-    return f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
-
-
 def _selected(ck: "Checkpoint", patterns: list[str]) -> list[str]:
     from .inspect import select_keys
 
@@ -349,7 +548,7 @@ def _selected(ck: "Checkpoint", patterns: list[str]) -> list[str]:
     for p in patterns:
         got = select_keys(ck, [p])
         if not got:
-            raise UsageError(f"no tensor of {ck.store.url} matches {p!r}" + _near(p, ck.keys()))
+            raise UsageError(f"no tensor of {ck.store.url} matches {p!r}" + did_you_mean(p, ck.keys()))
         keys += [k for k in got if k not in keys]
     return keys
 
@@ -359,16 +558,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     ck = _open(args.path, args)
     keys = _selected(ck, args.keys)
-    bar = _bar(args)
     total = sum(ck.meta.tensors[k].nbytes for k in keys)
     done = 0
     out = []
-    for k in keys:
-        base = done
-        out.append(tensor_stats(ck, k, rank=args.rank, progress=None if bar is None else lambda d, _t: bar(base + d, total)))
-        done += ck.meta.tensors[k].nbytes
-    if bar is not None:
-        bar.end()
+    with _progress(args, "stats") as bar:
+        for k in keys:
+            base = done
+            out.append(tensor_stats(ck, k, rank=args.rank,
+                                    progress=None if bar is None else lambda d, _t: bar(base + d, total)))
+            done += ck.meta.tensors[k].nbytes
     if args.json:
         _emit([s.to_dict() for s in out])
         return 0
@@ -381,19 +579,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     ck = _open(args.path, args)
-    bar = _bar(args)
     t0 = time.perf_counter()
     try:
-        n = ck.verify(progress=bar)
+        with _progress(args, "verify") as bar:
+            n = ck.verify(progress=bar)
     except CheckpointError as e:
-        if bar is not None:
-            bar.end()
         if args.json:
             _emit({"ok": False, "url": ck.store.url, "error": str(e)})
         print(f"error: verify FAILED: {e}", file=sys.stderr)
         return 1
-    if bar is not None:
-        bar.end()
     seconds = time.perf_counter() - t0
     signed = "signature verified" if args.key_file is not None else (
         "signed, key not given" if ck.meta.authenticated else "unsigned")
@@ -413,10 +607,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
         for p in args.keys:
             if not select_keys(a, [p]) and not select_keys(b, [p]):
                 raise UsageError(f"no tensor of either checkpoint matches {p!r}")
-    bar = _bar(args)
-    result = diff(a, b, keys=args.keys, progress=bar)
-    if bar is not None:
-        bar.end()
+    with _progress(args, "diff") as bar:
+        result = diff(a, b, keys=args.keys, progress=bar)
     if args.json:
         _emit(result.to_dict())
         return 0 if result.equal else 1
@@ -453,16 +645,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from .convert import convert, export
 
-    bar = _Progress()
     t0 = time.perf_counter()
-    try:
+    with _progress(args, args.cmd) as bar:
         if args.cmd == "convert":
             convert(args.src, args.dst, source=args.source, trust=args.trust, prefix=args.prefix,
-                    overwrite=args.overwrite, max_workers=args.workers, progress=bar)
+                    overwrite=args.overwrite, max_workers=args.max_workers, progress=bar)
         else:
-            export(args.src, args.dst, to=args.to, overwrite=args.overwrite, progress=bar)
-    finally:
-        bar.end()
+            hf = {"prefix": args.prefix, "dtype": args.dtype, "masters": args.masters,
+                  "max_shard_size": args.max_shard_size, "names": args.names} if args.target == "hf" else {}
+            export(args.src, args.dst, to=args.target, overwrite=args.overwrite, progress=bar, **hf)
     print(f"{args.cmd}ed {args.src} -> {args.dst} in {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -471,28 +662,6 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "info": cmd_info, "ls": cmd_ls, "show": cmd_show, "stats": cmd_stats, "verify": cmd_verify, "diff": cmd_diff,
     "demo": cmd_demo, "convert": cmd_convert, "export": cmd_convert,
 }
-
-
-class _Progress:
-    """A one-line progress bar on stderr (redrawn at most ten times a second)."""
-
-    def __init__(self) -> None:
-        self.last = 0.0
-        self.shown = False
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if now - self.last < 0.1 and done < total:
-            return
-        self.last, self.shown = now, True
-        frac = done / total if total else 1.0
-        bar = "#" * int(30 * frac)
-        print(f"\r[{bar:<30}] {frac:6.1%} {done / 2**20:,.0f}/{total / 2**20:,.0f} MiB", end="", file=sys.stderr)
-
-    def end(self) -> None:
-        if self.shown:
-            print(file=sys.stderr)
-            self.shown = False
 
 
 if __name__ == "__main__":
