@@ -1,0 +1,123 @@
+"""PyTorch Lightning with ZarrCheckpointIO: the checkpoint dict round-trips exactly (types
+included, nothing pickled), ModelCheckpoint's top-k removal works, Lightning's
+AsyncCheckpointIO runs it in the background, and ``trainer.fit(ckpt_path=...)`` resumes with
+the losses of an uninterrupted run, bit for bit, on one process and on two (DDP, gloo)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _doc_blocks import exec_page
+from _jobs import run_job
+from _lightning_job import EPOCHS, STEPS_PER_EPOCH, Regression, fit
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+import ucp_zarr
+from ucp_zarr.integrations.lightning import ZarrCheckpointIO
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    return fit(tmp_path_factory.mktemp("full"), EPOCHS, seed=0, save_top_k=0)
+
+
+def _same(a: Any, b: Any, where: str = "") -> None:
+    """``a`` and ``b`` are equal with the same types at every depth (tensors: bit for bit)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (where, list(a), list(b))
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k!r}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), (where, a, b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}.{i}")
+    else:
+        assert type(a) is type(b) and a == b, (where, a, b)
+
+
+class _Recording(ZarrCheckpointIO):
+    """Keeps a copy of the last dict Lightning asked it to save."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        self.saved = {"path": str(path), "checkpoint": copy.deepcopy(checkpoint)}
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def test_the_checkpoint_dict_comes_back_as_lightning_gave_it(tmp_path: Path) -> None:
+    io = _Recording()
+    fit(tmp_path, 1, seed=0, plugin=io, monitor="loss")
+    back = io.load_checkpoint(io.saved["path"])
+    _same(io.saved["checkpoint"], back)
+    assert set(back) >= {"state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "hyper_parameters"}
+    assert list(back["optimizer_states"][0]["state"]) == [0, 1, 2, 3]  # integer keys, as torch keys them
+    assert back["hyper_parameters"]["betas"] == (0.9, 0.99)
+    ck = ucp_zarr.open(io.saved["path"])  # an ordinary ucp_zarr checkpoint
+    assert torch.equal(ck["state_dict.net.0.weight"][...], io.saved["checkpoint"]["state_dict"]["net.0.weight"])
+
+
+def test_resume_gives_the_losses_of_the_uninterrupted_run(tmp_path: Path, full: dict[int, float]) -> None:
+    ckpts = tmp_path / "ckpts"
+    first = fit(ckpts, EPOCHS - 1, seed=0, monitor="loss", save_top_k=1, every_n_train_steps=1, save_last=True)
+    # top-k removal went through the plug-in: one best checkpoint and last.ckpt, both committed
+    kept = sorted(p.name for p in ckpts.iterdir())
+    assert len(kept) == 2 and "last.ckpt" in kept, kept
+    for name in kept:
+        ucp_zarr.open(ckpts / name)
+    second = fit(ckpts, EPOCHS, seed=123, ckpt_path=str(ckpts / "last.ckpt"))
+    resumed_at = STEPS_PER_EPOCH * (EPOCHS - 1)
+    assert first == {s: full[s] for s in range(1, resumed_at + 1)}
+    assert second == {s: full[s] for s in range(resumed_at + 1, STEPS_PER_EPOCH * EPOCHS + 1)}  # bit for bit
+
+
+@pytest.mark.parametrize("plugin", [lambda: ZarrCheckpointIO(async_save=True), lambda: AsyncCheckpointIO(ZarrCheckpointIO())],
+                         ids=["async_save", "AsyncCheckpointIO"])
+def test_background_saves_resume(tmp_path: Path, full: dict[int, float], plugin: Any) -> None:
+    ckpts = tmp_path / "ckpts"
+    fit(ckpts, EPOCHS - 1, seed=0, plugin=plugin(), monitor="loss", save_top_k=1, every_n_train_steps=1, save_last=True)
+    kept = sorted(p.name for p in ckpts.iterdir())  # (the end of fit waited for the last save)
+    for name in kept:
+        ucp_zarr.open(ckpts / name)
+    if isinstance(plugin(), ZarrCheckpointIO):  # exactly top-k: a removal waits for the save in flight
+        assert len(kept) == 2 and "last.ckpt" in kept, kept
+    else:  # Lightning's queue may hold a save of a path ModelCheckpoint removes meanwhile (as with torch.save)
+        assert "last.ckpt" in kept and len(kept) >= 2, kept
+    second = fit(ckpts, EPOCHS, seed=123, plugin=plugin(), ckpt_path=str(ckpts / "last.ckpt"))
+    resumed_at = STEPS_PER_EPOCH * (EPOCHS - 1)
+    assert second == {s: full[s] for s in range(resumed_at + 1, STEPS_PER_EPOCH * EPOCHS + 1)}
+
+
+def test_a_value_that_needs_pickle_is_refused_naming_its_key(tmp_path: Path) -> None:
+    class WithModule(Regression):
+        def __init__(self) -> None:
+            super().__init__()
+            self.save_hyperparameters({"loss_fn": torch.nn.MSELoss()})
+
+    io = ZarrCheckpointIO()
+    with pytest.raises(ucp_zarr.NotJSONableError, match=r"hyper_parameters\.loss_fn.*save_hyperparameters\(ignore"):
+        io.save_checkpoint({"hyper_parameters": WithModule().hparams, "state_dict": {}}, tmp_path / "x.ckpt")
+    with pytest.raises(ucp_zarr.NotACheckpointError):
+        ucp_zarr.open(tmp_path / "x.ckpt")
+
+
+def test_two_process_ddp_resume_gives_the_losses_of_the_uninterrupted_run(tmp_path: Path) -> None:
+    run_job([sys.executable, str(HERE / "_lightning_job.py"), str(tmp_path)], tmp_path)  # Lightning starts rank 1
+    for rank in range(2):  # each rank takes one step of 32 per epoch
+        r = {k: {int(s): v for s, v in d.items()} for k, d in json.loads((tmp_path / f"losses_{rank}.json").read_text()).items()}
+        assert len(r["full"]) == EPOCHS
+        assert r["first"] == {s: r["full"][s] for s in range(1, EPOCHS)}
+        assert r["second"] == {EPOCHS: r["full"][EPOCHS]}
+
+
+def test_the_docs_example_runs(tmp_path: Path) -> None:
+    exec_page("lightning.md", tmp_path)
+    assert (tmp_path / "ckpts" / "last.ckpt" / "zarr.json").is_file()

@@ -1,0 +1,158 @@
+"""PyTorch Lightning: Lightning's checkpoints stored as ucp_zarr checkpoints.
+
+:class:`ZarrCheckpointIO` is a ``CheckpointIO`` plug-in. Every path Lightning saves to
+(``ModelCheckpoint``'s ``epoch=0-step=100.ckpt``, ``last.ckpt``, ``trainer.save_checkpoint(path)``)
+becomes a ucp_zarr checkpoint folder of that name, and ``trainer.fit(model, ckpt_path=...)``
+resumes from one::
+
+    from lightning.pytorch import Trainer
+    from ucp_zarr.integrations.lightning import ZarrCheckpointIO
+
+    trainer = Trainer(plugins=[ZarrCheckpointIO()])
+    trainer = Trainer(plugins=[ZarrCheckpointIO(async_save=True)])   # saves in the background
+
+**What is stored**: the whole dict Lightning builds (``state_dict``, ``optimizer_states``,
+``lr_schedulers``, ``loops``, ``callbacks``, hyper-parameters, ...): tensors as Zarr arrays,
+everything else as JSON (integer keys, tuples, non-finite floats and bytes come back as they
+were). Nothing is pickled: a value that is neither a tensor nor JSON-able (a module or a
+function among the hyper-parameters, say) is refused at save time, naming its key.
+:meth:`~ZarrCheckpointIO.load_checkpoint` gives the dict back as it was saved
+(:func:`ucp_zarr.read_state_dict`).
+
+**Strategies**: Lightning calls the plug-in with the whole state on global rank 0 only
+(single device, DDP), so rank 0 saves alone, through a process group of its own; every rank
+loads. Strategies that shard the state (FSDP, ModelParallel) write sharded checkpoints with
+torch DCP, not through ``CheckpointIO``: give DCP :class:`ucp_zarr.ZarrStorageWriter` there.
+
+**Async**: ``ZarrCheckpointIO(async_save=True)`` returns to training once the state is copied
+to host memory and writes in the background (:func:`ucp_zarr.save` with ``async_save``); the
+next save, a removal, a load and the end of training wait for it and raise its error, so
+``ModelCheckpoint(save_top_k=...)`` removes exactly the checkpoints it means to. Lightning's
+own ``AsyncCheckpointIO(ZarrCheckpointIO())`` also works (it copies the tensors and runs the
+saves on a thread; a removal waits for the save in progress), but a save still waiting in its
+queue when ``ModelCheckpoint`` removes that path is written afterwards and stays, as with
+Lightning's ``TorchCheckpointIO``.
+
+``LightningModule.load_from_checkpoint`` reads ``torch.save`` files only; take a checkpoint's
+weights from ``ZarrCheckpointIO().load_checkpoint(path)["state_dict"]``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.io import CheckpointIO
+
+from ..api import save
+from ..loader import read_state_dict
+from ..errors import CheckpointError, NotJSONableError
+from ..ops.steps import delete_step, is_committed
+from ..storage import open_store
+
+log = logging.getLogger(__name__)
+
+_SET_HERE = {"state_dict", "path", "process_group", "storage_options", "hmac_key", "overwrite", "async_save", "async_group"}
+SAVE_OPTIONS = frozenset(inspect.signature(save).parameters) - _SET_HERE
+"""The options of :func:`ucp_zarr.save` that :class:`ZarrCheckpointIO` passes on."""
+
+
+class ZarrCheckpointIO(CheckpointIO):
+    """Save, load and remove Lightning checkpoints as ucp_zarr checkpoints.
+
+    ``async_save``: write in the background after the host copy (one save in flight).
+    ``storage_options``: for fsspec URLs (``s3://...`` checkpoint paths). ``hmac_key``: sign
+    every checkpoint, and refuse to load one that is unsigned or changed. ``save_options``
+    go to :func:`ucp_zarr.save` (``chunk_bytes``, ``shard_bytes``, ``max_workers``, ...).
+    Saving to an existing checkpoint replaces it crash-safely (``last.ckpt``).
+    """
+
+    def __init__(
+        self,
+        *,
+        async_save: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        hmac_key: bytes | None = None,
+        **save_options: Any,
+    ) -> None:
+        unknown = sorted(set(save_options) - SAVE_OPTIONS)
+        if unknown:
+            raise TypeError(f"ZarrCheckpointIO got unknown save options {unknown} (it takes {sorted(SAVE_OPTIONS)})")
+        self.async_save = async_save
+        self.storage_options = storage_options
+        self.hmac_key = hmac_key
+        self.save_options = save_options
+        self._lock = threading.Lock()
+        """Held while a save runs (on AsyncCheckpointIO's thread), so that removing or loading waits for it."""
+        self._pending: Future | None = None
+        """The background save in flight (``async_save``)."""
+        self._own: tuple[Any, Any] | None = None
+        """(the default group it was made in, a process group of this rank alone)."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None) -> None:
+        """Save Lightning's ``checkpoint`` dict as the ucp_zarr checkpoint ``path``."""
+        if storage_options is not None:
+            raise TypeError(
+                f"ZarrCheckpointIO takes storage_options when created (ZarrCheckpointIO(storage_options=...)), "
+                f"not per save (got {storage_options!r} for {os.fspath(path)!r})"
+            )
+        with self._lock:
+            self._wait()
+            try:
+                out = save(checkpoint, path, overwrite=True, process_group=self._group(), storage_options=self.storage_options,
+                           hmac_key=self.hmac_key, async_save=self.async_save, **self.save_options)
+            except NotJSONableError as e:
+                raise NotJSONableError(
+                    f"{e}. ucp_zarr stores no pickles: keep it out of Lightning's checkpoint "
+                    "(self.save_hyperparameters(ignore=[...]), or drop it in on_save_checkpoint)"
+                ) from e
+            if self.async_save:
+                self._pending = out
+
+    def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint dict saved at ``path``, its tensors on ``map_location`` (a device or
+        its name; default CPU). ``weights_only`` changes nothing: nothing is ever unpickled."""
+        if map_location is not None and not isinstance(map_location, (str, torch.device)):
+            raise TypeError(f"ZarrCheckpointIO.load_checkpoint: map_location must be a device or its name, not {map_location!r}")
+        with self._lock:
+            self._wait()
+            return read_state_dict(path, device=map_location or "cpu", storage_options=self.storage_options, hmac_key=self.hmac_key)
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Delete the checkpoint ``path`` crash-safely (nothing when there is none); a
+        checkpoint being read is kept, with a warning."""
+        with self._lock:
+            self._wait()
+            store = open_store(path, self.storage_options)
+            if store.is_empty():
+                return
+            if not is_committed(store):
+                raise CheckpointError(f"{os.fspath(path)!r} holds no committed ucp_zarr checkpoint: not removing it")
+            if not delete_step(store):
+                log.warning("ucp_zarr: not removing %s: it is being read, deleted or replaced", os.fspath(path))
+
+    def teardown(self) -> None:
+        """Wait for the background save (Lightning calls this at the end of ``fit``); raise its error."""
+        with self._lock:
+            self._wait()
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _group(self) -> Any:
+        """A process group of this rank alone when torch.distributed runs (None otherwise):
+        Lightning saves on global rank 0 only."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        default = dist.group.WORLD
+        if self._own is None or self._own[0] is not default:
+            self._own = (default, dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True))
+        return self._own[1]
