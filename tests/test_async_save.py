@@ -71,24 +71,29 @@ def test_background_save_yields_the_cpu(tmp_path, monkeypatch) -> None:
     writers: list[int] = []
     real = LocalStore.write
 
-    def write(self, key, buffers):
+    def write(self, key, *args, **kwargs):
         writers.append(_thread_nice())
-        return real(self, key, buffers)
+        return real(self, key, *args, **kwargs)
 
     monkeypatch.setattr(LocalStore, "write", write)
 
     def save_from_a_thread_at(nice: int, path) -> int:
         """Save from a fresh thread at ``nice`` (made nicer only: always permitted); its nice after."""
-        seen: list[int] = []
+        seen: list[int | BaseException] = []
 
         def run() -> None:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-            ucp_zarr.save({"w": torch.ones(4)}, path, async_save=True).result()
-            seen.append(_thread_nice())
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+                ucp_zarr.save({"w": torch.ones(4)}, path, async_save=True).result()
+                seen.append(_thread_nice())
+            except BaseException as e:  # (raised below, in the test's thread)
+                seen.append(e)
 
         t = threading.Thread(target=run)
         t.start()
         t.join()
+        if isinstance(seen[0], BaseException):
+            raise seen[0]
         return seen[0]
 
     base = _thread_nice()
@@ -107,9 +112,9 @@ def test_background_save_writes_on_one_thread(tmp_path, monkeypatch) -> None:
     threads: set[int] = set()
     real = LocalStore.write
 
-    def write(self, key, buffers):
+    def write(self, key, *args, **kwargs):
         threads.add(threading.get_ident())
-        return real(self, key, buffers)
+        return real(self, key, *args, **kwargs)
 
     monkeypatch.setattr(LocalStore, "write", write)
     sd = {f"w{i}": torch.full((64, 64), float(i)) for i in range(12)}
