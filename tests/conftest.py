@@ -3,6 +3,12 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+from hypothesis import settings
+
+# No per-example deadline: on a loaded 2-core machine hypothesis' 200 ms fails pure arithmetic
+# by chance (hangs are caught by the tests' own timeouts and faulthandler).
+settings.register_profile("ucp_zarr", deadline=None)
+settings.load_profile("ucp_zarr")
 
 MISSING_DEPENDENCY = re.compile(r"could not import|is not installed|pip install|executable not found")
 """Skip reasons that mean a test dependency (``pip install -e '.[test]'``) is missing: every
