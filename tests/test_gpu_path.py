@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import ucp_zarr
@@ -58,7 +58,6 @@ def test_device_fingerprint_is_the_same_in_any_block_size(device: str) -> None:
     assert device_fingerprint(changed, block=4096) != want
 
 
-@settings(deadline=None)  # (pure arithmetic, but a loaded machine takes over 200 ms for some examples)
 @given(
     st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple),
     st.lists(st.integers(0, 9), min_size=3, max_size=3).map(tuple),
