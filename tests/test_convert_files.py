@@ -143,7 +143,7 @@ def test_an_interrupted_export_leaves_no_output(tmp_path: Path, monkeypatch: pyt
     def broken(*args: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(st, "_write_file", broken)
+    monkeypatch.setattr(st, "write_file", broken)
     with pytest.raises(OSError, match="disk full"):
         ucp_zarr.export(tmp_path / "ck", tmp_path / "st", to="safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "m.safetensors"]

@@ -70,8 +70,15 @@ class Checkpoint:
     # --- mapping face --------------------------------------------------------------------
 
     def keys(self) -> list[str]:
-        """The flattened tensor keys, spelled as DCP flattens them."""
+        """The flattened tensor keys, spelled as DCP flattens them (each stored tensor once:
+        the aliases of tied tensors are in :attr:`ties`)."""
         return list(self.meta.tensors)
+
+    @property
+    def ties(self) -> dict[str, str]:
+        """Tied tensors: alias key -> the canonical key whose array holds its values. Every
+        read of an alias (``ck["model.lm_head.weight"]``, :meth:`read`) reads that array."""
+        return dict(self.meta.ties)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.meta.tensors)
@@ -80,7 +87,7 @@ class Checkpoint:
         return len(self.meta.tensors)
 
     def __contains__(self, key: object) -> bool:
-        return key in self.meta.tensors
+        return key in self.meta.tensors or key in self.meta.ties
 
     def __getitem__(self, key: str) -> "TensorView":
         self._entry(key)
@@ -119,7 +126,7 @@ class Checkpoint:
 
     def _entry(self, key: str) -> TensorEntry:
         try:
-            return self.meta.tensors[key]
+            return self.meta.tensors[self.meta.canonical(key)]
         except KeyError:
             raise UnknownKeyError(f"no tensor {key!r} in checkpoint {self.store.url}" + self._near(key)) from None
 
@@ -127,7 +134,7 @@ class Checkpoint:
         """What ``key`` may have meant: a value of that name, or close tensor keys."""
         if key in self.meta.values or key in self.meta.rank_values:
             return f" ({key!r} is one of its values, not a tensor)"
-        return did_you_mean(key, self.meta.tensors)
+        return did_you_mean(key, [*self.meta.tensors, *self.meta.ties])
 
     def _path(self, key: str, rank: int | None) -> str:
         entry = self._entry(key)
@@ -168,8 +175,8 @@ class Checkpoint:
             with self._lock:
                 self._arrays[path] = meta
         entry = self._entry(key)
-        if meta.key != key:
-            raise FormatError(f"{where} holds tensor {meta.key!r}, the index says {key!r}")
+        if meta.key != self.meta.canonical(key):
+            raise FormatError(f"{where} holds tensor {meta.key!r}, the index says {self.meta.canonical(key)!r}")
         if meta.shape != entry.shape or meta.dtype.name != entry.dtype:
             raise FormatError(
                 f"{where}: shape {list(meta.shape)} {meta.dtype.name}, but the index says "
@@ -355,6 +362,8 @@ class Checkpoint:
         rules = self.meta.layout.get("rules")
         if rules is not None:
             lines.append(f"  placed by rules: {len(rules.get('params', []))} parameter rule(s) (see .rules)")
+        if self.meta.ties:
+            lines.append(f"  tied: {len(self.meta.ties)} alias(es) stored once (see .ties)")
         for group, items in self._groups().items():
             lines.append(f"  {group}/")
             for name, _, e in items:
@@ -433,7 +442,7 @@ class TensorView:
     def __init__(self, checkpoint: Checkpoint, key: str) -> None:
         self.checkpoint = checkpoint
         self.key = key
-        entry = checkpoint.meta.tensors[key]
+        entry = checkpoint._entry(key)
         self.path = entry.path
         self.dtype_name = entry.dtype
         """The torch dtype's name (``"bfloat16"``); :attr:`dtype` is the torch dtype."""

@@ -423,9 +423,17 @@ class CheckpointMeta:
     """How the saved state dict nested (None: not recorded, by an older ucp_zarr or a
     converter)."""
 
+    ties: dict[str, str] = field(default_factory=dict)
+    """Tied tensors: alias key -> the canonical key whose array holds its values (stored
+    once; see :data:`TIES_FORMAT`). Empty in checkpoints without ties and older ones."""
+
     @property
     def authenticated(self) -> bool:
         return self.signature is not None
+
+    def canonical(self, key: str) -> str:
+        """The key whose array holds tensor ``key``: itself, or the canonical key of a tie."""
+        return self.ties.get(key, key)
 
     def consolidated_document(self, path: str) -> bytes | None:
         """The bytes of the document ``path`` (``.../zarr.json``) as the consolidated copy
@@ -449,6 +457,8 @@ class CheckpointMeta:
         }
         if self.structure is not None:
             attrs["structure"] = self.structure.to_json()
+        if self.ties:
+            attrs["ties"] = {"format": TIES_FORMAT, "aliases": dict(self.ties)}
         if self.signature is not None:
             attrs["signature"] = self.signature
         return attrs
@@ -496,8 +506,10 @@ class CheckpointMeta:
                 signature=signature,
                 consolidated=_consolidated(doc, where),
             )
+            if "ties" in attrs:
+                meta = replace(meta, ties=_ties(attrs["ties"], meta.tensors, where))
             if "structure" in attrs:
-                keys = set(meta.tensors) | set(meta.values) | set(meta.rank_values)
+                keys = set(meta.tensors) | set(meta.values) | set(meta.rank_values) | set(meta.ties)
                 meta = replace(meta, structure=Structure.from_json(attrs["structure"], keys, where))
             meta._check_values(where)
             meta._check_paths(where)
@@ -514,9 +526,10 @@ class CheckpointMeta:
         for k, per in self.rank_values.items():
             for r, v in per.items():
                 from_json(v, f"{k} (rank {r})")
-        overlap = set(self.values) & set(self.rank_values) | set(self.tensors) & (set(self.values) | set(self.rank_values))
+        others = set(self.values) | set(self.rank_values)
+        overlap = set(self.values) & set(self.rank_values) | (set(self.tensors) | set(self.ties)) & others
         if overlap:
-            raise FormatError(f"{where}: keys {sorted(overlap)[:10]} are listed twice (tensor, value, per-rank value)")
+            raise FormatError(f"{where}: keys {sorted(overlap)[:10]} are listed twice (tensor or tie, value, per-rank value)")
 
     def _check_paths(self, where: str) -> None:
         """No two index entries (per-rank copies included) name one array."""
@@ -528,6 +541,30 @@ class CheckpointMeta:
             for p in paths:
                 if owner.setdefault(p, key) != key:
                     raise FormatError(f"{where}: tensors {owner[p]!r} and {key!r} both name the array {p!r}")
+
+
+TIES_FORMAT = "ucp_zarr.ties/1"
+"""The ``format`` of the root's ``ties`` member, ``{"format": ..., "aliases": {alias:
+canonical}}``: each alias names a tensor stored once, under its canonical key (tied weights:
+a language model's output layer and its embedding, DeepSpeed's ``shared_params``, a rules
+``rename``); reading an alias reads the canonical key's array."""
+
+
+def _ties(doc: Any, tensors: dict[str, TensorEntry], where: str) -> dict[str, str]:
+    """The root's ``ties`` member, checked: each alias a key that is no tensor of the index,
+    each canonical key a tensor of it (not per-rank state)."""
+    if not (isinstance(doc, dict) and doc.get("format") == TIES_FORMAT and isinstance(doc.get("aliases"), dict)):
+        raise FormatError(f"{where}: ties is not a {TIES_FORMAT} object with aliases")
+    out: dict[str, str] = {}
+    for alias, canonical in doc["aliases"].items():
+        _check_key(alias, where)
+        if not isinstance(canonical, str) or canonical not in tensors or alias in tensors:
+            raise FormatError(f"{where}: tie {alias!r} -> {str(canonical)[:200]!r}: an alias must be no tensor of the "
+                              "index and name one that is")
+        if tensors[canonical].ranks is not None:
+            raise FormatError(f"{where}: tie {alias!r} -> {canonical!r}: per-rank state cannot be tied")
+        out[alias] = canonical
+    return out
 
 
 def _consolidated(doc: dict[str, Any], where: str) -> dict[str, Any]:

@@ -100,6 +100,9 @@ class Placed:
     stored: bool = True
     """False for a copy another rank stores (a pipeline-replicated parameter beyond the
     first stage, and its optimizer state): saved from there, loaded here."""
+    alias: str | None = None
+    """The consolidated key it has when the rules' ``rename`` is not applied, when that
+    renames it onto ``key`` (an output layer tied to the embedding): recorded as a tie."""
 
 
 @dataclass

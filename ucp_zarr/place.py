@@ -134,7 +134,7 @@ class _Placer:
             if local.numel() <= 1 and not isinstance(value, FlatShard):  # a scalar such as Adam's step
                 return Placed(local, key, tuple(local.shape), tuple(P.whole(local.shape)), replicated=True,
                               meaning={"kind": "replicated"}, rule="(scalar optimizer state)",
-                              stored=self.pp[0] == 0 or not rules.is_pipeline_replicated(fqn))
+                              stored=self.pp[0] == 0 or not rules.is_pipeline_replicated(fqn), alias=alias)
             raise RuleError(
                 f"optimizer state {'.'.join(map(str, path))!r} has shape {list(shape)}, not its parameter "
                 f"{fqn!r}'s {list(param_shape)}, and is not a scalar: give it a rule of its own"
@@ -170,7 +170,7 @@ class _Placer:
         return Placed(
             local, key, glob, tuple(pieces), tuple(pad), replicated=rule.kind == "replicated",
             average=rule.kind == "average", meaning=meaning, rule=pattern or "(default)",
-            stored=self.pp[0] == 0 or not rules.is_pipeline_replicated(fqn),
+            stored=self.pp[0] == 0 or not rules.is_pipeline_replicated(fqn), alias=alias,
         )
 
     def _sizes(self, rule: ParamRule, shape: tuple[int, ...]) -> list[int]:
@@ -190,6 +190,8 @@ class _Placer:
         tp_rank, tp_size = self.tp
         if rule.kind in ("replicated", "average"):
             return shape, P.whole(shape)
+        own = self.consolidated_name(fqn, rename=False)  # (renamed onto another tensor: a tie)
+        alias = None if own == cfqn else ".".join(str(p) for p in path[: at[0]] + (own,) + path[at[1] :])
         if rule.kind == "split":
             if not shape:
                 raise P.PieceError("a 0-d tensor cannot be split; make it replicated")

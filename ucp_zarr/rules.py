@@ -406,10 +406,12 @@ class Rules:
     def is_pipeline_replicated(self, fqn: str) -> bool:
         return _first(self.pipeline_replicated, fqn, "pipeline-replicated") is not None
 
-    def consolidated_name(self, fqn: str, *, pp_rank: int, pp_size: int, ep_rank: int, ep_size: int) -> str:
-        """The parameter's name in the consolidated model: renamed, its layer renumbered
-        for its pipeline stage and its expert for its expert-parallel rank."""
-        for pattern, to in self.rename:
+    def consolidated_name(
+        self, fqn: str, *, pp_rank: int, pp_size: int, ep_rank: int, ep_size: int, rename: bool = True
+    ) -> str:
+        """The parameter's name in the consolidated model: renamed (unless not ``rename``),
+        its layer renumbered for its pipeline stage and its expert for its expert-parallel rank."""
+        for pattern, to in self.rename if rename else ():
             m = _compile(pattern).fullmatch(fqn)
             if m is not None:
                 fqn = m.expand(to)

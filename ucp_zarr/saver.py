@@ -147,10 +147,13 @@ def collect(state_dict: Mapping[str, Any], model: Any = None) -> Collected:
     used: set[str] = set()
     empty: list[tuple[int, tuple[Any, ...]]] = []
     unplaced: list[tuple[str, Any, Fragment]] = []
+    renamed: dict[str, str] = {}
     for leaf in iter_leaves(state_dict, empty):
         value, wrapped = leaf.value, isinstance(leaf.value, PerRank)
         if wrapped:
             value = value.value
+        if isinstance(value, Placed) and value.alias is not None:
+            renamed[value.alias] = value.key
         if isinstance(value, Placed) and not value.stored:
             used |= value.used
             continue
@@ -185,7 +188,7 @@ def collect(state_dict: Mapping[str, Any], model: Any = None) -> Collected:
     names = state_names(state_dict, model)  # (after iter_leaves refused cycles and deep nesting)
     aliases = {k: a for k, p in paths.items() if (a := alias(k, p, names)) is not None} if names else {}
     structure = structure_of(state_dict, paths, empty)
-    ties = find_ties(unplaced)
+    ties = find_ties(unplaced) | renamed
     return Collected(fragments, values, frozenset(per_rank), rules, frozenset(used), aliases, structure, ties)
 
 

@@ -26,6 +26,7 @@ from .layout import Box
 from .planner import FragmentInfo, SavePlan, plan_save
 from .saver import PreparedSave, SaveOptions, SaveResult, begin_transaction
 from .statedict import to_json
+from .ties import check_ties
 from .storage import Store
 
 CONVERT_SHARD_BYTES = 256 << 20
@@ -109,15 +110,19 @@ def write_checkpoint(
     options: SaveOptions | None = None,
     layout: dict[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
+    ties: Mapping[str, str] | None = None,
 ) -> SaveResult:
     """Write a checkpoint of ``tensors`` (flattened key -> source) and ``values``
     (flattened key -> JSON-able value) at ``store`` from this process alone, as one
     transaction (see :func:`ucp_zarr.save` for ``options``). ``progress(nbytes)`` is called
-    as each shard's data is read. ``layout`` is stored in the root (e.g. the rules)."""
+    as each shard's data is read. ``layout`` is stored in the root (e.g. the rules);
+    ``ties`` (alias -> canonical key of ``tensors``) names keys that read a tensor of
+    ``tensors`` (tied weights, stored once)."""
     options = options or SaveOptions(shard_bytes=CONVERT_SHARD_BYTES)
     clash = sorted(set(tensors) & set(values or {}))
     if clash:
         raise LayoutError(f"keys {clash} are both a tensor and a value")
+    check_ties(ties or {}, tensors, values or {})
     infos = []
     for key, src in tensors.items():
         shape = tuple(int(n) for n in src.shape)
@@ -128,7 +133,7 @@ def write_checkpoint(
     txn = begin_transaction(store, plan, options)
     prepared = PreparedSave(
         store, Comm(local=True), options, plan, txn, txn.save_id, txn.staged, _SourceStaging(plan, tensors, progress),
-        Exchange(), (json_values, {}), list(tensors), layout,
+        Exchange(), (json_values, {}), list(tensors), layout, ties=dict(ties or {}),
     )
     return prepared.finish()
 

@@ -518,6 +518,8 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
         with ThreadPoolExecutor(max(1, self.max_workers)) as pool:
             described = dict(zip(tensors, pool.map(describe, tensors)))
         md: dict[str, Any] = dict(described)
+        for alias, canonical in ck.meta.ties.items():  # (tied tensors: each alias reads its canonical tensor)
+            md[alias] = described[canonical]
         for key in list(ck.meta.values) + list(ck.meta.rank_values):
             md.setdefault(key, BytesStorageMetadata())
         if planner_data:  # the saved state dict's order, as DCP's metadata keeps it
@@ -565,7 +567,7 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
                         if value is not _MISSING:
                             planner.load_bytes(item, _as_bytes(value, fqn in self._blobs))
                         continue
-                    entry = ck.meta.tensors.get(fqn)
+                    entry = ck.meta.tensors.get(ck.meta.canonical(fqn))
                     if entry is None:
                         raise KeyError(f"no tensor {fqn!r} in checkpoint {ck.store.url}")
                     copy_of: int | None = None

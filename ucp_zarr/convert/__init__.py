@@ -13,7 +13,9 @@ format             in (``source=``)                 out (``to=``)
 ``deepspeed``      a ZeRO-1/2/3 checkpoint folder   --
 ``ds-universal``   ``ds_to_universal`` output       a folder ``load_universal`` reads
 ``dcp``            any ``dcp.save`` folder          a folder ``dcp.load`` reads
-``safetensors``    one file, or shards + index      shards + index (``model.safetensors``)
+``safetensors``    one file, or shards + index      every tensor: one file (``*.safetensors``),
+                                                    or shards + index (``model.safetensors``)
+``hf``             --                               a folder ``from_pretrained`` loads
 ``torch``          a ``torch.save`` state dict      --
 =================  ===============================  ===================================
 """
@@ -37,7 +39,7 @@ from .base import Imported
 SOURCES = {"deepspeed": "deepspeed", "ds-universal": "ds_universal", "dcp": "dcp", "safetensors": "safetensors",
            "torch": "torch_file"}
 """``source=`` -> the module (in this package) whose ``read`` imports it."""
-TARGETS = {"ds-universal": "ds_universal", "dcp": "dcp", "safetensors": "safetensors"}
+TARGETS = {"hf": "hf", "safetensors": "safetensors", "dcp": "dcp", "ds-universal": "ds_universal"}
 """``to=`` -> the module whose ``write`` exports to it."""
 
 
@@ -104,7 +106,7 @@ def convert(
         check_no_links_under(Path(store.root), f"converting {src}")
     return write_checkpoint(
         store, imported.tensors, imported.values, options=options,
-        layout=imported.layout, progress=_running_total(progress, total_bytes(imported.tensors)),
+        layout=imported.layout, progress=_running_total(progress, total_bytes(imported.tensors)), ties=imported.ties,
     )
 
 
@@ -118,9 +120,18 @@ def export(
     progress: Callable[[int, int], None] | None = None,
     **options: Any,
 ) -> Path:
-    """Export the ucp_zarr checkpoint at ``src`` into the folder ``dst`` in format ``to``
-    (see :data:`TARGETS`); format options pass through: ``max_shard_bytes`` and ``keys``
-    (safetensors), ``block_bytes`` and ``keys`` (dcp), ``tag`` (ds-universal)."""
+    """Export the ucp_zarr checkpoint at ``src`` to ``dst`` in format ``to`` (see
+    :data:`TARGETS`); format options pass through:
+
+    * ``hf``: a folder ``from_pretrained`` loads (:mod:`.hf`): the model's weights under its
+      own names, ties once; ``prefix`` (default: detected), ``dtype`` (``"bf16"``,
+      ``"fp16"``, ``"fp32"``; default: as stored), ``masters`` (the fp32 masters),
+      ``max_shard_size`` (default ``"5GB"``), ``names`` (a dict, a callable, or
+      ``"megatron_to_llama"``: Hugging Face names, fused tensors split). Files already in
+      the folder (``config.json``, the tokenizer) are kept;
+    * ``safetensors``: every tensor under its key, into one file when ``dst`` ends in
+      ``.safetensors``, else a folder (``max_shard_bytes``, ``keys``);
+    * ``dcp``: ``block_bytes``, ``keys``; ``ds-universal``: ``tag``."""
     if to not in TARGETS:
         raise ConversionError(f"unknown export format {to!r} (known: {sorted(TARGETS)})")
     ck = open_checkpoint(src, storage_options=storage_options)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import mmap as mmap_module
 import os
@@ -17,17 +18,22 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from ..errors import ConversionError, Keyword, UntrustedInputError
+from ..safe_paths import inside
+from ..storage import _AT_FDCWD, _RENAMEAT2
+from ..storage import _fsync_dir as _fsync_path  # (any file or folder)
 from ..writer import TensorSource
 
 
 @dataclass
 class Imported:
     """A foreign checkpoint as the writer takes it: consolidated tensors (flattened key ->
-    lazy source), JSON-able values, and what the root's ``layout`` records about it."""
+    lazy source), JSON-able values, what the root's ``layout`` records about it, and tied
+    tensors (alias key -> the key of ``tensors`` it reads: stored once)."""
 
     tensors: dict[str, TensorSource] = field(default_factory=dict)
     values: dict[str, Any] = field(default_factory=dict)
     layout: dict[str, Any] = field(default_factory=dict)
+    ties: dict[str, str] = field(default_factory=dict)
 
 
 class Opaque:
@@ -182,16 +188,103 @@ def atomic_folder(dst: Path, *, overwrite: bool) -> Iterator[Path]:
         raise
 
 
+@contextmanager
+def atomic_file(dst: Path, *, overwrite: bool) -> Iterator[Path]:
+    """A temporary sibling file of ``dst`` to write, made durable and renamed to ``dst`` when
+    the block succeeds (an interrupted export leaves at most a ``.<name>.partial-*``
+    sibling, removed on failure). An existing ``dst`` is refused unless ``overwrite``."""
+    dst = Path(dst)
+    if dst.is_dir():
+        raise ConversionError(f"{dst} is a folder; give a file name (or a folder name without the .safetensors suffix)")
+    if (dst.exists() or dst.is_symlink()) and not overwrite:
+        raise ConversionError(f"{dst} already exists; pass overwrite=True to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.partial-{uuid.uuid4().hex[:12]}"
+    try:
+        yield tmp
+        _fsync_path(tmp)
+        os.replace(tmp, dst)  # (replaces a link itself, never writes through it)
+        _fsync_path(dst.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def atomic_update(dst: Path, *, replaced: Callable[[str], bool], overwrite: bool) -> Iterator[Path]:
+    """A temporary sibling folder to write the new files of the folder ``dst`` into; when the
+    block succeeds, every entry of ``dst`` that ``replaced`` does not claim (``config.json``,
+    a tokenizer) is added to it (hard links, else copies; links as links), and the two
+    folders are exchanged in one ``renameat2(RENAME_EXCHANGE)``, so that ``dst`` holds the
+    old files or the new set, never a mix, whenever the process stops. (Where the file
+    system cannot exchange, ``dst`` is renamed aside and the new folder renamed in: a crash
+    between the two renames leaves the old folder as ``.<name>.old-*`` beside it.) Files
+    of ``dst`` that ``replaced`` claims (earlier weights) are refused unless ``overwrite``;
+    files added to ``dst`` while the block runs are lost."""
+    dst = Path(dst)
+    if dst.is_symlink() or dst.exists() and not dst.is_dir():
+        raise ConversionError(f"{dst} is not a folder")
+    clash = sorted(n for n in os.listdir(dst) if replaced(n)) if dst.exists() else []
+    if clash and not overwrite:
+        raise ConversionError(f"{dst} already holds {clash[:5]}; pass overwrite=True to replace them")
+    tmp = dst.parent / f".{dst.name}.partial-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if dst.exists():
+            for name in sorted(os.listdir(dst)):
+                if not replaced(name):
+                    _link_tree(dst / name, inside(tmp, name, f"the file {name!r} of {dst}", write=True))
+        _fsync_tree(tmp)
+        if not dst.exists():
+            os.rename(tmp, dst)
+        elif not _exchange(tmp, dst):
+            old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:12]}"
+            os.replace(dst, old)
+            os.replace(tmp, dst)
+            tmp = old
+        _fsync_path(dst.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)  # (now the old folder)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the paths ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``);
+    False where the system or file system cannot."""
+    if _RENAMEAT2 is None:
+        return False
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """``src`` (a file, link or folder) at ``dst``: files hard-linked (copied where links
+    cannot be made), links re-created as links (not followed), folders recursively."""
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        dst.mkdir()
+        for name in sorted(os.listdir(src)):
+            _link_tree(src / name, dst / name)
+    else:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(dirpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            if not os.path.islink(os.path.join(dirpath, name)):
+                _fsync_path(Path(dirpath, name))
+        _fsync_path(Path(dirpath))

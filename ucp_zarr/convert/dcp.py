@@ -509,8 +509,8 @@ def write(
     )
 
     meta = ck.meta
-    keys = list(meta.tensors) + list(meta.values) + list(meta.rank_values) if keys is None else list(keys)
-    unknown = [k for k in keys if k not in meta.tensors and k not in meta.values and k not in meta.rank_values]
+    keys = [*meta.tensors, *meta.ties, *meta.values, *meta.rank_values] if keys is None else list(keys)
+    unknown = [k for k in keys if meta.canonical(k) not in meta.tensors and k not in meta.values and k not in meta.rank_values]
     if unknown:
         raise ConversionError(f"no tensor or value {unknown} in checkpoint {ck.store.url}")
     per_rank = [k for k in keys if k in meta.rank_values or (k in meta.tensors and meta.tensors[k].ranks is not None)]
@@ -529,9 +529,16 @@ def write(
             torch.save(from_json(meta.values[k], k), f)
             sdm[k] = BytesStorageMetadata()
             storage[MetadataIndex(k)] = _StorageInfo(DATA_FILE, start, f.tell() - start)
-        for k in (k for k in keys if k in meta.tensors):
-            dtype = getattr(torch, meta.tensors[k].dtype)
-            shape = tuple(meta.tensors[k].shape)
+        written: dict[str, str] = {}  # stored key -> the key its data was written under (tied tensors: once)
+        for k in (k for k in keys if meta.canonical(k) in meta.tensors):
+            if meta.canonical(k) in written:
+                first = written[meta.canonical(k)]
+                sdm[k] = sdm[first]
+                storage |= {MetadataIndex(k, i.offset, i.index): info for i, info in list(storage.items()) if i.fqn == first}
+                continue
+            written[meta.canonical(k)] = k
+            dtype = getattr(torch, meta.tensors[meta.canonical(k)].dtype)
+            shape = tuple(meta.tensors[meta.canonical(k)].shape)
             chunks = []
             for i, box in enumerate(_blocks(shape, dtype.itemsize, block_bytes)):
                 t = ck.read(k, box)

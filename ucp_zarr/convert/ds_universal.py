@@ -465,6 +465,9 @@ def _model_state(ck: Any, values: dict[str, Any], shapes: list[OrderedDict[str, 
                 progress(module[name].numel() * module[name].element_size())
     for name in trainable - set(module):
         module[name] = torch.empty(0, dtype=dtypes[name])
+    for alias, canonical in ck.meta.ties.items():  # tied copies: the module holds the one tensor under each name
+        if alias.startswith("model.") and canonical[len("model."):] in module:
+            module[alias[len("model."):]] = module[canonical[len("model."):]]
     frozen = values.get("deepspeed.frozen_param_shapes")
     out: dict[str, Any] = {
         "module": module,

@@ -2,10 +2,12 @@
 
 In: every tensor under its own name (with ``prefix`` prepended), read lazily box by box
 through ``safe_open`` (memory-mapped); the header's ``__metadata__`` (str -> str) becomes
-the value ``__metadata__``. Out: a streaming writer of the format (an 8-byte header length,
-the JSON header, the raw little-endian bytes), one tensor block at a time, shards of at
-most ``max_shard_bytes`` with a Hugging Face style index; the checkpoint's values travel as
-JSON in ``__metadata__["ucp_zarr.values"]``.
+the value ``__metadata__`` (ties an export recorded there become ties again). Out: a
+streaming writer of the format (an 8-byte header length, the JSON header, the raw
+little-endian bytes), one tensor block at a time, into one file (a destination named
+``*.safetensors``) or shards of at most ``max_shard_bytes`` with a Hugging Face style index;
+every tensor under its checkpoint key (a tie once), the checkpoint's values as JSON in
+``__metadata__["ucp_zarr.values"]``. (A folder ``from_pretrained`` loads: :mod:`.hf`.)
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -23,10 +25,12 @@ from ..checkpoint import Checkpoint
 from ..errors import ConversionError
 from ..layout import Box
 from ..safe_paths import inside_relative
-from .base import Imported, atomic_folder
+from .base import Imported, atomic_file, atomic_folder
 
 INDEX_SUFFIX = ".safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
+TIES_METADATA = "ucp_zarr.ties"
+"""The ``__metadata__`` entry where an export records tied names (JSON: alias -> the name it reads)."""
 BLOCK_BYTES = 64 << 20
 """Tensors are copied out in row blocks of about this size."""
 
@@ -75,7 +79,22 @@ def read(src: Path, *, prefix: str = "", **_: Any) -> Imported:
             if key in out.tensors:
                 raise ConversionError(f"{file}: tensor {name!r} is also in another shard")
             out.tensors[key] = _Entry(file, name, tuple(info["shape"]), dtype)
+    out.ties = _ties(out, prefix, files)
     return out
+
+
+def _ties(out: Imported, prefix: str, files: list[Path]) -> dict[str, str]:
+    """The ties an export of this module recorded (``__metadata__["ucp_zarr.ties"]``), of tensors the files hold."""
+    raw = out.values.get("__metadata__", {}).get(TIES_METADATA)
+    if raw is None:
+        return {}
+    try:
+        ties = json.loads(raw)
+        if not (isinstance(ties, dict) and all(isinstance(a, str) and isinstance(c, str) for a, c in ties.items())):
+            raise ValueError("not an object of names")
+    except ValueError as e:
+        raise ConversionError(f"{files[0]}: __metadata__[{TIES_METADATA!r}] is not a map of tied names ({e})") from None
+    return {prefix + a: prefix + c for a, c in ties.items() if prefix + c in out.tensors and prefix + a not in out.tensors}
 
 
 def _files(src: Path) -> list[Path]:
@@ -134,73 +153,121 @@ def write(
     progress: Callable[[int], None] | None = None,
     **_: Any,
 ) -> Path:
-    """Export the tensors of ``ck`` (or only ``keys``) into the folder ``dst``:
+    """Export the tensors of ``ck`` (or only ``keys``) under their keys: into the file
+    ``dst`` when its name ends in ``.safetensors``, else into the folder ``dst`` as
     ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards and
-    ``model.safetensors.index.json`` when they exceed ``max_shard_bytes``."""
-    keys = list(ck) if keys is None else keys
+    ``model.safetensors.index.json`` when they exceed ``max_shard_bytes``. A tie is written
+    once (its alias recorded in ``__metadata__["ucp_zarr.ties"]``, which an import reads back)."""
+    keys = list(ck) if keys is None else list(keys)
+    keys = [k for k in keys if ck.meta.ties.get(k) not in keys]  # (a tie once)
     for k in keys:
-        if ck.meta.tensors[k].ranks is not None:
+        if ck.meta.tensors[ck.meta.canonical(ck[k].key)].ranks is not None:
             raise ConversionError(f"tensor {k!r} is per-rank state (one copy per rank); safetensors holds one tensor per name")
-    dtypes = {k: getattr(torch, ck.meta.tensors[k].dtype) for k in keys}
-    bad = [k for k, d in dtypes.items() if d not in _CODES]
-    if bad:
-        raise ConversionError(f"safetensors cannot hold the dtypes of {bad} ({sorted({str(dtypes[k]) for k in bad})})")
-    shards: list[list[str]] = [[]]
-    size = 0
-    for k in keys:
-        n = math.prod(ck.meta.tensors[k].shape) * dtypes[k].itemsize
-        if shards[-1] and size + n > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(k)
-        size += n
+    items = [OutTensor(k, tuple(ck[k].shape), ck[k].dtype, lambda k=k: blocks(ck, k)) for k in keys]
+    ties = {a: c for a, c in ck.meta.ties.items() if c in keys and a not in keys}
     metadata = {"format": "pt", "ucp_zarr.values": json.dumps(ck.meta.values, sort_keys=True)}
+    if ties:
+        metadata[TIES_METADATA] = json.dumps(ties, sort_keys=True)
+    if Path(dst).name.endswith(".safetensors"):
+        with atomic_file(Path(dst), overwrite=overwrite) as tmp:
+            write_file(tmp, items, metadata, progress)
+        return Path(dst)
     with atomic_folder(Path(dst), overwrite=overwrite) as tmp:
-        if len(shards) == 1:
-            _write_file(ck, tmp / "model.safetensors", shards[0], dtypes, metadata, progress)
-        else:
-            weight_map = {}
-            for i, names in enumerate(shards):
-                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                _write_file(ck, tmp / fname, names, dtypes, metadata, progress)
-                weight_map |= {k: fname for k in names}
-            total = sum(math.prod(ck.meta.tensors[k].shape) * dtypes[k].itemsize for k in keys)
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / ("model" + INDEX_SUFFIX)).write_text(json.dumps(index, indent=1))
+        write_shards(tmp, items, max_shard_bytes, metadata, progress)
     return Path(dst)
 
 
-def _write_file(
-    ck: Checkpoint, file: Path, keys: list[str], dtypes: dict[str, torch.dtype], metadata: dict[str, str],
-    progress: Callable[[int], None] | None,
-) -> None:
+@dataclass(frozen=True)
+class OutTensor:
+    """One tensor of a safetensors file being written: its name, shape, dtype and data, as
+    flat blocks in row-major order (``blocks()``, each of ``dtype``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    blocks: Callable[[], Iterator[torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def write_shards(
+    folder: Path, items: list[OutTensor], max_shard_bytes: int, metadata: dict[str, str],
+    progress: Callable[[int], None] | None, index_metadata: dict[str, Any] | None = None,
+) -> list[str]:
+    """``items`` into ``folder`` as Hugging Face names them: ``model.safetensors``, or shards
+    ``model-00001-of-0000n.safetensors`` of at most ``max_shard_bytes`` each (split as
+    ``huggingface_hub.split_torch_state_dict_into_shards`` splits: in order, a tensor larger
+    than the limit alone) and ``model.safetensors.index.json`` (``total_size``, with
+    ``index_metadata``, and the weight map). Returns the file names written."""
+    bad = sorted({str(t.dtype) for t in items if t.dtype not in _CODES})
+    if bad:
+        raise ConversionError(f"safetensors cannot hold the dtypes {bad} (of {[t.name for t in items if t.dtype not in _CODES][:5]})")
+    shards: list[list[OutTensor]] = []
+    current: list[OutTensor] = []
+    size = 0
+    for t in items:
+        if t.nbytes > max_shard_bytes:
+            shards.append([t])
+            continue
+        if size + t.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += t.nbytes
+    if current or not shards:
+        shards.append(current)
+    if len(shards) == 1:
+        write_file(folder / "model.safetensors", shards[0], metadata, progress)
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        write_file(folder / name, shard, metadata, progress)
+    index = {"metadata": (index_metadata or {}) | {"total_size": sum(t.nbytes for t in items)},
+             "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard}}
+    (folder / ("model" + INDEX_SUFFIX)).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return [*names, "model" + INDEX_SUFFIX]
+
+
+def write_file(file: Path, items: list[OutTensor], metadata: dict[str, str], progress: Callable[[int], None] | None) -> None:
+    """One safetensors file of ``items``, streamed block by block."""
     header: dict[str, Any] = {"__metadata__": metadata}
     at = 0
-    for k in keys:
-        shape = ck.meta.tensors[k].shape
-        n = math.prod(shape) * dtypes[k].itemsize
-        header[k] = {"dtype": _CODES[dtypes[k]], "shape": list(shape), "data_offsets": [at, at + n]}
-        at += n
+    for t in items:
+        if t.name in header:
+            raise ConversionError(f"{file.name}: two tensors are named {t.name!r}")
+        header[t.name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}
+        at += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     with open(file, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for k in keys:
-            for block in _blocks(ck, k):
+        for t in items:
+            written = 0
+            for block in t.blocks():
+                if block.dtype != t.dtype:
+                    raise ConversionError(f"tensor {t.name!r}: a block of {block.dtype}, announced {t.dtype}")
                 f.write(memoryview(block.contiguous().view(torch.uint8).numpy()))
+                written += block.numel() * block.element_size()
                 if progress is not None:
                     progress(block.numel() * block.element_size())
+            if written != t.nbytes:
+                raise ConversionError(f"tensor {t.name!r}: wrote {written} bytes, announced {t.nbytes}")
 
 
-def _blocks(ck: Checkpoint, key: str) -> Any:
-    """The tensor ``key`` in row blocks of about :data:`BLOCK_BYTES` (row-major order)."""
-    shape = ck.meta.tensors[key].shape
+def blocks(ck: Checkpoint, key: str, rows: tuple[int, int] | None = None) -> Iterator[torch.Tensor]:
+    """Tensor ``key`` (rows ``[start, stop)`` of it along dim 0, when given) as flat blocks
+    of about :data:`BLOCK_BYTES`, in row-major order."""
+    view = ck[key]
+    shape = tuple(view.shape)
     if not shape or math.prod(shape) == 0:
         yield ck.read(key).reshape(-1)
         return
-    row = math.prod(shape[1:]) * getattr(torch, ck.meta.tensors[key].dtype).itemsize
+    start, stop = rows or (0, shape[0])
+    row = math.prod(shape[1:]) * view.dtype.itemsize
     step = max(1, BLOCK_BYTES // max(row, 1))
-    for a in range(0, shape[0], step):
-        box = Box((a,) + (0,) * (len(shape) - 1), (min(step, shape[0] - a),) + tuple(shape[1:]))
+    for a in range(start, stop, step):
+        box = Box((a,) + (0,) * (len(shape) - 1), (min(step, stop - a),) + tuple(shape[1:]))
         yield ck.read(key, box).reshape(-1)

@@ -1,0 +1,208 @@
+"""``ucp_zarr.export(src, dst, to="hf")`` (issue 19 section 4): a folder that transformers'
+``from_pretrained`` loads with no missing or unexpected keys (checked with
+``output_loading_info=True``), equal weights; files and index named as ``save_pretrained``
+names them; ``config.json`` and tokenizer files kept; crash-safe; Megatron-core's fused
+tensors split into Llama's names, checked against Megatron-core's own logits. Also
+``--to safetensors`` into a ``.safetensors`` file."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers.utils import logging as hf_logging
+
+import ucp_zarr
+from ucp_zarr.cli import main as cli
+from ucp_zarr.convert import base, hf
+from ucp_zarr.errors import ConversionError
+
+hf_logging.set_verbosity_error()
+
+
+def _gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+
+
+def _llama(tied: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(1)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied))
+
+
+def _names(folder: Path) -> list[str]:
+    names: list[str] = []
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            names += list(st.keys())
+    return sorted(names)
+
+
+def _loads(cls: type, folder: Path, **kw: object) -> torch.nn.Module:
+    model, info = cls.from_pretrained(folder, output_loading_info=True, **kw)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model
+
+
+def test_gpt2_tied_bare_state_dict(tmp_path: Path) -> None:
+    gpt = _gpt2()
+    ucp_zarr.save(gpt.state_dict(), tmp_path / "ck")  # no training prefix: the model's own names
+    gpt.config.save_pretrained(tmp_path / "hf")
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf")
+    loaded = _loads(GPT2LMHeadModel, tmp_path / "hf")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in gpt.state_dict().items())
+    gpt.save_pretrained(tmp_path / "theirs")
+    assert _names(tmp_path / "hf") == _names(tmp_path / "theirs")  # lm_head.weight written once, as HF does
+    assert "lm_head.weight" not in _names(tmp_path / "hf")
+
+
+def test_llama_training_state_sharded_as_hf_shards(tmp_path: Path) -> None:
+    llama = _llama()
+    opt = torch.optim.AdamW(llama.parameters())
+    llama(torch.arange(8)[None]).logits.sum().backward()
+    opt.step()
+    ucp_zarr.save({"model": llama.state_dict(), "optim": opt.state_dict(), "step": 7}, tmp_path / "ck")
+    out = tmp_path / "hf"
+    llama.config.save_pretrained(out)
+    (out / "tokenizer.json").write_text('{"version": "1.0"}')
+    (out / "extra").mkdir()
+    (out / "extra" / "notes.txt").write_text("kept")
+    config = os.stat(out / "config.json").st_ino
+    ucp_zarr.export(tmp_path / "ck", out, to="hf", dtype="bf16", max_shard_size="10KB")
+    llama.to(torch.bfloat16).save_pretrained(tmp_path / "theirs", max_shard_size="10KB")
+    ours, theirs = (json.loads((d / "model.safetensors.index.json").read_text()) for d in (out, tmp_path / "theirs"))
+    assert ours["weight_map"] == theirs["weight_map"] and len(set(ours["weight_map"].values())) > 2
+    assert ours["metadata"] == theirs["metadata"]  # total_size, total_parameters
+    assert sorted(p.name for p in out.glob("model*")) == sorted(p.name for p in (tmp_path / "theirs").glob("model*"))
+    assert os.stat(out / "config.json").st_ino == config and (out / "tokenizer.json").is_file()
+    assert (out / "extra" / "notes.txt").read_text() == "kept"
+    loaded = _loads(LlamaForCausalLM, out, dtype=torch.bfloat16)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in llama.state_dict().items())
+    # weights already there: refused, or replaced whole (no stale shard stays beside the new file)
+    with pytest.raises(ConversionError, match=r"already holds \['model-00001-of-"):
+        ucp_zarr.export(tmp_path / "ck", out, to="hf")
+    ucp_zarr.export(tmp_path / "ck", out, to="hf", overwrite=True, dtype="bf16")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "extra", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf", "theirs"]  # no temporary sibling left
+    loaded = _loads(LlamaForCausalLM, out, dtype=torch.bfloat16)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"} and f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+
+
+def test_fp32_masters_and_prefix(tmp_path: Path) -> None:
+    gpt = _gpt2()
+    masters = {k: v + 1e-3 for k, v in gpt.state_dict().items() if k != "lm_head.weight"}
+    low = {k: v.to(torch.bfloat16) for k, v in gpt.state_dict().items()}
+    low["lm_head.weight"] = low["transformer.wte.weight"]
+    state = {"model": {"module": low}, "optim": {"state": {k: {"fp32": v} for k, v in masters.items()}}}
+    ucp_zarr.save(state, tmp_path / "ck")
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf", masters=True)  # prefix detected: model.module.
+    gpt.config.save_pretrained(tmp_path / "hf")
+    loaded = _loads(GPT2LMHeadModel, tmp_path / "hf")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in masters.items())
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "low", to="hf", prefix="model.module.")
+    with safe_open(str(tmp_path / "low" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("transformer.wte.weight").dtype == torch.bfloat16
+    ucp_zarr.save({"model": low}, tmp_path / "no_masters")
+    with pytest.raises(ConversionError, match="holds no fp32 masters"):
+        ucp_zarr.export(tmp_path / "no_masters", tmp_path / "x", to="hf", masters=True)
+    with pytest.raises(ConversionError, match="no tensor under the prefix 'nothing.'"):
+        ucp_zarr.export(tmp_path / "ck", tmp_path / "x", to="hf", prefix="nothing.")
+
+
+def test_prefix_detection() -> None:
+    llama = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    assert hf.detect_prefix(llama) == ""  # Llama's own "model." is no training prefix
+    assert hf.detect_prefix(["model." + k for k in llama] + ["optim.state.lm_head.weight.exp_avg"]) == "model."
+    assert hf.detect_prefix(["module.fc.weight", "optimizer.state.0.exp_avg"]) == "module."
+    assert hf.detect_prefix(["model.module.fc.weight", "model.module.fc.bias", "rng.0"]) == "model.module."
+    assert hf.detect_prefix(["state_dict.model.fc.weight", "optimizer_states.0.state.0.exp_avg"]) == "state_dict."
+    assert hf.detect_prefix(["net.fc.weight", "ema.fc.weight"]) == ""  # (which is the model's, only prefix= can say)
+    with pytest.raises(ConversionError, match=r"cannot tell which keys are the model's weights .*; give prefix="):
+        hf.detect_prefix(["optim.state.0.exp_avg", "rng.0"])
+    assert hf.shard_size("5GB") == 5 * 10**9 and hf.shard_size("500MB") == 5 * 10**8 and hf.shard_size(1234) == 1234
+    with pytest.raises(ConversionError, match="not a positive size"):
+        hf.shard_size("5 parsecs")
+
+
+def test_an_interrupted_export_leaves_the_folder_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gpt = _gpt2()
+    ucp_zarr.save({"model": gpt.state_dict()}, tmp_path / "ck")
+    gpt.config.save_pretrained(tmp_path / "hf")
+    before = (tmp_path / "hf" / "config.json").read_bytes()
+
+    def broken(folder: Path, *args: object) -> None:
+        (folder / "model-00001-of-00002.safetensors").write_bytes(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hf, "write_shards", broken)
+    with pytest.raises(OSError, match="disk full"):
+        ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf"]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json"]
+    assert (tmp_path / "hf" / "config.json").read_bytes() == before
+    monkeypatch.undo()
+    monkeypatch.setattr(base, "_exchange", lambda a, b: False)  # a file system without renameat2's exchange
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf"]
+    _loads(GPT2LMHeadModel, tmp_path / "hf")
+
+
+def test_safetensors_file_and_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import load_file
+
+    gpt = _gpt2()
+    ucp_zarr.save({"model": gpt.state_dict(), "step": 3}, tmp_path / "ck")
+    assert cli(["export", str(tmp_path / "ck"), str(tmp_path / "out" / "model.safetensors"), "--to", "safetensors"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert sorted(load_file(tmp_path / "out" / "model.safetensors")) == sorted(f"model.{k}" for k in gpt.state_dict()
+                                                                              if k != "lm_head.weight")
+    gpt.config.save_pretrained(tmp_path / "hf")
+    assert cli(["export", str(tmp_path / "ck"), str(tmp_path / "hf"), "--to", "hf", "--dtype", "fp16"]) == 0
+    assert _loads(GPT2LMHeadModel, tmp_path / "hf", dtype=torch.float16).transformer.wte.weight.dtype == torch.float16
+    with pytest.raises(SystemExit):
+        cli(["export", "--help"])
+    shown = capsys.readouterr().out
+    assert all(f"  {kind} " in shown for kind in ("hf", "safetensors", "dcp", "ds-universal"))
+
+
+def test_megatron_core_to_llama(tmp_path: Path) -> None:
+    """Megatron-core's GPTModel (Llama's architecture) saved at TP=2 (untied) and PP=2 (tied)
+    through Rules.from_megatron, exported with names="megatron_to_llama": LlamaForCausalLM
+    loads each with no missing or unexpected keys and gives Megatron-core's own logits."""
+    import _hf_export_job as job
+    import megatron_core_models as MC
+
+    MC.run_job(job.job, 2, str(tmp_path), timeout_s=600)
+    for name, tied in (("untied", False), ("tied", True)):
+        out = tmp_path / f"hf_{name}"
+        LlamaConfig(vocab_size=MC.VOCAB, hidden_size=MC.HIDDEN, intermediate_size=MC.FFN, num_hidden_layers=MC.NUM_LAYERS,
+                    num_attention_heads=MC.HEADS, num_key_value_heads=MC.GROUPS, head_dim=MC.KV_CHANNELS,
+                    rms_norm_eps=1e-5, max_position_embeddings=MC.MAX_SEQ, tie_word_embeddings=tied).save_pretrained(out)
+        ucp_zarr.export(tmp_path / name, out, to="hf", names="megatron_to_llama")
+        llama = _loads(LlamaForCausalLM, out)
+        ref = torch.load(tmp_path / f"{name}.pt")
+        with torch.no_grad():
+            torch.testing.assert_close(llama(job.TOKENS).logits, ref["logits"], rtol=0, atol=1e-5)
+        names = _names(out)
+        assert ("lm_head.weight" in names) != tied and "model.layers.1.self_attn.k_proj.weight" in names
+    # the weights Megatron-core built, where no layout is involved (the fused ones: the logits above)
+    state, sd = ref["state"], llama.state_dict()
+    assert torch.equal(sd["model.embed_tokens.weight"], state["embedding.word_embeddings.weight"][:MC.VOCAB])
+    assert torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"])
+    for i in range(MC.NUM_LAYERS):
+        assert torch.equal(sd[f"model.layers.{i}.self_attn.o_proj.weight"],
+                           state[f"decoder.layers.{i}.self_attention.linear_proj.weight"])
+        assert torch.equal(sd[f"model.layers.{i}.mlp.down_proj.weight"], state[f"decoder.layers.{i}.mlp.linear_fc2.weight"])
+    # a fused tensor is split whole or not at all
+    with pytest.raises(ConversionError, match=r"names map its sub-parameters \['q'\] but not \['k', 'v'\]"):
+        ucp_zarr.export(tmp_path / "untied", tmp_path / "x", to="hf",
+                        names={"decoder.layers.0.self_attention.linear_qkv.weight:q": "q"})
