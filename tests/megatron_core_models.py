@@ -113,8 +113,10 @@ def build(variant: Variant, tp: int, pp: int, seed: int, vocab: int = VOCAB) -> 
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tp, pp)
+    if not ps.model_parallel_is_initialized() or (
+        ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tp, pp)
 
     class SeededLayer(TransformerLayer):  # type: ignore[misc]
         def __init__(self, config: Any, submodules: Any, layer_number: int = 1, **kw: Any) -> None:

@@ -43,7 +43,7 @@ from ucp_zarr.rules import RuleError
 
 SEED = 5
 SAVES = [(2, 2), (4, 1)]
-LOADS = {(1, 1): [(2, 2)], (4, 1): [(2, 2)], (1, 2): [(4, 1)], (2, 2): [(4, 1)]}
+LOADS = {(4, 1): [(2, 2)], (2, 2): [(4, 1)], (1, 2): [(4, 1)], (1, 1): [(2, 2)]}
 """Load layout -> the saved layouts loaded there: TP down and up, PP to 1 and back."""
 QKV = "decoder.layers.{}.self_attention.linear_qkv.weight"
 RESUME_VOCAB = 512
@@ -71,21 +71,24 @@ def _old_rules(rules: Rules) -> Rules:
 
 
 def _job(rank: int, world: int, root_dir: str) -> None:
-    """Record the references, save, load (see the module docstring); refusals; train and resume."""
+    """Record the references, save, load (see the module docstring); refusals; train and resume.
+    (Layouts outermost: Megatron's parallel state is set up once per layout.)"""
     root = Path(root_dir)
-    for v in MC.VARIANTS.values():
-        for layout in SAVES:
+    for layout in SAVES:
+        for v in MC.VARIANTS.values():
             model, opt = _reference(root, v, *layout)
             rules = Rules.from_megatron(model, vocab_size=MC.VOCAB)
             ucp_zarr.save(place(MC.state(model, opt), rules, **MC.coords()), root / "ck" / f"{v.name}-{_name(*layout)}")
             if v.name == "gqa" and layout == (2, 2):
                 ucp_zarr.save(place(MC.state(model, opt), _old_rules(rules), **MC.coords()), root / "ck" / "gqa-old")
-        for layout, saves in LOADS.items():
+    for layout, saves in LOADS.items():
+        for v in MC.VARIANTS.values():
             model, opt = _reference(root, v, *layout)
             if layout == (1, 1) and rank == 0:
                 torch.save(_megatron_forward(model), root / f"forward-{v.name}.pt")
                 if v.name == "tied":
                     (root / "refusals.json").write_text(json.dumps(_refusals(model)))
+                    (root / "gate.json").write_text(json.dumps(_output_gate_split()))
             c = MC.coords()
             for save in saves:
                 st = MC.state(model, opt)
@@ -140,6 +143,29 @@ def _megatron_forward(model: Any) -> dict[str, torch.Tensor]:
         attn.q_layernorm, attn.k_layernorm = norms
         out, bias = layer.mlp(x)
     return {"x": x, "q": q, "k": k, "v": v, "mlp": out if bias is None else out + bias}
+
+
+def _output_gate_split() -> dict[str, Any]:
+    """With ``attention_output_gate``: the rule of linear_qkv, and per name how far the rows its
+    names give compute from what Megatron's ``get_query_key_value_tensors`` splits (TP=1)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=MC.HIDDEN, num_attention_heads=MC.HEADS,
+                               num_query_groups=MC.GROUPS, attention_output_gate=True, use_cpu_initialization=True)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=MC.MAX_SEQ)
+    rule = Rules.from_megatron(model, vocab_size=100).match(QKV.format(0))[0]
+    attn = model.decoder.layers[0].self_attention
+    x = torch.randn(MC.MAX_SEQ, 2, MC.HIDDEN, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        q, k, v, gate = attn.get_query_key_value_tensors(x, output_gate=True)
+        w, b = attn.linear_qkv.weight, attn.linear_qkv.bias
+        diff = {}
+        for j, (name, want) in enumerate(zip(rule.names or (), (q, gate, k, v))):
+            rows = [i for lo, hi in sub_ranges(rule.groups or 1, rule.sizes or (), j) for i in range(lo, hi)]
+            diff[name] = float((F.linear(x, w[rows], b[rows]).view(want.shape) - want).abs().max())
+    return {"rule": rule.to_dict(), "diff": diff}
 
 
 def _refusals(model: Any) -> dict[str, str]:
@@ -332,6 +358,13 @@ def test_sub_parameter_names_split_as_megatron_does(megatron: Path, variant: str
     fc2 = f"{layer}mlp.linear_fc2."
     out = F.linear(hidden, ck[fc2 + "weight"][...], ck[fc2 + "bias"][...] if fc2 + "bias" in ck else None)
     torch.testing.assert_close(out, fw["mlp"], rtol=1e-5, atol=1e-6)
+
+
+def test_attention_output_gate_names_split_as_megatron_does(megatron: Path) -> None:
+    """With ``attention_output_gate`` every group is ``[q; gate; k; v]``, as Megatron splits it."""
+    gate = json.loads((megatron / "gate.json").read_text())
+    assert gate["rule"]["sizes"] == [16, 16, 8, 8] and gate["rule"]["names"] == ["q", "gate", "k", "v"]
+    assert max(gate["diff"].values()) < 1e-6, gate["diff"]
 
 
 def test_readme_old_rule_loads_tp2_qkv_permuted_at_tp1(megatron: Path) -> None:
