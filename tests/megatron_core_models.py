@@ -228,7 +228,7 @@ def tensors(value: Any) -> Any:
 # --------------------------------------------------------------------------- the job
 
 
-def run_job(target: Callable[..., Any], world: int, *args: Any, timeout_s: float = 240) -> None:
+def run_job(target: Callable[..., Any], world: int, *args: Any, timeout_s: float = 420) -> None:
     """Run ``target(rank, world, *args)`` (a module-level function; JSON-able ``args``) on
     ``world`` gloo ranks forked from one fresh interpreter that imported megatron-core."""
     spec = f"{target.__module__}:{target.__qualname__}"

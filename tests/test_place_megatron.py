@@ -16,7 +16,10 @@ down and up, PP to 1 and back). The tests compare, bit for bit, the checkpoint's
 the TP=1 model's (unpadded), and each loaded rank's parameters and Adam moments with those of the
 model Megatron-core builds from the same seed on that layout. The README's earlier rule for
 ``linear_qkv`` (``fused`` ``[Q, K, V]``) loads a TP=2 checkpoint at TP=1 with its rows permuted.
-The job also trains at TP=2 (Megatron's forward and backward), saves, and resumes at TP=1.
+The sub-parameters' names are checked against Megatron's own split of the fused tensors
+(``get_query_key_value_tensors``, with and without ``attention_output_gate``, and the MLP), the
+refusals of ``Rules.from_megatron`` against a real mixture-of-experts model and others, and the
+job trains at TP=2 (Megatron's forward and backward), saves, and resumes at TP=1.
 
 Tolerance of the resume (the only comparison that is not bit-exact): TP=2 and TP=1 sum the same
 products in another order (the row-parallel all-reduce, the split vocabulary), so losses agree to
