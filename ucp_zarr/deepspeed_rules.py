@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from .rules import ParamRule, RuleError, Rules
+from .rules import ParamRule, RuleError, Rules, _int
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ def rules_from_deepspeed(info: Mapping[str, Any], *, strict: bool = True) -> Rul
         params=tuple(params),
         vocab_patterns=vocab,
         vocab_size=size if vocab else None,
+        pipeline="global",  # (DeepSpeed's pipeline modules name their layers by the global index)
         pipeline_replicated=patterns("pipeline_replicated_parameter_patterns"),
         strict=strict,
     )
@@ -99,12 +100,12 @@ def _sub_params(entry: Any, widths: Mapping[str, Any], version: float) -> list[P
         raise RuleError(f"parameter_with_sub_params entry {dict(entry)!r}: bad patterns or partition_dim")
     at = shape[pd]
     if isinstance(at, (list, tuple)):
-        sizes = tuple(int(n) for n in at)
+        sizes = tuple(_int(n) for n in at)
     elif isinstance(at, int) and at > 0:
         sizes = (-1,) * at  # a count of equal sub-parameters (DeepSpeed's reading before 0.4)
     else:
         raise RuleError(f"parameter_with_sub_params entry {dict(entry)!r}: shape[{pd}] must be sizes or a count")
-    view = tuple(-1 if i == pd else int(n) for i, n in enumerate(shape))
+    view = tuple(-1 if i == pd else _int(n) for i, n in enumerate(shape))
     out = []
     for pattern in pats:
         by_tp = {}
@@ -114,6 +115,6 @@ def _sub_params(entry: Any, widths: Mapping[str, Any], version: float) -> list[P
                 raise RuleError(f"sub-parameter pattern {pattern!r}: version {version} needs sub_param_shard_widths for it")
             if len(w) != len(sizes) or len({len(x) for x in w}) != 1:
                 raise RuleError(f"sub_param_shard_widths[{pattern!r}] = {w!r} does not give one list per sub-parameter")
-            by_tp = {len(w[0]): tuple(tuple(int(x) for x in ws) for ws in w)}
+            by_tp = {len(w[0]): tuple(tuple(_int(x) for x in ws) for ws in w)}
         out.append(ParamRule("fused", (str(pattern),), dim=pd, sizes=sizes, widths=by_tp, view=view))
     return out

@@ -27,10 +27,13 @@ The vocabulary (``Rules.from_dict``)::
                  "pieces": {"2": [[piece, ...], [piece, ...]]}}],
      "vocab": {"patterns": [...], "size": 50257},        # padding rows stripped (dim 0)
      "rename": [{"pattern": "output_layer\\.weight", "to": "embedding.word_embeddings.weight"}],
-     "pipeline": {"pattern": "decoder\\.layers\\.(\\d+)\\.", "num_layers": 24},   # or "offsets"
+     "pipeline": {"pattern": "decoder\\.layers\\.(\\d+)\\.", "num_layers": 24},   # or "offsets", or "global"
      "pipeline_replicated": [...],                        # tied parameters, stored once
      "experts": {"pattern": "...experts\\.(\\d+)\\.", "num_experts": 8},
      "default": "split", "strict": true}
+
+Every member's type and range is checked (:mod:`ucp_zarr.rules_schema`), for rules read
+from a dict or file and for rules built in Python or from DeepSpeed's dicts alike.
 """
 
 from __future__ import annotations
@@ -264,6 +267,11 @@ class Renumber:
         return d | ({"offsets": list(self.offsets)} if self.offsets is not None else {"count": self.count})
 
     @classmethod
+    def read(cls, d: Any, what: str) -> "Renumber | str | None":
+        """A ``pipeline`` or ``experts`` entry: renumbering, ``"global"``, or None."""
+        return d if d is None or d == "global" else cls.from_dict(d, what)
+
+    @classmethod
     def from_dict(cls, d: Mapping[str, Any], what: str) -> "Renumber":
         _no_unknown(d, {"pattern", "count", "num_layers", "num_experts", "offsets"}, what)
         count = d.get("count", d.get("num_layers", d.get("num_experts")))
@@ -288,9 +296,12 @@ class Rules:
     rename: tuple[tuple[str, str], ...] = ()
     """``(pattern, replacement)``: the consolidated name of a parameter (``re.fullmatch``,
     groups allowed in the replacement), such as an output layer tied to the embedding."""
-    pipeline: Renumber | None = None
+    pipeline: Renumber | str | None = None
+    """Local layer index -> global, per pipeline stage; ``"global"``: the names are global
+    already (DeepSpeed's pipeline modules); ``None``: no pipeline parallelism (``pp_size`` 1)."""
     pipeline_replicated: tuple[str, ...] = ()
-    experts: Renumber | None = None
+    experts: Renumber | str | None = None
+    """Local expert index -> global, per expert-parallel rank (or ``"global"``, or ``None``)."""
     default: str = "split"
     """The rule of a parameter no pattern matches: ``split`` (dim 0, DeepSpeed's default),
     ``replicated``, or ``error``."""
@@ -303,6 +314,9 @@ class Rules:
             raise RuleError("vocabulary patterns need the original (unpadded) vocabulary size")
         for p in self.vocab_patterns + self.pipeline_replicated + tuple(p for p, _ in self.rename):
             _compile(p)
+        from .rules_schema import check_rules
+
+        check_rules(self.to_dict())  # (rules built in Python, or from DeepSpeed's dicts, are checked as data)
 
     # --- building ------------------------------------------------------------------------
 
@@ -316,25 +330,23 @@ class Rules:
             from .deepspeed_rules import rules_from_deepspeed
 
             return rules_from_deepspeed(d)
-        _no_unknown(d, {"format", "params", "vocab", "rename", "pipeline", "pipeline_replicated", "experts",
-                        "default", "strict"}, "rules")
         if d.get("format", RULES_FORMAT) != RULES_FORMAT:
             raise RuleError(f"rules of format {d['format']!r}; this library reads {RULES_FORMAT!r}")
+        from .rules_schema import check_rules
+
+        check_rules(d)  # every field's type and range, before anything is converted
         vocab = d.get("vocab") or {}
-        if not isinstance(vocab, Mapping) or isinstance(d.get("params", ()), (str, Mapping)):
-            raise RuleError("rules: 'vocab' must be a mapping and 'params' a list of rules")
-        _no_unknown(vocab, {"patterns", "size"}, "vocab")
         try:
             return cls(
                 params=tuple(ParamRule.from_dict(r) for r in d.get("params", ())),
                 vocab_patterns=_patterns(vocab.get("patterns", ())),
                 vocab_size=None if vocab.get("size") is None else int(vocab["size"]),
                 rename=tuple((str(r["pattern"]), str(r["to"])) for r in d.get("rename", ())),
-                pipeline=None if d.get("pipeline") is None else Renumber.from_dict(d["pipeline"], "pipeline"),
+                pipeline=Renumber.read(d.get("pipeline"), "pipeline"),
                 pipeline_replicated=_patterns(d.get("pipeline_replicated", ())),
-                experts=None if d.get("experts") is None else Renumber.from_dict(d["experts"], "experts"),
+                experts=Renumber.read(d.get("experts"), "experts"),
                 default=d.get("default", "split"),
-                strict=bool(d.get("strict", True)),
+                strict=d.get("strict", True),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, RuleError):
@@ -377,11 +389,11 @@ class Rules:
         if self.rename:
             d["rename"] = [{"pattern": p, "to": t} for p, t in self.rename]
         if self.pipeline is not None:
-            d["pipeline"] = self.pipeline.to_dict()
+            d["pipeline"] = self.pipeline.to_dict() if isinstance(self.pipeline, Renumber) else self.pipeline
         if self.pipeline_replicated:
             d["pipeline_replicated"] = list(self.pipeline_replicated)
         if self.experts is not None:
-            d["experts"] = self.experts.to_dict()
+            d["experts"] = self.experts.to_dict() if isinstance(self.experts, Renumber) else self.experts
         return d | {"default": self.default, "strict": self.strict}
 
     # --- matching ------------------------------------------------------------------------
@@ -416,9 +428,9 @@ class Rules:
             if m is not None:
                 fqn = m.expand(to)
                 break
-        if self.pipeline is not None:
+        if isinstance(self.pipeline, Renumber):
             fqn = self.pipeline.apply(fqn, pp_rank, pp_size, "pipeline")
-        if self.experts is not None:
+        if isinstance(self.experts, Renumber):
             fqn = self.experts.apply(fqn, ep_rank, ep_size, "experts")
         return fqn
 
