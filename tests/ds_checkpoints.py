@@ -63,7 +63,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -817,7 +817,9 @@ def exit_cleanly() -> None:
     os._exit(0)
 
 
-def _worker(job_file: str) -> None:
+def run_worker(job_file: str, handlers: dict[str, Callable[[dict[str, Any], int, int], None]]) -> None:
+    """A worker process of :func:`launch`: join the gloo group, run each task of the job with
+    ``handlers[task["kind"]](task, rank, world)``, meet the other ranks, leave."""
     job = json.loads(Path(job_file).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -828,12 +830,10 @@ def _worker(job_file: str) -> None:
                                verbose=False)
     try:
         for task in job["tasks"]:
-            if task["kind"] == "train":
-                _train(task, rank, world, job["timeout_s"])
-            elif task["kind"] == "resume":
-                _resume(task, rank, world)
-            else:
-                raise ValueError(task["kind"])
+            if task["kind"] not in handlers:
+                raise ValueError(f"unknown task kind {task['kind']!r}")
+            handlers[task["kind"]](dict(task, timeout_s=job["timeout_s"]), rank, world)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     exit_cleanly()
@@ -841,7 +841,7 @@ def _worker(job_file: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "_worker":
-        _worker(sys.argv[2])
+        run_worker(sys.argv[2], {"train": lambda t, r, w: _train(t, r, w, t["timeout_s"]), "resume": _resume})
     elif sys.argv[1] == "_oracles":
         _import_deepspeed()
         _oracles(Path(sys.argv[2]), Path(sys.argv[3]))

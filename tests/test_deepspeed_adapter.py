@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -307,28 +306,9 @@ def _resume(task: dict[str, Any], rank: int, world: int) -> None:
     engine.destroy()
 
 
-def _worker(job_file: str) -> None:
-    import datetime
-
-    job = json.loads(Path(job_file).read_text())
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(1)
-    deepspeed = D._import_deepspeed()
-    import torch.distributed as dist
-
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=job["timeout_s"]), verbose=False)
-    try:
-        for task in job["tasks"]:
-            {"train": _train, "resume": _resume}[task["kind"]](task, rank, world)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    D.exit_cleanly()
-
-
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "_worker":
         sys.path.insert(0, str(Path(__file__).parent))
-        _worker(sys.argv[2])
+        D.run_worker(sys.argv[2], {"train": _train, "resume": _resume})
     else:
         raise SystemExit(f"usage: {sys.argv[0]} _worker JOB.json")

@@ -15,11 +15,17 @@ dict into their checkpoints (versions 0.2 to 0.4). Each key becomes a rule of ou
 (nothing matched)                           ``split`` along dim 0 (DeepSpeed's default)
 ``vocabulary_parameter_patterns``           rows beyond ``original_vocab_size`` are padding
 ``pipeline_replicated_parameter_patterns``  ``pipeline_replicated`` (stored once)
+``affine_map`` (0.19.8: AutoTP)             ``pieces``: each rank's blocks, placed as DeepSpeed's
+                                            ``ParamAffineMap.rebuild`` places them
+                                            (:mod:`ucp_zarr.layout.affine`)
 ==========================================  =================================================
 
-Precedence is DeepSpeed's (replicated, averaged, sub-parameters, row/column), except that
-a parameter matched by both a two-halves pattern and a sub-parameter pattern is an error
-here (DeepSpeed takes the first). Patterns are matched with ``re.match``, as DeepSpeed does.
+Precedence is DeepSpeed's (affine maps, then replicated, averaged, sub-parameters,
+row/column), except that a parameter matched by both a two-halves pattern and a
+sub-parameter pattern is an error here (DeepSpeed takes the first). Patterns are matched
+with ``re.match``, as DeepSpeed does. No map is ignored: one this library cannot place
+exactly (a newer format, a scaled piece, strides that are not a box) is refused, naming its
+pattern; so are AutoEP's expert layers and the parameters DeepSpeed marks unconvertible.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
+from .layout.affine import AFFINE_MAP_VERSION, AffineMapError, affine_layout
 from .rules import ParamRule, RuleError, Rules, _int
 
 log = logging.getLogger(__name__)
@@ -35,16 +42,21 @@ _KNOWN = {
     "universal_checkpoint_version", "original_vocab_size", "padded_vocab_size", "vocabulary_parameter_patterns",
     "pipeline_replicated_parameter_patterns", "parameter_to_average_patterns", "tp_replicated_parameter_patterns",
     "parameter_with_row_parallelism_patterns", "parameter_with_2_sub_params_cat_dim_0", "parameter_with_sub_params",
-    "sub_param_shard_widths", "autotp_unsupported_parameter_patterns", "expert_parameter_patterns",
-    "ds_autoep_layers", "autoep_layers",
+    "sub_param_shard_widths", "autotp_unsupported_parameter_patterns", "affine_map",
 }
+_AUTOEP = ("ds_autoep_layers", "autoep_layers", "expert_parameter_patterns")
+"""AutoEP's keys (expert placements, with affine maps of their own): refused when set."""
 
 
 def rules_from_deepspeed(info: Mapping[str, Any], *, strict: bool = True) -> Rules:
     """:class:`Rules` equivalent to DeepSpeed's ``universal_checkpoint_info`` ``info``."""
     if not isinstance(info, Mapping):
         raise RuleError(f"universal_checkpoint_info must be a dict, not {type(info).__name__}")
-    unknown = sorted(set(info) - _KNOWN)
+    autoep = [k for k in _AUTOEP if info.get(k)]
+    if autoep:
+        raise RuleError(f"DeepSpeed AutoEP expert layers ({', '.join(autoep)}) are not supported: convert a checkpoint "
+                        "of deepspeed.moe.layer.MoE experts, or one without AutoEP")
+    unknown = sorted(set(info) - _KNOWN - set(_AUTOEP))
     if unknown:
         log.warning("ucp_zarr: ignoring universal_checkpoint_info keys %s", unknown)
     unsupported = info.get("autotp_unsupported_parameter_patterns") or {}
@@ -61,7 +73,7 @@ def rules_from_deepspeed(info: Mapping[str, Any], *, strict: bool = True) -> Rul
             raise RuleError(f"{key} must be a list of pattern strings, got {value!r}")
         return tuple(value)
 
-    params: list[ParamRule] = []
+    params: list[ParamRule] = _affine_rules(info.get("affine_map"))
     for kind, key in (("replicated", "tp_replicated_parameter_patterns"), ("average", "parameter_to_average_patterns")):
         if patterns(key):
             params.append(ParamRule(kind, patterns(key)))
@@ -89,6 +101,30 @@ def rules_from_deepspeed(info: Mapping[str, Any], *, strict: bool = True) -> Rul
         pipeline_replicated=patterns("pipeline_replicated_parameter_patterns"),
         strict=strict,
     )
+
+
+def _affine_rules(section: Any) -> list[ParamRule]:
+    """``pieces`` rules of ``universal_checkpoint_info["affine_map"]`` (``{"version", "params"}``)."""
+    if section is None:
+        return []
+    if not isinstance(section, Mapping) or set(section) - {"version", "params"}:
+        raise RuleError(f"affine_map must be a mapping of 'version' and 'params', got "
+                        f"{sorted(section) if isinstance(section, Mapping) else type(section).__name__}")
+    version = section.get("version", AFFINE_MAP_VERSION)
+    if isinstance(version, bool) or not isinstance(version, int) or version > AFFINE_MAP_VERSION:
+        raise RuleError(f"affine_map format version {version!r}: this library reads versions up to {AFFINE_MAP_VERSION}")
+    maps = section.get("params") or {}
+    if not isinstance(maps, Mapping):
+        raise RuleError(f"affine_map params must map patterns to maps, not {type(maps).__name__}")
+    out = []
+    for pattern, entry in maps.items():
+        try:
+            layout = affine_layout(entry)
+        except AffineMapError as e:
+            raise RuleError(f"affine map of {pattern!r}: {e}") from None
+        out.append(ParamRule("pieces", (str(pattern),), shape=layout.shape,
+                             pieces={len(layout.pieces): layout.pieces}))
+    return out
 
 
 def _sub_params(entry: Any, widths: Mapping[str, Any], version: float) -> list[ParamRule]:

@@ -48,9 +48,10 @@ from typing import Any, Iterable, Mapping
 from .errors import CheckpointError
 from .layout import pieces as P
 
-PRECEDENCE = ("replicated", "average", "pieces", "fused", "grouped", "split")
-"""The kinds of parameter rules, strongest first (DeepSpeed's order: replicated, averaged,
-sub-parameters, row/column)."""
+PRECEDENCE = ("pieces", "replicated", "average", "fused", "grouped", "split")
+"""The kinds of parameter rules, strongest first: explicit pieces (DeepSpeed's affine maps,
+which its converter prefers to every category), then DeepSpeed's order of categories
+(replicated, averaged, sub-parameters, row/column)."""
 RULES_FORMAT = "ucp_zarr.rules/1"
 
 

@@ -70,8 +70,18 @@ DeepSpeed internals relied on (checked against DeepSpeed 0.19.8)
 * Missing optimizer states (an engine that has not stepped yet) are created as DeepSpeed's
   ``map_to_flat_opt_states`` does: zero flat tensors like the fp32 partition, then filled.
 
-Not supported: tensor/pipeline/expert parallelism (one data-parallel group only), ZeRO-3
-NVMe swapping of parameters or optimizer states, asynchronous saves.
+Pipeline engines (``deepspeed.pipe.PipelineModule``, ZeRO-0 in bf16 or ZeRO-1): parameters
+are named by global layer index, so a checkpoint saved at one pipeline degree loads at
+another; save and load are collectives over every stage (the world); a parameter tied across
+stages (``tied_modules.*``) is written by the first stage holding it. MoE engines
+(``deepspeed.moe.layer.MoE``, ZeRO-1/2): experts are stored under their global index (expert-
+parallel rank x local experts + local index, as DeepSpeed names its expert files), each
+group partitioned over its own (expert-)data-parallel group, so a checkpoint loads at another
+expert-parallel degree. ``optim.param_groups`` lists every stage's and expert-parallel rank's
+parameters.
+
+Not supported: tensor parallelism (AutoTP; pipeline x tensor), MoE with ZeRO-3 or inside a
+pipeline, ZeRO-3 NVMe swapping of parameters or optimizer states, asynchronous saves.
 """
 
 from __future__ import annotations
@@ -237,11 +247,16 @@ class _Layout:
     flat_group: list[int]
     """Param group index of each flat partition."""
     group_names: list[list[str]]
+    """Per param group, its parameters on every rank (every stage, every expert)."""
+    dp_world: int
+    """The data-parallel world size (the engine's ``dp_world_size``)."""
     frozen: dict[str, Any] = field(default_factory=dict)
     """name -> a plain tensor (held whole) or a FlatShard (ZeRO-3 partition)."""
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     """Tied copies: alias name -> the name DeepSpeed stores it under."""
+    not_written: set[str] = field(default_factory=set)
+    """Parameters this rank loads but leaves to another to save (a pipeline tie's later stages)."""
 
 
 def _layout(engine: Any) -> _Layout:
@@ -250,12 +265,17 @@ def _layout(engine: Any) -> _Layout:
     opt = getattr(engine, "optimizer", None)
     if opt is None:
         raise CheckpointError("the engine has no optimizer: use ucp_zarr.save/load on engine.module instead")
-    if getattr(engine, "has_moe_layers", False):
-        raise CheckpointError("DeepSpeed MoE engines are not supported yet (expert data-parallel groups)")
-    if int(getattr(engine, "mp_world_size", 1) or 1) > 1:
-        raise CheckpointError("tensor/pipeline-parallel DeepSpeed engines are not supported yet (mp_world_size > 1)")
+    pipeline = _is_pipeline(engine)
+    if _tensor_parallel_size(engine, pipeline) > 1:
+        raise CheckpointError("tensor-parallel DeepSpeed engines (AutoTP, or pipeline x tensor parallelism) are not "
+                              "supported by the adapter: save with engine.save_checkpoint and ucp_zarr.convert it")
+    moe = bool(getattr(engine, "has_moe_layers", False))
+    if moe and pipeline:
+        raise CheckpointError("DeepSpeed MoE layers inside a pipeline engine are not supported")
+    if moe and hasattr(opt, "fp32_partitioned_groups_flat"):
+        raise CheckpointError("DeepSpeed MoE engines with ZeRO stage 3 are not supported (stages 1 and 2 are)")
     base = getattr(opt, "optimizer", None)
-    names: dict[Any, str] = engine.param_names
+    names: dict[Any, str] = _global_names(engine) if moe else engine.param_names
     if hasattr(opt, "fp32_partitioned_groups_flat"):
         kind, params, hp_flats, flat_group, group = _zero3(opt, names)
     elif hasattr(opt, "single_partition_of_fp32_groups"):
@@ -274,11 +294,18 @@ def _layout(engine: Any) -> _Layout:
     if base is None:
         raise CheckpointError(f"{type(opt).__name__} wraps no torch optimizer")
     trainable = {p.name for p in params}
+    dp_world = dist.get_world_size(group)
+    if pipeline:
+        group = None  # every stage writes into one checkpoint
     group_names: list[list[str]] = [[] for _ in base.param_groups]
     for p in params:
         group_names[flat_group[p.flat]].append(p.name)
+    if pipeline or moe:  # the other stages' and expert-parallel ranks' parameters
+        group_names = _all_group_names(group, group_names)
     layout = _Layout(kind, engine, opt, base, group, dist.get_rank(group), dist.get_world_size(group), params, hp_flats,
-                     flat_group, group_names)
+                     flat_group, group_names, dp_world)
+    if pipeline:
+        layout.not_written = {p.name for p in params if not _writes_tie(engine, p.name)}
     module = engine.module
     held = {id(t) for t in _trainable_tensors(layout)}
     for name, prm in module.named_parameters():
@@ -290,14 +317,67 @@ def _layout(engine: Any) -> _Layout:
         else:
             layout.frozen[canon] = prm.data
     for name, prm in module.named_parameters(remove_duplicate=False):
-        canon = names.get(prm, name)
-        if canon != name:
-            layout.aliases[name] = canon
+        if engine.param_names.get(prm, name) != name:  # a second name of a parameter (experts renamed are not)
+            layout.aliases[name] = names[prm]
     for mod_name, mod in module.named_modules():
         for bname, buf in mod.named_buffers(recurse=False):
             if buf is not None and bname not in mod._non_persistent_buffers_set:
                 layout.buffers[f"{mod_name}.{bname}" if mod_name else bname] = buf
     return layout
+
+
+def _is_pipeline(engine: Any) -> bool:
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    return isinstance(getattr(engine, "module", None), PipelineModule)
+
+
+def _tensor_parallel_size(engine: Any, pipeline: bool) -> int:
+    """The engine's tensor-parallel degree (``mp_world_size`` counts pipeline stages too)."""
+    mp = int(getattr(engine, "mp_world_size", 1) or 1)
+    return mp // max(1, int(engine.num_stages)) if pipeline else mp
+
+
+def _writes_tie(engine: Any, name: str) -> bool:
+    """Whether this rank saves parameter ``name``: a parameter tied across pipeline stages
+    (``tied_modules.<key>.*``) is saved by the first stage of its tie group only."""
+    import torch.distributed as dist
+
+    if not name.startswith("tied_modules."):
+        return True
+    tie = engine.module.tied_comms.get(name[len("tied_modules."):].partition(".")[0])
+    return tie is None or dist.get_rank() == min(tie["ranks"])
+
+
+def _global_names(engine: Any) -> dict[Any, str]:
+    """Parameter -> name, experts under their global index: a MoE layer's local expert ``j``
+    on expert-parallel rank ``e`` is expert ``e * num_local_experts + j`` (DeepSpeed's expert
+    files)."""
+    from deepspeed.moe.layer import MoE
+    from deepspeed.utils import groups
+
+    names = dict(engine.param_names)
+    for mod_name, mod in engine.module.named_modules():
+        if not isinstance(mod, MoE):
+            continue
+        first = groups._get_expert_parallel_rank(mod.expert_group_name) * mod.num_local_experts
+        experts = mod.deepspeed_moe.experts.deepspeed_experts
+        prefix = f"{mod_name}.deepspeed_moe.experts.deepspeed_experts." if mod_name else "deepspeed_moe.experts.deepspeed_experts."
+        for j, expert in enumerate(experts):
+            for pname, prm in expert.named_parameters():
+                names[prm] = f"{prefix}{first + j}.{pname}"
+    return names
+
+
+def _all_group_names(group: Any, mine: list[list[str]]) -> list[list[str]]:
+    """Per param group, the parameters of every rank of ``group`` (in rank order)."""
+    out: list[list[str]] = [[] for _ in mine]
+    for theirs in Comm(group).all_gather(mine):
+        if len(theirs) != len(mine):
+            raise CheckpointError(f"ranks hold {len(theirs)} and {len(mine)} optimizer param groups")
+        for names, more in zip(out, theirs):
+            names += [n for n in more if n not in names]
+    return out
 
 
 def _trainable_tensors(layout: _Layout) -> list[Any]:
@@ -311,19 +391,16 @@ def _flat12(opt: Any, names: dict[Any, str], flat_order: list[list[Any]], offset
             lp_flats: list[torch.Tensor], hp_flats: list[torch.Tensor],
             model_order: list[list[Any]]) -> tuple[list[_Param], list[torch.Tensor], list[int], Any]:
     """ZeRO-1/2 and BF16_Optimizer: each param group is one flat vector (parameters at their
-    offsets in flat order), cut into ``world`` equal partitions; this rank's fp32 partition
-    covers ``[rank * size, (rank + 1) * size)``."""
+    offsets in flat order), cut into one equal partition per rank of the group's partition
+    group (``real_dp_process_group``); this rank's fp32 partition covers
+    ``[rank * size, (rank + 1) * size)``."""
     import torch.distributed as dist
 
     group = opt.dp_process_group
-    world = dist.get_world_size(group)
     params: list[_Param] = []
     for i, tensors in enumerate(flat_order):
-        pg = opt.real_dp_process_group[i]
-        if dist.get_world_size(pg) != world:
-            raise CheckpointError(f"param group {i} is partitioned over another group than the data-parallel group "
-                                  "(MoE expert groups are not supported)")
-        rank = dist.get_rank(pg)
+        pg = opt.real_dp_process_group[i]  # the data-parallel group, or a MoE group's expert-data-parallel one
+        world, rank = dist.get_world_size(pg), dist.get_rank(pg)
         lp_flat, hp_flat = lp_flats[i], hp_flats[i]
         size = lp_flat.numel() // world
         if hp_flat.numel() != size:
@@ -428,6 +505,8 @@ def _save_state(engine: Any, layout: _Layout, client_state: dict[str, Any]) -> t
     values: dict[str, Any] = {}
     state = layout.base.state
     for p in layout.params:
+        if p.name in layout.not_written:
+            continue
         master = FlatShard(p.hp, p.shape, p.start)
         if p.lp.dtype == p.hp.dtype:
             tensors[f"model.{p.name}"] = master
@@ -440,7 +519,7 @@ def _save_state(engine: Any, layout: _Layout, client_state: dict[str, Any]) -> t
             if _is_flat_state(v, hp_flat):
                 tensors[k] = FlatShard(v.narrow(0, p.hp_offset, p.hp.numel()), p.shape, p.start)
             elif isinstance(v, torch.Tensor):
-                tensors[k] = v  # a per-group scalar (torch Adam's step): the same on every rank
+                tensors[k] = v.clone()  # a per-group scalar (torch Adam's step), one copy per parameter (no tie)
             else:
                 values[k] = plain(v)
     tensors.update({f"model.{n}": t for n, t in layout.frozen.items()})
@@ -463,7 +542,7 @@ def _save_state(engine: Any, layout: _Layout, client_state: dict[str, Any]) -> t
     for key in _ENGINE_VALUES:
         if hasattr(engine, key):
             values[f"deepspeed.{key}"] = _jsonable(getattr(engine, key))
-    values["deepspeed.dp_world_size"] = layout.world
+    values["deepspeed.dp_world_size"] = layout.dp_world
     values["deepspeed.mp_world_size"] = int(getattr(engine, "mp_world_size", 1) or 1)
     try:
         from deepspeed.runtime.engine import _checkpoint_parallel_metadata
