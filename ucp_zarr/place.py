@@ -179,9 +179,9 @@ class _Placer:
         self.used: set[str] = set()
         self._names = set(rules.all_patterns())
 
-    def consolidated_name(self, fqn: str) -> str:
+    def consolidated_name(self, fqn: str, rename: bool = True) -> str:
         return self.rules.consolidated_name(fqn, pp_rank=self.pp[0], pp_size=self.pp[1], ep_rank=self.ep[0],
-                                            ep_size=self.ep[1])
+                                            ep_size=self.ep[1], rename=rename)
 
     def place(
         self, value: torch.Tensor | FlatShard, fqn: str, path: Path, at: tuple[int, int], param_shape: tuple[int, ...] | None,
@@ -190,6 +190,8 @@ class _Placer:
         rules = self.rules
         cfqn = self.consolidated_name(fqn)
         key = ".".join(str(p) for p in path[: at[0]] + (cfqn,) + path[at[1] :])
+        own = self.consolidated_name(fqn, rename=False)  # (renamed onto another tensor: a tie)
+        alias = None if own == cfqn else ".".join(str(p) for p in path[: at[0]] + (own,) + path[at[1] :])
         for pattern in self._names:
             if rules.pattern_used(pattern, [fqn]):
                 self.used.add(pattern)
@@ -251,8 +253,6 @@ class _Placer:
         tp_rank, tp_size = self.tp
         if rule.kind in ("replicated", "average"):
             return shape, P.whole(shape)
-        own = self.consolidated_name(fqn, rename=False)  # (renamed onto another tensor: a tie)
-        alias = None if own == cfqn else ".".join(str(p) for p in path[: at[0]] + (own,) + path[at[1] :])
         if rule.kind == "split":
             if not shape:
                 raise P.PieceError("a 0-d tensor cannot be split; make it replicated")
