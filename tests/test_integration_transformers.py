@@ -1,0 +1,67 @@
+"""The Hugging Face Trainer saves through ZarrCheckpointCallback (no checkpoint-N folders, the
+manager's retention) and resumes from the newest step with the losses of an uninterrupted
+run: mid-epoch (the Trainer skips the batches already seen) and at an epoch boundary, on one
+process and on two (DDP, gloo, torchrun). GPT-2 with dropout, so the generators must be
+restored where the Trainer restores its own. A step's Hugging Face export loads with
+from_pretrained."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import _transformers_job as job
+import pytest
+import torch
+from _dist import free_port
+from _doc_blocks import exec_page
+from _jobs import run_job
+from transformers import GPT2LMHeadModel
+
+import ucp_zarr
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    return job.uninterrupted(tmp_path_factory.mktemp("full"))
+
+
+@pytest.mark.parametrize("save_steps, stop_at", [(3, 5), (1, 4)], ids=["mid-epoch", "epoch-boundary"])
+def test_resume_gives_the_losses_of_the_uninterrupted_run(tmp_path: Path, full: dict[int, float], save_steps: int, stop_at: int) -> None:
+    first, second, kept = job.interrupted_and_resumed(tmp_path, save_steps=save_steps, stop_at=stop_at)
+    assert kept == list(range(save_steps, stop_at + 1, save_steps))[-2:]  # keep_last=2
+    assert not list((tmp_path / "out1").glob("checkpoint-*"))  # the Trainer wrote no folder of its own
+    assert first == {s: full[s] for s in range(1, stop_at + 1)}
+    # the log history restored up to the step resumed from, then the resumed steps' losses, bit for bit
+    assert second == full
+    assert not list((tmp_path / "out2").glob("ucp_zarr-resume/*"))  # removed once training started
+
+
+def test_two_process_ddp_resume_gives_the_losses_of_the_uninterrupted_run(tmp_path: Path) -> None:
+    run_job([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+             str(HERE / "_transformers_job.py"), str(tmp_path)], tmp_path)
+    for rank in range(2):
+        r = json.loads((tmp_path / f"losses_{rank}.json").read_text())
+        full = {int(s): v for s, v in r["full"].items()}
+        assert r["kept"] == [3] and len(full) == job.STEPS
+        assert {int(s): v for s, v in r["first"].items()} == {s: full[s] for s in range(1, 6)}
+        assert {int(s): v for s, v in r["second"].items()} == full
+
+
+def test_the_hugging_face_export_of_a_step_loads_with_from_pretrained(tmp_path: Path) -> None:
+    trainer, callback = job.make_trainer(tmp_path / "ckpt", tmp_path / "out", seed=0, save_steps=2, stop_at=2)
+    trainer.train()
+    trainer.model.config.save_pretrained(tmp_path / "hf")  # (an export keeps the files already there)
+    ucp_zarr.export(callback.manager.path(2), tmp_path / "hf", to="hf")
+    loaded, info = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    trained = trainer.model.state_dict()  # (the model at step 2: training stopped there)
+    assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
+
+
+def test_the_docs_example_runs(tmp_path: Path) -> None:
+    page = exec_page("transformers.md", tmp_path)
+    assert page["callback"].manager.steps() == [8, 12]

@@ -1,0 +1,249 @@
+"""Hugging Face Trainer: checkpoints through ucp_zarr, and resuming from them.
+
+::
+
+    from ucp_zarr.integrations.transformers import ZarrCheckpointCallback
+
+    callback = ZarrCheckpointCallback("ckpt/run1", keep_last=3)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train(resume_from_checkpoint=callback.resume(trainer))   # None on a fresh start
+
+**Saving.** At each of the Trainer's save steps (``save_strategy="steps"`` or ``"epoch"``)
+the callback saves step ``global_step`` through a :class:`ucp_zarr.CheckpointManager` under
+``root`` (retention: ``keep_last``, ``keep_every``), every rank taking part:
+
+* ``model``, ``optimizer``, ``lr_scheduler``: their state dicts (DDP replicas are written once);
+* ``rng``: each rank's Python, NumPy, torch (and CUDA) generator states (:class:`ucp_zarr.PerRank`);
+* ``trainer_state``: the Trainer's ``TrainerState`` (step, epoch, log history, best metric), as JSON.
+
+It takes the save over from the Trainer, which then writes no ``checkpoint-N`` folder (no
+pickled ``optimizer.pt`` or ``rng_state.pth``). The save happens where the Trainer's own
+would: after the step's logging and evaluation (the best metric of an evaluation at a save
+step is recorded by the Trainer just after it, so that step's checkpoint holds the previous
+one). ``save_strategy="best"`` and ``load_best_model_at_end``, which read the Trainer's own
+folders, are refused.
+
+**Resuming.** :meth:`ZarrCheckpointCallback.resume` (every rank, before ``trainer.train``)
+finds the newest committed step and returns a folder for ``trainer.train(resume_from_checkpoint=...)``
+holding what the Trainer reads itself: ``trainer_state.json`` and the weights
+(``model.safetensors``), written under ``args.output_dir`` by the process that writes the
+Trainer's own checkpoints, and removed once training starts. The Trainer then restores its
+state, the weights and the data position (it skips the batches already trained on) as for
+its own checkpoints; the callback restores the optimizer and the scheduler when training
+begins, and the generators where the Trainer restores its own (at the start of the epoch,
+or before the first step when resuming within an epoch). Only single-process and DDP
+training are supported (a DeepSpeed or FSDP Trainer saves through its engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from ..distributed import Comm
+from ..errors import CheckpointError
+from ..fragments import PerRank
+from ..loader import load, read_state_dict
+from ..ops import CheckpointManager
+from ..ops.steps import step_name
+
+RESUME_FOLDER = "ucp_zarr-resume"
+"""The folder under ``args.output_dir`` that :meth:`ZarrCheckpointCallback.resume` writes."""
+
+
+class ZarrCheckpointCallback(TrainerCallback):
+    """Save the Trainer's state through ucp_zarr at its save steps; resume from the newest.
+
+    ``root``: the manager's root (a local path or fsspec URL, ``storage_options`` for the
+    latter); ``keep_last``/``keep_every``: its retention; ``async_save``: return to training
+    after the host copy, writing in the background (the next save, and the end of training,
+    wait for it and raise its error).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        async_save: bool = False,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.root = os.fspath(root)
+        self.async_save = async_save
+        self._manager_options = {"keep_last": keep_last, "keep_every": keep_every, "storage_options": storage_options}
+        self._manager: CheckpointManager | None = None
+        self._due: str | None = None
+        """The event ("log" or "evaluate") after which the save taken over at this step runs."""
+        self._restore: dict[str, Any] | None = None
+        """What :meth:`resume` read for the callback to restore (its step, optimizer, scheduler, RNG)."""
+        self._rng_at: str | None = None
+        """Where the generators are restored: "epoch" (start of the epoch) or "step"."""
+        self._folder: str | None = None
+        """The resume folder this process wrote (removed when training starts)."""
+
+    @property
+    def manager(self) -> CheckpointManager:
+        """The :class:`~ucp_zarr.CheckpointManager` of ``root`` (made on first use, in the
+        training processes)."""
+        if self._manager is None:
+            self._manager = CheckpointManager(self.root, **self._manager_options)
+        return self._manager
+
+    # --- resuming ------------------------------------------------------------------------
+
+    def resume(self, trainer: Any) -> str | None:
+        """Prepare resuming ``trainer`` from the newest committed step under ``root`` and
+        return the folder to pass as ``trainer.train(resume_from_checkpoint=...)``; None
+        (a fresh start) when there is none. Every rank calls it, before ``trainer.train``."""
+        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+            raise CheckpointError("ZarrCheckpointCallback supports single-process and DDP training, not DeepSpeed or FSDP")
+        comm = Comm()
+        step = comm.broadcast(self.manager.latest() if comm.rank == 0 else None)
+        if step is None:
+            return None
+        path = self.manager.path(step)
+        args = trainer.args
+        state = read_state_dict(path, keys=["trainer_state", "optimizer", "lr_scheduler"] + (["model"] if args.should_save else []))
+        rng = rng_states()  # this rank's copy, filled in place
+        load({"rng": rng}, path, strict=False, return_incompatible_keys=True)
+        folder = os.path.join(args.output_dir, RESUME_FOLDER, step_name(step))
+        with args.main_process_first(local=args.save_on_each_node, desc="ucp_zarr resume folder"):
+            if args.should_save:
+                _write_resume_folder(folder, state["model"], state["trainer_state"])
+                self._folder = folder
+        self._restore = {"step": step, "optimizer": state["optimizer"], "lr_scheduler": state["lr_scheduler"], "rng": rng}
+        epoch = state["trainer_state"]["epoch"]
+        self._rng_at = "epoch" if float(epoch).is_integer() else "step"
+        return folder
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if args.save_strategy == "best" or args.load_best_model_at_end:
+            raise ValueError(
+                "ZarrCheckpointCallback saves at the Trainer's save steps and writes no checkpoint-N folders: "
+                "use save_strategy='steps' or 'epoch', without load_best_model_at_end"
+            )
+        if self._restore is not None:
+            if state.global_step != self._restore["step"]:
+                raise CheckpointError(
+                    f"resume() prepared step {self._restore['step']}, but the Trainer starts at step {state.global_step}: "
+                    "pass its folder on, trainer.train(resume_from_checkpoint=callback.resume(trainer))"
+                )
+            kwargs["optimizer"].load_state_dict(self._restore["optimizer"])
+            kwargs["lr_scheduler"].load_state_dict(self._restore["lr_scheduler"])
+        if self._folder is not None:  # (every rank has read it: the Trainer set up DDP since)
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self._rng_at == "epoch":
+            self._restore_rng()
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self._due is not None:
+            raise CheckpointError(f"the save of step {state.global_step} taken over from the Trainer did not run (waited for {self._due})")
+        if self._rng_at is not None:
+            self._restore_rng()
+
+    def _restore_rng(self) -> None:
+        assert self._restore is not None
+        set_rng_states(self._restore.pop("rng"))
+        self._rng_at = None
+        self._restore = None
+
+    # --- saving ---------------------------------------------------------------------------
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._take_over(state, control, kwargs)
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._take_over(state, control, kwargs)
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self._due == "log":
+            self._save(state, kwargs)
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self._due == "evaluate":
+            self._save(state, kwargs)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self._due is not None:
+            raise CheckpointError(f"the save of step {state.global_step} taken over from the Trainer did not run (waited for {self._due})")
+        self.manager.wait()
+
+    def _take_over(self, state: TrainerState, control: TrainerControl, kwargs: dict[str, Any]) -> None:
+        """Save instead of the Trainer when it is about to save: after the evaluation or the
+        log of this step if one is due, else now."""
+        if not control.should_save:
+            return
+        control.should_save = False
+        if control.should_evaluate:
+            self._due = "evaluate"
+        elif control.should_log:
+            self._due = "log"
+        else:
+            self._save(state, kwargs)
+
+    def _save(self, state: TrainerState, kwargs: dict[str, Any]) -> None:
+        self._due = None
+        checkpoint = {
+            "model": kwargs["model"].state_dict(),
+            "optimizer": kwargs["optimizer"].state_dict(),
+            "lr_scheduler": kwargs["lr_scheduler"].state_dict(),
+            "rng": rng_states(),
+            "trainer_state": dataclasses.asdict(state),
+        }
+        self.manager.save(state.global_step, checkpoint, async_save=self.async_save)
+
+
+def rng_states() -> dict[str, PerRank]:
+    """This process's generator states (Python, NumPy, torch CPU, and CUDA when present),
+    as the Trainer saves them, each its own per rank."""
+    np_state = np.random.get_state(legacy=False)
+    states = {
+        "python": PerRank(random.getstate()),
+        "numpy": PerRank({**np_state, "state": {**np_state["state"], "key": np_state["state"]["key"].tolist()}}),
+        "torch": PerRank(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = PerRank(torch.stack(torch.cuda.get_rng_state_all()))
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore what :func:`rng_states` returned (values or :class:`~ucp_zarr.PerRank`)."""
+    states = {k: v.value if isinstance(v, PerRank) else v for k, v in states.items()}
+    random.setstate(states["python"])
+    np_state = states["numpy"]
+    np.random.set_state({**np_state, "state": {**np_state["state"], "key": np.asarray(np_state["state"]["key"], dtype=np.uint32)}})
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(states["cuda"]))
+
+
+def _write_resume_folder(folder: str, model: dict[str, torch.Tensor], trainer_state: dict[str, Any]) -> None:
+    """``trainer_state.json`` and ``model.safetensors`` in ``folder`` (replacing what is
+    there), written beside it and renamed into place."""
+    tmp = f"{folder}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    seen: set[int] = set()
+    tensors = {}
+    for key, t in model.items():  # safetensors refuses tensors sharing memory (tied weights)
+        tensors[key] = t.clone() if t.untyped_storage().data_ptr() in seen else t.contiguous()
+        seen.add(t.untyped_storage().data_ptr())
+    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+        json.dump(trainer_state, f, indent=2, sort_keys=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
