@@ -10,12 +10,16 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $@
 
-.PHONY: demo test bench
+.PHONY: demo test bench docs
 demo: $(VENV)/.installed
 	$(VENV)/bin/ucp-zarr demo
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# the documentation site (mkdocs.yml) into build/site; any warning fails the build
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # every benchmark, one table and the plots in benchmarks/results/ (about 15 minutes on 2 cores);
 # zarrs (the Rust codec pipeline for zarr-python) is a peer of the codec benchmark only
