@@ -205,6 +205,16 @@ def test_durability_order_every_file_and_directory_is_fsynced_before_the_commit(
         if path is not None:
             events.append(("close", path))
 
+    real_rename = storage._rename_noreplace
+
+    def rec_rename(src: str, dst: str) -> bool:  # a guarded write moving its object into place
+        done = real_rename(src, dst)
+        events.append(("rename", os.path.abspath(dst)))
+        moved[os.path.abspath(dst)] = os.path.abspath(src)
+        return done
+
+    moved: dict[str, str] = {}
+    monkeypatch.setattr(storage, "_rename_noreplace", rec_rename)
     monkeypatch.setattr(os, "open", rec_open)
     monkeypatch.setattr(os, "fsync", rec_fsync)
     monkeypatch.setattr(os, "link", rec_link)
@@ -221,11 +231,12 @@ def test_durability_order_every_file_and_directory_is_fsynced_before_the_commit(
     assert len(files) > 10
     synced_before = {p for kind, p in before if kind == "fsync"}
     for f in files:
-        closed = max(i for i, e in enumerate(before) if e == ("close", str(f)))
-        synced = str(f) in synced_before or any(kind == "syncfs" for kind, _ in before[closed:])
+        written = moved.get(str(f), str(f))  # the temporary file a guarded write filled
+        closed = max(i for i, e in enumerate(before) if e == ("close", written))
+        synced = written in synced_before or any(kind == "syncfs" for kind, _ in before[closed:])
         assert synced, f"{f} was not fsynced before the commit"
         # and its directory entry: the directory was fsynced (or the file system synced) after the file was created
-        created = before.index(("create", str(f)))
+        created = before.index(("rename", str(f)) if str(f) in moved else ("create", str(f)))
         entry = any(e == ("fsync", str(f.parent)) or e[0] == "syncfs" for e in before[created:])
         assert entry, f"directory of {f} not fsynced before the commit"
     tmp = [p for kind, p in before if kind == "fsync" and p.startswith(root + ".tmp-")]

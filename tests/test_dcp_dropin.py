@@ -207,10 +207,10 @@ def test_other_files_survive_save_overwrite_and_refusal(tmp_path):
 class _FailingStore(FaultyStore):
     """Fails (an ordinary error, cleaned up after) the first write of a shard."""
 
-    def write(self, key: str, buffers: Any) -> int:
+    def write(self, key: str, buffers: Any, guard: Any = None) -> int:
         if "/c" in key:
             raise OSError(28, "No space left on device")
-        return super().write(key, buffers)
+        return super().write(key, buffers, guard)
 
     def sibling(self, name: str) -> "_FailingStore":  # (an overwrite writes into a staging sibling)
         return _FailingStore(self.inner.sibling(name), self.log)

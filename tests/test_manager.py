@@ -34,6 +34,7 @@ import ucp_zarr.saver
 from ucp_zarr.errors import CheckpointError
 from ucp_zarr.ops import CheckpointManager, StepGoneError, list_steps, optimal_interval, parse_step, step_name, steps_to_delete
 from ucp_zarr.ops.steps import DELETING, READER, ReadLease, scan, step_store
+from ucp_zarr.owned import Owned
 from ucp_zarr.storage import LocalStore, open_store
 from ucp_zarr.transaction import Owner, Transaction
 
@@ -175,7 +176,7 @@ def test_interrupted_saves_of_dead_owners_are_cleaned_live_ones_kept(tmp_path):
     m = CheckpointManager(root, keep_last=2)
     _save(m, 1)
     _in_child(interrupted_save, root, 2)
-    live = Transaction(step_store(LocalStore(root), 3))
+    live = Transaction(step_store(LocalStore(root), 3), owned=Owned(("g/a/zarr.json",)))
     live.begin()
     live.target.write("g/a/zarr.json", [b"{}"])
     assert [(i.step, i.state, i.committed) for i in list_steps(root)] == [

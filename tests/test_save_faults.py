@@ -256,21 +256,21 @@ def _assert_failed_everywhere(records: list[dict[str, Any]], error: str, *needle
 
 
 @pytest.mark.parametrize(
-    "name, failing, detail",
-    [
-        ("stage_fails", 1, "staging buffer"),
-        ("exchange_fails", 2, "no host memory for the exchange buffer"),
-        ("write_fails", 3, "disk full"),
-        ("commit_fails", 0, "the commit record cannot be written"),
+    "name, failing, detail, after",
+    [  # a save refused before it wrote anything gives the path back; a failed write leaves it incomplete
+        ("stage_fails", 1, "staging buffer", "nothing"),
+        ("exchange_fails", 2, "no host memory for the exchange buffer", "nothing"),
+        ("write_fails", 3, "disk full", "incomplete"),
+        ("commit_fails", 0, "the commit record cannot be written", "incomplete"),
     ],
 )
-def test_a_failure_in_any_phase_fails_every_rank_promptly(results, name, failing, detail):
+def test_a_failure_in_any_phase_fails_every_rank_promptly(results, name, failing, detail, after):
     records = _records(results, name)
     _assert_failed_everywhere(records, "SaveError", f"rank {failing}: ", detail)
     for rank, rec in enumerate(records):
         others = [f"rank {r}: " for r in range(WORLD) if r != failing]
         assert not any(o in rec["message"] for o in others), rec["message"]  # only the failing rank is named
-        assert rec["after"] == "incomplete", rec["after"]
+        assert rec["after"] == after, rec["after"]
 
 
 def test_refused_claim_raises_the_same_error_class_everywhere(results):

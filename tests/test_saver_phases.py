@@ -145,7 +145,7 @@ def _saver() -> Any:
         ("collect", _saver, "_infos"),
         ("stage", _saver, "Staging"),
         ("exchange", _saver, "build_exchange"),
-        ("write", lambda: _saver().PreparedSave, "_write"),  # runs on the rank's own thread
+        ("write", lambda: _saver().PreparedSave, "_write_data"),  # runs on the rank's own thread
     ],
 )
 def test_a_failure_on_one_rank_in_any_phase_fails_every_rank(tmp_path, monkeypatch, phase, where, name):

@@ -36,6 +36,8 @@ class Recorder:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.events: list[tuple[str, str]] = []
+        self.moved: dict[str, str] = {}
+        """Final path -> the temporary file a guarded write moved there."""
         fds: dict[int, str] = {}
         real_open, real_fsync, real_link, real_close = os.open, os.fsync, os.link, os.close
         real_syncfs = storage._syncfs
@@ -65,11 +67,20 @@ class Recorder:
             if path is not None:
                 self.events.append(("close", path))
 
+        real_rename = storage._rename_noreplace
+
+        def rec_rename(src: str, dst: str) -> bool:  # a guarded write moving its object into place
+            done = real_rename(src, dst)
+            self.events.append(("rename", os.path.abspath(dst)))
+            self.moved[os.path.abspath(dst)] = os.path.abspath(src)
+            return done
+
         monkeypatch.setattr(os, "open", rec_open)
         monkeypatch.setattr(os, "fsync", rec_fsync)
         monkeypatch.setattr(os, "link", rec_link)
         monkeypatch.setattr(os, "close", rec_close)
         monkeypatch.setattr(storage, "_syncfs", rec_syncfs)
+        monkeypatch.setattr(storage, "_rename_noreplace", rec_rename)
 
     def count(self, kind: str) -> int:
         return sum(1 for k, _ in self.events if k == kind)
@@ -83,7 +94,9 @@ def _batching_here(monkeypatch: pytest.MonkeyPatch, where: Path) -> None:
     monkeypatch.setattr(storage, "BATCH_FILE_SYSTEMS", frozenset({kind}))
 
 
-def _assert_durable_before_commit(events: list[tuple[str, str]], path: Path) -> list[tuple[str, str]]:
+def _assert_durable_before_commit(
+    events: list[tuple[str, str]], path: Path, moved: dict[str, str]
+) -> list[tuple[str, str]]:
     """Every object of the checkpoint at ``path`` and its directory entry were durable before
     the commit record was linked: the file was fsynced, or a syncfs ran after its last close;
     its directory was fsynced, or a syncfs ran, after the file was created. Returns the
@@ -94,9 +107,10 @@ def _assert_durable_before_commit(events: list[tuple[str, str]], path: Path) -> 
     files = [p for p in path.rglob("*") if p.is_file() and p != path / "zarr.json"]
     assert files
     for f in files:
-        created = before.index(("create", str(f)))
-        closed = max(i for i, e in enumerate(before) if e == ("close", str(f)))
-        synced_data = ("fsync", str(f)) in before or any(k == "syncfs" for k, _ in before[closed:])
+        written = moved.get(str(f), str(f))  # the temporary file a guarded write filled, then moved
+        created = before.index(("rename", str(f)) if str(f) in moved else ("create", str(f)))
+        closed = max(i for i, e in enumerate(before) if e == ("close", written))
+        synced_data = ("fsync", written) in before or any(k == "syncfs" for k, _ in before[closed:])
         assert synced_data, f"{f} was not durable when the commit record was created"
         synced_entry = any(e == ("fsync", str(f.parent)) or e[0] == "syncfs" for e in before[created:])
         assert synced_entry, f"the directory entry of {f} was not durable when the commit record was created"
@@ -107,16 +121,18 @@ def _assert_durable_before_commit(events: list[tuple[str, str]], path: Path) -> 
 
 
 @needs_syncfs
-def test_small_objects_are_durable_by_one_syncfs_before_the_commit(tmp_path, monkeypatch):
+def test_small_objects_are_durable_by_syncfs_before_the_commit(tmp_path, monkeypatch):
     _batching_here(monkeypatch, tmp_path)
     rec = Recorder(monkeypatch)
     path = tmp_path / "ck"
     ucp_zarr.save(_state(24), path)
     monkeypatch.undo()
 
-    before = _assert_durable_before_commit(rec.events, path)
+    before = _assert_durable_before_commit(rec.events, path, rec.moved)
     syncs = [i for i, (k, _) in enumerate(before) if k == "syncfs"]
-    assert len(syncs) == 1, "one syncfs per save, at the durability point"
+    assert len(syncs) == 2, "two syncfs per save: the data, then the documents"
+    documents = [i for i, (k, p) in enumerate(before) if k in ("create", "rename") and p.endswith("zarr.json")]
+    assert syncs[0] < min(documents), "an array's zarr.json appeared before the data was durable"
     objects = [p for p in path.rglob("*") if p.is_file()]
     assert len(objects) > 48
     # the protocol's own objects (claim, heartbeat, commit record) are still fsynced one by
@@ -196,11 +212,12 @@ def test_without_batching_every_object_and_directory_is_fsynced(tmp_path, monkey
     path = tmp_path / "ck"
     ucp_zarr.save(_state(6), path)
     monkeypatch.undo()
-    before = _assert_durable_before_commit(rec.events, path)
+    before = _assert_durable_before_commit(rec.events, path, rec.moved)
     assert rec.count("syncfs") == 0
     for f in path.rglob("*"):
         if f.is_file() and f != path / "zarr.json":
-            assert ("fsync", str(f)) in before, f"{f} was not fsynced"
+            written = rec.moved.get(str(f), str(f))  # (filled under a temporary name, then moved)
+            assert ("fsync", written) in before, f"{f} was not fsynced"
         elif f.is_dir():
             assert ("fsync", str(f)) in before, f"directory {f} was not fsynced"
 

@@ -579,7 +579,7 @@ def prepare(
         comm.coordinate(error, "staging the save", digests, compare)
     except BaseException:
         if txn is not None:
-            txn.abort()
+            txn.abort(wrote=False)  # nothing was written yet: the path is left as it was
         raise
     assert staging is not None
     return PreparedSave(

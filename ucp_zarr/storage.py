@@ -849,6 +849,9 @@ class FsspecStore(Store):
         return sorted(p[len(prefix) :] for p in self.retry.call(f"listing {self.url}", find) if p.startswith(prefix))
 
     def _ls(self, path: str) -> list[str]:
+        """The names of the entries under ``path`` (an emptied folder that the server keeps,
+        as SeaweedFS's filer does, lists itself: that entry is not a child)."""
+
         def ls() -> list[str]:
             try:
                 self.fs.invalidate_cache(path)
@@ -856,7 +859,8 @@ class FsspecStore(Store):
             except (FileNotFoundError, NotADirectoryError):
                 return []
 
-        names = {posixpath.basename(p.rstrip("/")) for p in self.retry.call(f"listing {path}", ls)}
+        own = path.strip("/")
+        names = {posixpath.basename(p.rstrip("/")) for p in self.retry.call(f"listing {path}", ls) if p.strip("/") != own}
         return sorted(n for n in names if n)
 
     def child_names(self) -> list[str]:

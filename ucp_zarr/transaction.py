@@ -27,7 +27,7 @@ claim; a takeover whose taker died is itself taken over the same way.
 
 **Fencing.** Every writing rank checks, at most every ``FENCE_INTERVAL_S``, that the marker
 still names its save (:class:`Fence`), and the coordinator that its own lease has not
-lapsed (:meth:`Heartbeat.lapsed`: no renewal for ``lease_s / 2``, as after a stall); once
+lapsed (:meth:`Heartbeat.lapsed`: no renewal for 3/4 of ``lease_s``, as after a stall); once
 either fails the save writes nothing more and raises. On local disks every object is
 written under a save-unique temporary name and moved into place only if nothing is there
 (or, after a forced re-check, to replace a dead save's stray), so a writer that stalled
@@ -95,6 +95,8 @@ DEFAULT_LEASE_S = 120.0
 """How long a save on another host counts as alive after its last heartbeat."""
 FENCE_INTERVAL_S = 2.0
 """How often (at most) a writing rank re-reads the owner marker."""
+SELF_FENCE = 0.75
+"""The part of its lease after which a save that could not renew stops writing."""
 
 
 # --- owners and liveness ---------------------------------------------------------------------
@@ -351,9 +353,10 @@ def require_exclusive_create(store: Store, allow: bool) -> None:
 
 class Heartbeat:
     """Renews ``.ucp_zarr_heartbeat.<id>`` every ``lease_s / 4`` until stopped, and knows
-    when the lease may have lapsed: no renewal succeeded for ``lease_s / 2`` (the process
-    stalled, or storage failed). Once lapsed it never renews again: whoever judged the save
-    dead may have taken over, so the save must stop writing (:meth:`lapsed`)."""
+    when the lease may have lapsed: no renewal succeeded for :data:`SELF_FENCE` of the lease
+    (the process stalled, or storage failed; the rest of the lease is the margin for clock
+    skew between hosts). Once lapsed it never renews again: whoever judged the save dead may
+    have taken over, so the save must stop writing (:meth:`lapsed`)."""
 
     def __init__(self, store: Store, save_id: str, lease_s: float) -> None:
         self.store = store
@@ -368,7 +371,7 @@ class Heartbeat:
         self._thread.start()
 
     def lapsed(self) -> bool:
-        if not self._lapsed and time.monotonic() - self._renewed > self.lease_s / 2:
+        if not self._lapsed and time.monotonic() - self._renewed > self.lease_s * SELF_FENCE:
             self._lapsed = True
         return self._lapsed
 
@@ -427,7 +430,7 @@ class Fence:
                 if self.lease is not None and self.lease.lapsed():
                     raise OwnershipError(
                         f"save {self.save_id} on {self.store.url}: its lease may have lapsed (no renewal for "
-                        f"{self.lease.lease_s / 2:g} s: the process stalled or storage failed), so another save "
+                        f"{self.lease.lease_s * SELF_FENCE:g} s: the process stalled or storage failed), so another save "
                         "may have taken the path over; it writes nothing more"
                     )
                 if not force and time.monotonic() - self._checked < self.interval_s:
@@ -494,6 +497,9 @@ class Transaction:
             self._settle_replacement()
             collect_staging(self.store, self.liveness)
             if self.store.exists(METADATA_FILE):
+                holder = read_owner(self.store, MARKER)  # of a save that died right after its commit
+                if holder is not None and not self._alive(self.store, holder):
+                    release_committed(self.store, holder.save_id)
                 if not self.overwrite:
                     raise CheckpointExistsError(
                         f"a checkpoint is already committed at {self.store.url}; choose a new path "
@@ -599,28 +605,29 @@ class Transaction:
         staged = staged_store(self.store, record)
         if staged is not None:
             roll_forward(self.store, staged)
+            finish_replacement(self.store, staged, record.save_id)
         else:  # it names no committed staging copy of its own save: garbage
-            self.store.delete(REPLACE_RECORD)
             self.store.delete(HEARTBEAT + record.save_id)
+            self.store.delete(REPLACE_RECORD)
 
     def _replace(self) -> None:
         record = Owner.this_process(self.save_id, self.lease_s, staged=self.staged)
         assert self.staged is not None
+        for _ in range(16):
+            try:
+                self.store.create_exclusive(REPLACE_RECORD, record.to_bytes())
+                break
+            except FileExistsError:
+                self._settle_replacement()
+        else:
+            raise OwnershipError(f"could not replace {self.store.url}: other saves keep replacing it")
         lease = Heartbeat(self.store, self.save_id, self.lease_s)  # the record's liveness
         try:
-            for _ in range(16):
-                try:
-                    self.store.create_exclusive(REPLACE_RECORD, record.to_bytes())
-                    break
-                except FileExistsError:
-                    self._settle_replacement()
-            else:
-                raise OwnershipError(f"could not replace {self.store.url}: other saves keep replacing it")
             fence = Fence(self.store, self.save_id, min(FENCE_INTERVAL_S, self.lease_s / 4), lease=lease, key=REPLACE_RECORD)
             roll_forward(self.store, self.target, fence)
         finally:
             lease.stop()
-            self.store.delete(HEARTBEAT + self.save_id)
+        finish_replacement(self.store, self.target, self.save_id)
 
     # -- commit and abort --------------------------------------------------------------------
 
@@ -640,15 +647,14 @@ class Transaction:
                 self._stop_heartbeat()
             return
         self._stop_heartbeat()
-        self.target.delete(MARKER)
-        self.target.delete(HEARTBEAT + self.save_id)
-        self.target.delete(OWNED + self.save_id)
+        release_committed(self.target, self.save_id)
 
-    def abort(self) -> None:
+    def abort(self, *, wrote: bool = True) -> None:
         """Give up the claim: mark this save aborted (so the next save may take over at
         once) and delete what it recorded as its own, keeping the marker, so that the path
         reads as an incomplete checkpoint rather than as nothing. A staging sibling is
-        removed whole."""
+        removed whole. A save that wrote nothing yet (``wrote=False``: refused while it
+        prepared) gives the path back as it found it."""
         self._stop_heartbeat()
         if not self.claimed:
             return
@@ -658,6 +664,10 @@ class Transaction:
             return  # taken over: the leftovers are the new owner's business
         if self.staged is not None:
             remove_staging(self.target)
+            return
+        if not wrote:
+            release_committed(self.target, self.save_id)  # (its records, the marker last)
+            self.target.prune(())
             return
         self.target.write_atomic(HEARTBEAT + self.save_id, json.dumps({"aborted": True}).encode())
         delete_owned(self.target, self.owned, tag=self.save_id)
@@ -670,8 +680,8 @@ class Transaction:
 
 def roll_forward(store: Store, staged: Store, fence: Fence | None = None) -> None:
     """Put the committed checkpoint of ``staged`` (named by the replace record of ``store``)
-    in place at ``store``, idempotently, then remove the records and
-    ``staged``. ``fence`` (the replacing save's own) is checked before every change."""
+    in place at ``store``, idempotently (then :func:`finish_replacement`). ``fence`` (the
+    replacing save's own) is checked before every change."""
     check = fence.check if fence is not None else (lambda: None)
     root = staged.read(METADATA_FILE)
     try:
@@ -698,6 +708,21 @@ def roll_forward(store: Store, staged: Store, fence: Fence | None = None) -> Non
             if store.read(METADATA_FILE) != root:
                 raise OwnershipError(f"{store.url} was committed by another save while being replaced") from None
     store.delete(RETIRED)
+
+
+def release_committed(store: Store, save_id: str) -> None:
+    """Release save ``save_id``'s claim on ``store`` (after it committed, or before it wrote
+    anything): remove its records, the marker last (a crash in between leaves the marker of
+    a dead save, which the next save there releases or takes over)."""
+    store.delete(OWNED + save_id)
+    store.delete(HEARTBEAT + save_id)
+    store.delete(MARKER)
+
+
+def finish_replacement(store: Store, staged: Store, save_id: str) -> None:
+    """After :func:`roll_forward`: remove the replacing save ``save_id``'s lease, then its
+    replace record (so no lease outlives its record), then ``staged``."""
+    store.delete(HEARTBEAT + save_id)
     store.delete(REPLACE_RECORD)
     remove_staging(staged)
 
