@@ -64,4 +64,4 @@ def test_the_hugging_face_export_of_a_step_loads_with_from_pretrained(tmp_path: 
 
 def test_the_docs_example_runs(tmp_path: Path) -> None:
     page = exec_page("transformers.md", tmp_path)
-    assert page["callback"].manager.steps() == [8, 12]
+    assert page["callback"].manager.steps() == [6, 8]
