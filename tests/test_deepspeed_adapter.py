@@ -128,6 +128,7 @@ def test_adapter_save_equals_converted_engine_checkpoint(runs: dict[str, Any]) -
     ``engine.save_checkpoint`` hold the same keys and the same tensors, bit for bit."""
     ours, theirs = ucp_zarr.open(runs["X"]), ucp_zarr.open(runs["CV"])
     assert sorted(ours.keys()) == sorted(theirs.keys())
+    assert ours.ties == theirs.ties and ours.ties["optim.state.head.weight.fp32"] == "optim.state.embed.weight.fp32"
     names = [n for g in D.GROUP_NAMES for n in g]
     for n in names:  # at least masters and Adam's moments, in their real shapes
         for key in ("fp32", "exp_avg", "exp_avg_sq", "step"):

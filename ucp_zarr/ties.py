@@ -30,11 +30,14 @@ from .planner import FragmentInfo
 def find_ties(held: Iterable[tuple[str, Any, Fragment]]) -> dict[str, str]:
     """Alias -> canonical key among ``(key, value, fragment)`` in state-dict order: a key
     whose value is the same object as, or shows the same memory as the same tensor as, an
-    earlier key's is an alias of the first such key."""
+    earlier key's is an alias of the first such key. Scalars (0-d) are no ties: a group's
+    optimizer step, shared by its parameters, stays under each of their names."""
     first_by_object: dict[int, str] = {}
     first_by_memory: dict[tuple[Any, ...], str] = {}
     ties: dict[str, str] = {}
     for key, value, frag in held:
+        if not frag.shape:
+            continue
         canonical = first_by_object.setdefault(id(value), key)
         signature = _signature(frag)
         if signature is not None:

@@ -524,9 +524,11 @@ def _save_state(engine: Any, layout: _Layout, client_state: dict[str, Any]) -> t
                 values[k] = plain(v)
     tensors.update({f"model.{n}": t for n, t in layout.frozen.items()})
     tensors.update({f"model.{n}": t for n, t in layout.buffers.items()})
-    for alias, canon in layout.aliases.items():
-        if f"model.{canon}" in tensors:
-            tensors[f"model.{alias}"] = tensors[f"model.{canon}"]
+    for alias, canon in layout.aliases.items():  # (one object under both names: saved once, as a tie)
+        for key in [k for k in tensors if k == f"model.{canon}" or k.startswith(f"optim.state.{canon}.")]:
+            value = tensors[key]  # (the weight, its master and moments; not the group's scalar step)
+            if value.global_shape if isinstance(value, FlatShard) else value.dim():
+                tensors[key.replace(canon, alias, 1)] = value
     for key, v in client_state.items():
         k = f"client_state.{key}"
         if isinstance(v, (torch.Tensor, FlatShard, PerRank)):

@@ -849,9 +849,10 @@ def _other_state(out: Imported, model: dict[str, Any], osd: dict[str, Any], name
         shape = tuple((model.get("frozen_param_shapes") or {}).get(name, ()))
         if f"model.{name}" not in out.tensors and isinstance(t, torch.Tensor) and t.numel() == math.prod(shape):
             out.tensors[f"model.{name}"] = Mapped(t.reshape(shape))
-    for tied, source in (model.get("shared_params") or {}).items():  # stored once: the alias and its
+    for tied, source in (model.get("shared_params") or {}).items():  # stored once: the alias, its master and
         for key in [k for k in out.tensors if k == f"model.{source}" or k.startswith(f"optim.state.{source}.")]:
-            out.ties[key.replace(source, tied, 1)] = key  # master and optimizer state read the source's
+            if out.tensors[key].shape:  # moments read the source's (a scalar such as the step is no tie)
+                out.ties[key.replace(source, tied, 1)] = key
     known = {n for g in names for n in g} | set(model.get("frozen_param_shapes") or {}) | set(model.get("shared_params") or {})
     for name, t in weights.items():  # the rest of the module (ZeRO-1 keeps frozen parameters only here)
         if f"model.{name}" not in out.tensors and f"model.{name}" not in out.ties and isinstance(t, torch.Tensor) and not (
