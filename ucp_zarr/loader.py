@@ -25,6 +25,8 @@ from .distributed import Comm
 from .dtypes import is_lossless_cast, stored_dtype_by_name
 from .errors import DtypeMismatchError, KeyMismatchError, LayoutError, PerRankStateError, ShapeMismatchError
 from .fragments import FlatShard, Fragment, PerRank, Placed, Shard, is_dtensor, is_fragment_value, to_fragment
+from .place import check_used
+from .rules import Rules
 from .rules import same_meaning
 from .format import CheckpointMeta
 from .statedict import (
@@ -221,9 +223,14 @@ class _Planner:
         absent = self._absent_entries()
         missing = [k for k, s in self.stored_key.items() if not self._saved(s)]
         held = set(self.stored_key.values()) | {key for _, key in absent}
-        if strict and self.comm.active and any(isinstance(leaf.value, Placed) for leaf in self.leaves.values()):
-            # placed state dicts hold different keys on different ranks (pipeline stages, experts)
-            held = set().union(*self.comm.all_gather(held))
+        placed = [leaf.value for leaf in self.leaves.values() if isinstance(leaf.value, Placed)]
+        if strict and placed:
+            # placed state dicts hold different keys on different ranks (pipeline stages, experts);
+            # only all ranks' placements together show a tensor placed twice or a pattern unused
+            used = frozenset().union(*(p.used for p in placed))
+            gathered = self.comm.all_gather((held, used)) if self.comm.active else [(held, used)]
+            held = set().union(*(h for h, _ in gathered))
+            check_used(Rules.from_dict(placed[0].rules), [u for _, u in gathered])
         unexpected = [k for k in self.saved if k not in held]
         if strict and (missing or unexpected):
             raise KeyMismatchError(missing, unexpected)
