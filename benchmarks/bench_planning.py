@@ -1,13 +1,24 @@
 """Planning at scale: a Llama-405B-like layout (``sim_layout.py``: TP 8 x PP 16 x DP n with a
-distributed optimizer) planned for 64 ... 4096 ranks, without data, on one core.
+distributed optimizer) planned for 64 ... 32768 ranks, without data, on one core.
 
-For each world size it reports what the save's coordinator (rank 0) does and what every
-rank sends and receives to plan, the objects the save writes, the bytes boundary pieces
-move, the size of all metadata, and the read plan of a reshard load onto 3/4 of the ranks:
+A save plans in two levels (:meth:`ucp_zarr.distributed.Comm.coordinate`): each rank sends its
+fragment list to its group leader (about sqrt(world) consecutive ranks), which merges equal
+fragments (:func:`~ucp_zarr.planner.shared_infos`) into one message to rank 0; rank 0 plans
+and sends each leader its group's part (:meth:`~ucp_zarr.planner.SavePlan.parts`), which the
+leader cuts into its ranks' parts. Each step runs here, one after another, with every
+message pickled and unpickled as in a job; leaders work in parallel in a job, so the slowest
+leader counts. For each world size:
 
-* ``coord s``: rank 0 plans the whole save and pickles each rank its part (its critical path;
-  every other rank waits for it). ``send KiB``/``recv KiB``: the most any rank sends
-  (its fragment list) and receives (its part of the plan); rank 0 alone receives every list.
+* ``coord s``: the critical path: slowest leader's gather (unpickle its ranks' lists, merge,
+  pickle) + rank 0 (unpickle the leaders' messages, plan, cut the groups' parts, pickle
+  them) + slowest leader's split (unpickle, cut its ranks' parts, pickle each). ``root s``
+  and ``cpu s``: rank 0's own part of it, wall and CPU seconds (this VM is shared).
+* ``root MiB in``: what rank 0 receives (the leaders' merged lists; a one-level gather
+  receives ``rank0 MiB``: every rank's list). ``root peak MiB``: rank 0's peak Python heap
+  while it unpickles, plans and cuts (tracemalloc, in a second, untimed pass).
+* ``check s``: rank 0 comparing every replicated box's digests (each rank sends one integer
+  per replicated box of its part).
+* ``send KiB``/``recv KiB``: the most any rank sends (its fragment list) and receives (its part).
 * ``objects``, ``per pair``: objects written, and the most one rank writes of one array.
 * ``exch MiB``: boundary bytes a rank sends to other ranks' shards (max and mean).
 * ``meta MiB``: every zarr.json plus the root (with its consolidated copy).
@@ -28,6 +39,7 @@ import pickle
 import statistics
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -36,21 +48,83 @@ import sim_layout as S  # noqa: E402
 
 from ucp_zarr.format import ArrayMeta, CheckpointMeta, TensorEntry, consolidated_nodes, dump_document  # noqa: E402
 from ucp_zarr.integrity import document_digest  # noqa: E402
+from ucp_zarr.distributed import leader_groups  # noqa: E402
 from ucp_zarr.layout import Box  # noqa: E402
-from ucp_zarr.planner import plan_save  # noqa: E402
+from ucp_zarr.planner import SavePlan, plan_save, shared_infos  # noqa: E402
+from ucp_zarr.replicas import check_replicas  # noqa: E402
 from ucp_zarr.saver import document_dicts  # noqa: E402
 
-WORLDS = (64, 128, 256, 512, 1024, 2048, 4096)
+WORLDS = (64, 256, 1024, 4096, 8192, 16384, 32768)
 DIGEST = "sha256:" + "0" * 64
+
+
+def _dumps(obj: object) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _timed(fn, *args):
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = fn(*args)
+    return out, time.perf_counter() - t0, time.process_time() - c0
+
+
+def two_level(world: int, messages: list[bytes]) -> dict:
+    """Plan a save of ``world`` ranks from their pickled messages as a job does (see the
+    module docstring); return the plan, each rank's part, and the seconds of each step."""
+    groups = leader_groups(world)
+
+    def gather(group: range) -> bytes:
+        payloads = shared_infos([pickle.loads(messages[r])[1] for r in group])
+        return _dumps(({}, payloads))
+
+    def root(merged: list[bytes]) -> tuple[SavePlan, list[bytes]]:
+        payloads = [p for m in merged for p in pickle.loads(m)[1]]
+        plan = plan_save(payloads)
+        return plan, [_dumps(({}, part)) for part in plan.parts(groups)]
+
+    def split(group: range, answer: bytes) -> list[SavePlan]:
+        parts = pickle.loads(answer)[1].parts([(r,) for r in group])
+        for p in parts:
+            _dumps(({}, p))
+        return parts
+
+    merged, gather_s = [], []
+    for g in groups:
+        m, wall, _ = _timed(gather, g)
+        merged.append(m)
+        gather_s.append(wall)
+    (plan, answers), root_s, root_cpu = _timed(root, merged)
+    parts, split_s = [], []
+    for g, a in zip(groups, answers):
+        ps, wall, _ = _timed(split, g, a)
+        parts += ps
+        split_s.append(wall)
+    tracemalloc.start()
+    root(merged)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return {
+        "plan": plan, "parts": parts, "groups": len(groups), "gather_s": max(gather_s), "root_s": root_s,
+        "root_cpu_s": root_cpu, "split_s": max(split_s), "root_in_mib": sum(map(len, merged)) / 2**20,
+        "root_peak_mib": peak / 2**20, "recv_kib_max": max(len(_dumps(({}, p))) for p in parts[1:]) / 1024,
+    }
+
+
+def replica_check(plan: SavePlan, parts: list[SavePlan]) -> float:
+    """Rank 0's digest comparison: unpickle each rank's digests (one integer per replicated
+    box of its part, all equal here), then :func:`check_replicas`."""
+    messages = [_dumps((None, [7] * sum(len(r.boxes) for r in p.replicas))) for p in parts]
+    t0 = time.perf_counter()
+    check_replicas(plan, [pickle.loads(m)[1] for m in messages])
+    return time.perf_counter() - t0
 
 
 def measure(world: int, samples: int = 16) -> dict[str, float]:
     infos = S.all_infos(world)
-    t0 = time.perf_counter()
-    plan = plan_save(infos)
-    parts = [pickle.dumps(p) for p in plan.split(world)]
-    coord = time.perf_counter() - t0
-    sent = [len(pickle.dumps(i)) for i in infos]
+    messages = [_dumps((None, i)) for i in infos]
+    sent = [len(m) for m in messages]
+    run = two_level(world, messages)
+    plan: SavePlan = run["plan"]
 
     pairs = collections.Counter((t.writer, t.key) for t in plan.shards)
     exch = collections.Counter()
@@ -72,9 +146,18 @@ def measure(world: int, samples: int = 16) -> dict[str, float]:
     load_s, read_x = _load_plan(root, load_world(world), samples)
     return {
         "world": world,
-        "coord_s": coord,
+        "coord_s": run["gather_s"] + run["root_s"] + run["split_s"],
+        "gather_s": run["gather_s"],
+        "root_s": run["root_s"],
+        "root_cpu_s": run["root_cpu_s"],
+        "split_s": run["split_s"],
+        "groups": run["groups"],
+        "root_in_mib": run["root_in_mib"],
+        "root_peak_mib": run["root_peak_mib"],
+        "check_s": replica_check(plan, run["parts"]),
+        "replicated_boxes": sum(len(r.boxes) for r in plan.replicas),
         "send_kib_max": max(sent) / 1024,
-        "recv_kib_max": max(len(p) for p in parts[1:]) / 1024 if world > 1 else 0.0,
+        "recv_kib_max": run["recv_kib_max"],
         "rank0_recv_mib": sum(sent) / 2**20,
         "objects": len(plan.shards),
         "pairs": len(pairs),
@@ -137,7 +220,8 @@ def _plot(rows: list[dict[str, float]], path: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     w = [r["world"] for r in rows]
-    a.plot(w, [r["coord_s"] for r in rows], "o-", label="save: coordinator plans + splits")
+    a.plot(w, [r["coord_s"] for r in rows], "o-", label="save: critical path (leaders + rank 0)")
+    a.plot(w, [r["root_s"] for r in rows], "^--", label="save: rank 0 alone")
     a.plot(w, [r["load_s"] for r in rows], "s-", label="reshard load: slowest rank's read plan")
     a.axhline(10, color="grey", ls=":", label="target 10 s")
     a.set(xscale="log", xlabel="ranks", ylabel="seconds (one core)", title="Planning time, 405B-like layout")
@@ -151,8 +235,11 @@ def _plot(rows: list[dict[str, float]], path: str) -> None:
 
 
 COLUMNS = [
-    ("world", "ranks", "{:.0f}"), ("coord_s", "coord s", "{:.2f}"), ("send_kib_max", "send KiB", "{:.0f}"),
-    ("recv_kib_max", "recv KiB", "{:.0f}"), ("rank0_recv_mib", "rank0 MiB", "{:.1f}"), ("objects", "objects", "{:.0f}"),
+    ("world", "ranks", "{:.0f}"), ("coord_s", "coord s", "{:.2f}"), ("gather_s", "leader gather s", "{:.2f}"),
+    ("root_s", "root s", "{:.2f}"), ("root_cpu_s", "root cpu s", "{:.2f}"), ("split_s", "leader split s", "{:.2f}"),
+    ("root_in_mib", "root MiB in", "{:.1f}"), ("rank0_recv_mib", "rank0 MiB", "{:.1f}"),
+    ("root_peak_mib", "root peak MiB", "{:.0f}"), ("check_s", "check s", "{:.2f}"), ("send_kib_max", "send KiB", "{:.0f}"),
+    ("recv_kib_max", "recv KiB", "{:.0f}"), ("objects", "objects", "{:.0f}"),
     ("per_pair_max", "per pair", "{:.0f}"), ("exch_mib_max", "exch MiB max", "{:.0f}"),
     ("exch_mib_mean", "exch MiB mean", "{:.0f}"), ("meta_mib", "meta MiB", "{:.1f}"),
     ("load_world", "load ranks", "{:.0f}"), ("load_s", "load s", "{:.2f}"), ("read_x", "read x", "{:.3f}"),
@@ -178,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: round(v, 4) for k, v in rows[-1].items()}), flush=True)
     print(table(rows))
     if len(rows) > 1:
-        growth = [rows[i + 1]["coord_s"] / rows[i]["coord_s"] for i in range(len(rows) - 1)]
+        growth = [(b["coord_s"] / a["coord_s"]) ** (1 / math.log2(b["world"] / a["world"])) for a, b in zip(rows, rows[1:])]
         print(f"coordinator time growth per doubling: median {statistics.median(growth):.2f}x "
               f"(linear: 2x); {rows[-1]['world']} ranks / {rows[0]['world']}: "
               f"{rows[-1]['coord_s'] / rows[0]['coord_s']:.1f}x for {rows[-1]['world'] / rows[0]['world']:.0f}x ranks")

@@ -18,6 +18,7 @@ Used by ``bench_planning.py`` and ``tests/test_plan_scale.py``.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -83,12 +84,8 @@ def rank_infos(world: int, rank: int, layers: int = LAYERS) -> list[FragmentInfo
     tp, pp, dp = degrees(world)
     tp_rank, rest = rank % tp, rank // tp
     dp_rank, pp_rank = rest % dp, rest // dp
-    params = stage_params(pp_rank, pp, layers)
-    infos: list[FragmentInfo] = []
-    slabs = [slab(p, tp_rank, tp) for p in params]
-    for p, s in zip(params, slabs):
-        plain = p.split is None
-        infos.append(FragmentInfo(f"model.{p.name}", p.shape, "bfloat16", (s,), plain=plain))
+    params, slabs, model = _stage(tp_rank, tp, pp_rank, pp, layers)
+    infos = list(model)
     total = sum(s.numel for s in slabs)
     share = -(-total // dp)
     lo, hi = dp_rank * share, min(total, (dp_rank + 1) * share)
@@ -105,6 +102,16 @@ def rank_infos(world: int, rank: int, layers: int = LAYERS) -> list[FragmentInfo
         for m in MOMENTS:
             infos.append(FragmentInfo(f"optim.state.{p.name}.{m}", p.shape, "float32", boxes))
     return infos
+
+
+@functools.lru_cache(maxsize=None)
+def _stage(tp_rank: int, tp: int, pp_rank: int, pp: int, layers: int) -> tuple[list[Param], list[Box], list[FragmentInfo]]:
+    """The parameters of a (TP, PP) position, their slabs and model fragments (the same on
+    every data-parallel rank: computed once; each rank's list is pickled on its own)."""
+    params = stage_params(pp_rank, pp, layers)
+    slabs = [slab(p, tp_rank, tp) for p in params]
+    model = [FragmentInfo(f"model.{p.name}", p.shape, "bfloat16", (s,), plain=p.split is None) for p, s in zip(params, slabs)]
+    return params, slabs, model
 
 
 def all_infos(world: int, layers: int = LAYERS) -> list[list[FragmentInfo]]:

@@ -118,11 +118,11 @@ def test_plain_tensor_differing_between_ranks_is_an_error_naming_the_ranks():
     plan = plan_save(infos)
     whole = Box.whole((16,))
     assert [(r.key, r.boxes, r.plain) for r in plan.replicas] == [("emb", ((whole, (0, 1, 2, 3)),), True)]
-    digests = [{("emb", whole): d} for d in (7, 7, 8, 7)]
+    digests = [[d] for d in (7, 7, 8, 7)]  # (each rank's part lists the one box)
     with pytest.raises(LayoutError, match=r"'emb'.*differ.*\[0, 1, 3\] vs ranks \[2\].*PerRank"):
         check_replicas(plan, digests)
-    check_replicas(plan, [{("emb", whole): 7}] * 4)
-    assert [p.replicas for p in plan.split(4)] == [[plan.replicas[0]]] * 4
+    check_replicas(plan, [[7]] * 4)
+    assert [[(r.key, r.boxes) for r in p.replicas] for p in plan.split(4)] == [[("emb", ((whole, (r,)),))] for r in range(4)]
     mixed = [[FragmentInfo("rng", (4,), "uint8", (Box.whole((4,)),), plain=True, per_rank=r == 0)] for r in range(2)]
     with pytest.raises(LayoutError, match=r"'rng': ranks \[0\] wrap it in PerRank, ranks \[1\] do not"):
         plan_save(mixed)

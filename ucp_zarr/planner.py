@@ -20,9 +20,12 @@ same :class:`SavePlan`:
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -56,12 +59,12 @@ class FragmentInfo:
     ``optim.state.fc.weight.exp_avg``), so that moments sit beside their parameter."""
 
 
-@dataclass(frozen=True)
-class ShardTask:
+class ShardTask(NamedTuple):
     """Write shard ``shard`` of the array of ``key``; done by rank ``writer``.
 
     ``sources`` lists ``(rank, box)`` pieces to assemble when the writer does not hold the
-    shard whole in one piece; pieces from other ranks are sent to the writer."""
+    shard whole in one piece; pieces from other ranks are sent to the writer. (A named
+    tuple: a large plan has one per object, made, pickled and sent quickly.)"""
 
     key: str
     path: str
@@ -82,9 +85,6 @@ class Replicated:
     rule: str = ""
     """The rule pattern that placed it (for messages)."""
 
-    def held_by(self, rank: int) -> "Replicated":
-        return Replicated(self.key, tuple(b for b in self.boxes if rank in b[1]), self.plain, self.rule)
-
 
 @dataclass(frozen=True)
 class SavePlan:
@@ -102,36 +102,75 @@ class SavePlan:
     numbers: list[int] | None = None
     """In a rank's part of a plan (:meth:`for_rank`): the plan-wide number of each task."""
     replicas: list[Replicated] = field(default_factory=list)
-    """The boxes held by several ranks (in a rank's part: those it holds)."""
+    """The boxes held by several ranks (in a part of the plan: those its ranks hold, each
+    with those of its ranks that hold it)."""
 
     def numbered(self) -> list[tuple[int, ShardTask]]:
         """``(number, task)`` of every task here, numbered as in the whole plan."""
         return list(zip(self.numbers, self.shards)) if self.numbers is not None else list(enumerate(self.shards))
 
     def split(self, world: int) -> list["SavePlan"]:
-        """Each rank's part of the plan (what a coordinator sends it): the tasks it writes or
-        sends a piece to, the documents it writes, and the arrays of both. One pass."""
-        tasks: list[list[int]] = [[] for _ in range(world)]
+        """Each rank's part of the plan: ``parts([(0,), (1,), ...])``."""
+        return self.parts([(r,) for r in range(world)])
+
+    def parts(self, rank_sets: Sequence[Sequence[int]]) -> list["SavePlan"]:
+        """The part of the plan of each set of ranks (what a coordinator sends a group
+        leader, or a rank): the tasks its ranks write or send a piece to, the documents they
+        write, the arrays of both (without region records where none of them writes the
+        array's document: only documents need them), and the replicated boxes they hold,
+        each with those of its ranks that hold it. A part of a part is the part of the
+        whole. One pass over each list: the work is that of the plan, not ranks x plan."""
+        owner = {r: i for i, rs in enumerate(rank_sets) for r in rs}
+        tasks: list[list[tuple[int, ShardTask]]] = [[] for _ in rank_sets]
         for n, t in self.numbered():
-            for r in {t.writer, *(src for src, _ in t.sources)}:
-                tasks[r].append(n)
-        docs: list[dict[str, int]] = [{} for _ in range(world)]
+            for i in {owner.get(t.writer), *(owner.get(src) for src, _ in t.sources)}:
+                if i is not None:
+                    tasks[i].append((n, t))
+        docs: list[dict[str, int]] = [{} for _ in rank_sets]
         for path, w in self.doc_writers.items():
-            docs[w][path] = w
+            if (i := owner.get(w)) is not None:
+                docs[i][path] = w
+        held: list[dict[int, list[tuple[Box, tuple[int, ...]]]]] = [{} for _ in rank_sets]
+        for k, rep in enumerate(self.replicas):
+            for box, holders in rep.boxes:
+                by_part: dict[int, list[int]] = {}
+                for r in holders:
+                    if (i := owner.get(r)) is not None:
+                        by_part.setdefault(i, []).append(r)
+                for i, rs in by_part.items():
+                    held[i].setdefault(k, []).append((box, tuple(rs)))
         by_doc = {f"{p}/{METADATA_FILE}": a for a, (p, _) in self.arrays.items()}
-        parts = []
-        for r in range(world):
-            keys = {self.shards[n].key for n in tasks[r]} | {by_doc[d] for d in docs[r] if d in by_doc}
-            parts.append(SavePlan(
-                arrays={k: self.arrays[k] for k in keys},
-                shards=[self.shards[n] for n in tasks[r]],
+        group_doc = {f"{g}/{METADATA_FILE}": g for g in self.groups}
+        bare: dict[str, tuple[str, ArrayMeta]] = {}  # (one copy, shared by every part)
+
+        def without_regions(a: str) -> tuple[str, ArrayMeta]:
+            if a not in bare:
+                bare[a] = (self.arrays[a][0], replace(self.arrays[a][1], regions=()))
+            return bare[a]
+
+        out = []
+        for i in range(len(rank_sets)):
+            documented = dict.fromkeys(by_doc[d] for d in docs[i] if d in by_doc)
+            written = dict.fromkeys(t.key for _, t in tasks[i] if t.key not in documented)
+            out.append(SavePlan(
+                arrays={**{a: without_regions(a) for a in written}, **{a: self.arrays[a] for a in documented}},
+                shards=[t for _, t in tasks[i]],
                 per_rank={},
-                doc_writers=docs[r],
-                groups=[g for g in self.groups if f"{g}/{METADATA_FILE}" in docs[r]],
-                numbers=tasks[r],
-                replicas=[h for rep in self.replicas if (h := rep.held_by(r)).boxes],
+                doc_writers=docs[i],
+                groups=sorted(group_doc[d] for d in docs[i] if d in group_doc),
+                numbers=[n for n, _ in tasks[i]],
+                replicas=[Replicated(self.replicas[k].key, tuple(b), self.replicas[k].plain, self.replicas[k].rule)
+                          for k, b in held[i].items()],
             ))
-        return parts
+        return out
+
+
+def shared_infos(lists: list[list[FragmentInfo]]) -> list[list[FragmentInfo]]:
+    """``lists`` with equal infos replaced by one object (a group leader's merge: ranks of one
+    tensor-parallel and pipeline position hold equal lists, which then travel and are
+    unpickled once, and are checked and looked up once by :func:`plan_save`)."""
+    one: dict[FragmentInfo, FragmentInfo] = {}
+    return [[one.setdefault(f, f) for f in fs] for fs in lists]
 
 
 def per_rank_key(key: str, rank: int) -> str:
@@ -148,7 +187,11 @@ def plan_save(
     by_key: dict[str, list[tuple[int, FragmentInfo]]] = {}
     for rank, frags in enumerate(infos):
         for f in frags:
-            by_key.setdefault(f.key, []).append((rank, f))
+            held = by_key.get(f.key)
+            if held is None:
+                by_key[f.key] = [(rank, f)]
+            else:
+                held.append((rank, f))
 
     # per-rank tensors (PerRank) become one array per rank
     layouts: dict[str, list[tuple[int, FragmentInfo]]] = {}
@@ -163,7 +206,7 @@ def plan_save(
             layouts[key] = held
 
     base_paths = assign_array_paths(list(by_key), {k: held[0][1].alias for k, held in by_key.items()})
-    loads = [0] * len(infos)
+    loads = Loads(len(infos))
     arrays: dict[str, tuple[str, ArrayMeta]] = {}
     shards: list[ShardTask] = []
     replicas: list[Replicated] = []
@@ -172,7 +215,7 @@ def plan_save(
         rank = held[0][0] if f0.key in per_rank else None
         path = base_paths[f0.key] + (f"~rank{rank}" if rank is not None else "")
         regions = _regions(f0.key, held)
-        shared = tuple((b, tuple(rs)) for b, rs in regions.items() if len(rs) > 1)
+        shared = tuple((b, rs) for b, rs in regions.items() if len(rs) > 1)
         if shared and rank is None:
             replicas.append(Replicated(f0.key, shared, f0.plain, f0.rule))
         sd = stored_dtype(getattr(torch, f0.dtype), key=f0.key)
@@ -190,7 +233,11 @@ def plan_save(
 
 def _check_consistent(key: str, held: list[tuple[int, FragmentInfo]]) -> None:
     r0, f0 = held[0]
+    checked = {id(f0)}  # (lists gathered through a group leader share equal infos: each checked once)
     for r, f in held[1:]:
+        if id(f) in checked:
+            continue
+        checked.add(id(f))
         if (f.shape, f.dtype) != (f0.shape, f0.dtype):
             raise LayoutError(
                 f"tensor {key!r}: rank {r0} has global shape {list(f0.shape)} {f0.dtype}, "
@@ -209,34 +256,40 @@ def _check_consistent(key: str, held: list[tuple[int, FragmentInfo]]) -> None:
             )
 
 
-def _regions(key: str, held: list[tuple[int, FragmentInfo]]) -> dict[Box, list[int]]:
-    """Distinct boxes -> the ranks holding them; checks overlap and coverage."""
-    regions: dict[Box, list[int]] = defaultdict(list)
-    for r, f in held:
-        for b in f.boxes:
-            if r not in regions[b]:
-                regions[b].append(r)
+def _regions(key: str, held: list[tuple[int, FragmentInfo]]) -> dict[Box, tuple[int, ...]]:
+    """Distinct boxes (in the order of their offsets) -> the ranks holding them, ascending;
+    checks overlap and coverage."""
+    lists: dict[Box, list[int]] = {}
+    seen: dict[int, list[list[int]]] = {}  # an info shared by several ranks is looked up once
+    for r, f in held:  # (in rank order: a rank listing a box twice repeats the last entry)
+        holders = seen.get(id(f))
+        if holders is None:
+            holders = seen[id(f)] = [lists.setdefault(b, []) for b in f.boxes]
+        for rs in holders:
+            if not rs or rs[-1] != r:
+                rs.append(r)
+    regions = {b: tuple(lists[b]) for b in sorted(lists, key=lambda b: b.offset)}
     shape = held[0][1].shape
-    boxes = sorted(regions, key=lambda b: b.offset)
-    active: list[Box] = []
-    for b in boxes:
-        active = [a for a in active if not b.ndim or a.stop[0] > b.offset[0]]
-        for a in active:
+    active: list[tuple[int, Box]] = []  # (where along dim 0 it ends, box)
+    for b in regions:
+        if b.ndim:
+            active = [x for x in active if x[0] > b.offset[0]]
+        for _, a in active:
             inter = a.intersect(b)
-            if inter is not None and not inter.is_empty():
+            if inter is not None and 0 not in inter.shape:
                 raise LayoutError(
-                    f"tensor {key!r}: fragments overlap without being replicas: ranks {regions[a]} hold "
-                    f"{_fmt(a)}, ranks {regions[b]} hold {_fmt(b)}"
+                    f"tensor {key!r}: fragments overlap without being replicas: ranks {list(regions[a])} hold "
+                    f"{_fmt(a)}, ranks {list(regions[b])} hold {_fmt(b)}"
                 )
-        active.append(b)
-    covered = sum(b.numel for b in boxes)
+        active.append((b.offset[0] + b.shape[0] if b.ndim else 0, b))
+    covered = sum(math.prod(b.shape) for b in regions)
     total = math.prod(shape)
     if covered != total:
         raise LayoutError(
             f"tensor {key!r}: the ranks' fragments cover {covered} of its {total} elements "
             f"(global shape {list(shape)}; held by ranks {sorted({r for r, _ in held})})"
         )
-    return dict(regions)
+    return regions
 
 
 def _fmt(b: Box) -> str:
@@ -246,7 +299,7 @@ def _fmt(b: Box) -> str:
 def grid_for_regions(
     shape: tuple[int, ...],
     itemsize: int,
-    regions: dict[Box, list[int]],
+    regions: dict[Box, tuple[int, ...]],
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -300,7 +353,7 @@ MINOR_REGION_FACTOR = 64
 """A region this many times smaller than a typical one does not shape the grid."""
 
 
-def _typical_region_bytes(regions: dict[Box, list[int]], itemsize: int) -> int:
+def _typical_region_bytes(regions: dict[Box, tuple[int, ...]], itemsize: int) -> int:
     """The bytes of the region holding the median byte: the size of the ranks' main
     pieces, whatever small pieces (partial rows of flat ranges) lie between them."""
     sizes = sorted(b.numel for b in regions)
@@ -313,7 +366,7 @@ def _typical_region_bytes(regions: dict[Box, list[int]], itemsize: int) -> int:
 
 
 def _region_records(
-    held: list[tuple[int, FragmentInfo]], regions: dict[Box, list[int]], writers: dict[Box, set[int]]
+    held: list[tuple[int, FragmentInfo]], regions: dict[Box, tuple[int, ...]], writers: dict[Box, set[int]]
 ) -> list[Region]:
     """What the array's metadata says of the saving layout: its boxes (or flat ranges when
     every rank held a flat range), the ranks holding each, and the ranks that wrote it."""
@@ -334,56 +387,101 @@ def _region_records(
     ]
 
 
+class Loads:
+    """The bytes each rank was given to write so far, and the least loaded of a set of
+    holders (ties to the lowest rank), found in O(log holders) for large sets: a heap per
+    set of holders, its stale entries (a rank given more since) refreshed when they surface."""
+
+    def __init__(self, world: int) -> None:
+        self.bytes = [0] * world
+        self._heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+
+    def least(self, ranks: tuple[int, ...]) -> int:
+        if len(ranks) <= 8:
+            return min(ranks, key=lambda r: (self.bytes[r], r))
+        heap = self._heaps.get(ranks)
+        if heap is None:
+            heap = self._heaps[ranks] = sorted((self.bytes[r], r) for r in ranks)
+        loads = self.bytes
+        while True:
+            load, r = heap[0]
+            if load == loads[r]:  # every entry is at most its rank's load: this one is the least
+                return r
+            heapq.heapreplace(heap, (loads[r], r))
+
+
 def _assign(
     akey: str,
     path: str,
     grid: ChunkGrid,
-    regions: dict[Box, list[int]],
+    regions: dict[Box, tuple[int, ...]],
     itemsize: int,
-    loads: list[int],
+    loads: Loads,
     writers: dict[Box, set[int]],
 ) -> list[ShardTask]:
     """One writer for every shard of an array: each region is intersected only with the
-    shards it overlaps (found from the grid), so the work is that of the overlaps."""
-    parts: dict[tuple[int, ...], list[tuple[Box, Box, list[int]]]] = defaultdict(list)
+    shards it overlaps (per dim, from the grid), so the work is that of the overlaps; a
+    shard lying whole in one region goes to its least loaded holder."""
+    whole: dict[tuple[int, ...], tuple[Box, tuple[int, ...]]] = {}
+    parts: dict[tuple[int, ...], list[tuple[Box, Box, tuple[int, ...]]]] = defaultdict(list)
     for b, ranks in regions.items():
-        for idx in grid.shards_overlapping(b):
-            inter = b.intersect(grid.shard_box(idx))
-            assert inter is not None
-            parts[idx].append((b, inter, ranks))
-    return [_writer(akey, path, grid, idx, parts[idx], itemsize, loads, writers) for idx in grid.all_shards()]
+        if 0 in b.shape:
+            continue
+        per_dim = []
+        for o, n, s, size in zip(b.offset, b.shape, grid.shard_shape, grid.shape):
+            stop, cells, i = o + n, [], o // s
+            while i * s < stop:  # (shard i along this dim: its part [a, z) in the region, whole or not)
+                lo, hi = i * s, (i + 1) * s if (i + 1) * s < size else size
+                a, z = o if o > lo else lo, stop if stop < hi else hi
+                cells.append((i, a, z - a, a == lo and z == hi))
+                i += 1
+            per_dim.append(cells)
+        for cells in itertools.product(*per_dim):
+            idx, lo, n, full = zip(*cells) if cells else ((), (), (), ())
+            if all(full):
+                whole[idx] = (b, ranks)
+            else:
+                parts[idx].append((b, Box(lo, n), ranks))
+    sizes = [[(s if (i + 1) * s <= n else n - i * s) for i in range(c)] for s, n, c in
+             zip(grid.shard_shape, grid.shape, grid.shard_counts)]  # (clipped at the array's edge)
+    tasks = []
+    for idx in grid.all_shards():
+        nbytes = itemsize
+        for d, i in enumerate(idx):
+            nbytes *= sizes[d][i]
+        held = whole.get(idx)
+        if held is None:
+            tasks.append(_gathered(akey, path, idx, parts[idx], nbytes, loads, writers))
+            continue
+        writer = loads.least(held[1])
+        loads.bytes[writer] += nbytes
+        writers[held[0]].add(writer)
+        tasks.append(ShardTask(akey, path, idx, writer, nbytes))
+    return tasks
 
 
-def _writer(
+def _gathered(
     akey: str,
     path: str,
-    grid: ChunkGrid,
     index: tuple[int, ...],
-    parts: list[tuple[Box, Box, list[int]]],
-    itemsize: int,
-    loads: list[int],
+    parts: list[tuple[Box, Box, tuple[int, ...]]],
+    nbytes: int,
+    loads: Loads,
     writers: dict[Box, set[int]],
 ) -> ShardTask:
-    """The task of one shard: a rank holding it whole (the least loaded), or else the rank
-    holding most of it, to which the other holders send their pieces."""
-    sbox = grid.shard_box(index)
-    nbytes = sbox.numel * itemsize
-    if len(parts) == 1 and parts[0][1] == sbox:
-        writer = min(parts[0][2], key=lambda r: (loads[r], r))
-        loads[writer] += nbytes
-        writers[parts[0][0]].add(writer)
-        return ShardTask(akey, path, index, writer, nbytes)
+    """The task of a shard no rank holds whole: the rank holding most of it writes it, and
+    the other holders send it their pieces."""
     held: dict[int, int] = defaultdict(int)
     for _, inter, ranks in parts:
+        n = math.prod(inter.shape)
         for r in ranks:
-            held[r] += inter.numel
-    writer = min(held, key=lambda r: (-held[r], loads[r], r))
+            held[r] += n
+    writer = min(held, key=lambda r: (-held[r], loads.bytes[r], r))
     sources = []
     for b, inter, ranks in sorted(parts, key=lambda p: p[1].offset):
         writers[b].add(writer)
-        src = writer if writer in ranks else min(ranks, key=lambda r: (loads[r], r))
-        sources.append((src, inter))
-    loads[writer] += nbytes
+        sources.append((writer if writer in ranks else loads.least(ranks), inter))
+    loads.bytes[writer] += nbytes
     return ShardTask(akey, path, index, writer, nbytes, tuple(sources))
 
 

@@ -28,33 +28,36 @@ from .planner import Replicated, SavePlan
 DIGEST_COPY_BYTES = 16 << 20
 """Off-CPU copies up to this size are copied to the host for their digest."""
 
-Digests = dict[tuple[str, Box], int]
-"""(tensor key, box) -> the digest of this rank's copy."""
+Digests = list[int]
+"""The digests of this rank's copies of the replicated boxes of its part of the plan, in
+the part's order (replicas, then their boxes): a few bytes per box to send."""
 
 
 def replica_digests(plan: SavePlan, fragments: Mapping[str, Fragment]) -> Digests:
     """The digest of each box this rank holds that other ranks hold too (``plan``: this
-    rank's part; the coordinator's is the whole plan, so a box it does not hold is skipped:
-    were it one of its own, :func:`check_replicas` would see no digest and refuse)."""
-    out: Digests = {}
+    rank's part, :meth:`~ucp_zarr.planner.SavePlan.split`, which lists only boxes it holds)."""
+    out: Digests = []
     for rep in plan.replicas:
-        held = dict(fragments[rep.key].pieces) if rep.key in fragments else {}
-        for box, _ in rep.boxes:
-            if box in held:
-                out[(rep.key, box)] = fingerprint(held[box])
+        held = dict(fragments[rep.key].pieces)
+        out += [fingerprint(held[box]) for box, _ in rep.boxes]
     return out
 
 
 def check_replicas(plan: SavePlan, digests: list[Digests]) -> None:
     """Raise :class:`LayoutError` unless, for every replicated box of ``plan`` (the whole
-    plan), every holder's digest (``digests[rank]``) is the same."""
+    plan), every holder's digest is the same (``digests[rank]``: in the order of its part
+    of ``plan``, so the boxes are walked once, in that order)."""
+    pending = [iter(d) for d in digests]
     for rep in plan.replicas:
         for box, ranks in rep.boxes:
             groups: dict[int | None, list[int]] = defaultdict(list)
             for r in ranks:
-                groups[digests[r].get((rep.key, box))].append(r)
+                groups[next(pending[r], None)].append(r)
             if len(groups) > 1:
                 raise LayoutError(_message(rep, box, sorted(groups.values())))
+    extra = [r for r, rest in enumerate(pending) if next(rest, None) is not None]
+    if extra:
+        raise LayoutError(f"ranks {extra} sent digests of more replicated boxes than their parts of the plan list")
 
 
 def _message(rep: Replicated, box: Box, groups: list[list[int]]) -> str:

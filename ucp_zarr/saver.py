@@ -39,7 +39,7 @@ from .fragments import Fragment, PerRank, Placed, is_fragment_value, to_fragment
 from .integrity import array_digest, document_digest, sign
 from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from .optimizer_names import alias, state_names
-from .planner import FragmentInfo, SavePlan, ShardTask, plan_save
+from .planner import FragmentInfo, SavePlan, ShardTask, plan_save, shared_infos
 from .replicas import Digests, check_replicas, replica_digests
 from .staging import Staging
 from .ties import agree_ties, find_ties
@@ -232,6 +232,7 @@ class PreparedSave:
         layout: dict[str, Any] | None = None,
         structure: Structure | None = None,
         ties: dict[str, str] | None = None,
+        whole: SavePlan | None = None,
     ) -> None:
         self.store = store
         self.comm = comm
@@ -247,6 +248,9 @@ class PreparedSave:
         self.layout = layout or {}
         self.structure = structure
         self.ties = ties or {}
+        self.whole = plan if whole is None else whole
+        """The whole plan, on the coordinator (``plan`` is this rank's part; a process
+        saving alone may pass its whole plan as ``plan``)."""
 
     def finish(self, comm: Comm | None = None) -> SaveResult:
         """Exchange boundary pieces, write this rank's documents and shards, commit (over
@@ -335,8 +339,8 @@ class PreparedSave:
         return seals
 
     def _root(self, gathered: list[Any]) -> bytes:
-        """The commit record, from the plan and every rank's shard seals."""
-        plan = self.plan
+        """The commit record, from the whole plan and every rank's shard seals."""
+        plan = self.whole
         seals: dict[int, bytes] = {}
         for _, s in gathered:
             seals.update(s)
@@ -518,11 +522,12 @@ def prepare(
         averaged = {k: f.pieces[0][1].detach().cpu() for k, f in col.fragments.items() if f.average and f.pieces}
     except BaseException as e:
         error = e
-    # 2. plan on one coordinator (rank 0): it receives every rank's fragment list, plans,
-    # and sends each rank its part (a layout error is raised by all)
+    # 2. plan on one coordinator (rank 0): it receives every rank's fragment list (through
+    # group leaders, which merge equal ones), plans, and sends each group its part, which
+    # its leader cuts into its ranks' parts (a layout error is raised by all)
     coordinator: dict[str, Any] = {}
 
-    def plan_all(payloads: list[Any]) -> list[Any]:
+    def plan_all(payloads: list[Any], groups: list[range]) -> list[Any]:
         rules = _agreed_rules([(g[3], g[4]) for g in payloads])
         means = _means([g[5] for g in payloads])
         ties = agree_ties([(g[7], g[0]) for g in payloads])  # (an alias is stored as its canonical tensor)
@@ -536,23 +541,28 @@ def prepare(
             structure=Structure.merged([g[6] for g in payloads]),
             ties=ties,
         )
-        parts = [(part, {k: means[k] for k in g[5]}) for part, g in zip(plan.split(len(payloads)), payloads)]
-        parts[0] = (plan, parts[0][1])  # the coordinator writes the commit record from the whole plan
-        return parts
+        return [(part, {k: means[k] for r in g for k in payloads[r][5]}) for part, g in zip(plan.parts(groups), groups)]
+
+    def split(answer: Any, group: range, payloads: list[Any]) -> list[Any]:
+        part, means = answer
+        return [(p, {k: means[k] for k in g[5]}) for p, g in zip(part.parts([(r,) for r in group]), payloads)]
 
     plan, means = comm.coordinate(
         error,
         "preparing the save",
         (infos, col.values, col.per_rank_values, col.rules, col.used, averaged, col.structure, col.ties),
         plan_all,
+        split,
+        lambda payloads: [(i, *p[1:]) for i, p in zip(shared_infos([p[0] for p in payloads]), payloads)],
     )
+    whole = coordinator.get("plan")  # (rank 0: the commit record and the replica check need all of it)
     _set_means(col.fragments, means)
     values, order, layout = coordinator.get("values", ({}, {})), coordinator.get("order", []), coordinator.get("layout", {})
     txn: Transaction | None = None
     error = None
     if comm.rank == 0:
         try:
-            txn = begin_transaction(store, plan, options)
+            txn = begin_transaction(store, whole, options)
         except BaseException as e:
             error = e
     claim = comm.agree(error, f"starting a checkpoint at {store.url}", (txn.save_id, txn.staged) if txn else None)
@@ -562,7 +572,7 @@ def prepare(
     error = None
     staging: Staging | None = None
     exchange = Exchange()
-    digests: Digests = {}
+    digests: Digests = []
     try:
         digests = replica_digests(plan, col.fragments)
         staging = Staging(plan, col.fragments, comm.rank, copy, workers=options.max_workers)
@@ -571,12 +581,12 @@ def prepare(
     except BaseException as e:
         error = e
 
-    def compare(payloads: list[Digests]) -> list[None]:
-        check_replicas(plan, payloads)  # (the coordinator holds the whole plan)
-        return [None] * len(payloads)
+    def compare(payloads: list[Digests], groups: list[range]) -> list[None]:
+        check_replicas(whole, payloads)
+        return [None] * len(groups)
 
     try:
-        comm.coordinate(error, "staging the save", digests, compare)
+        comm.coordinate(error, "staging the save", digests, compare, lambda _, group, __: [None] * len(group))
     except BaseException:
         if txn is not None:
             txn.abort(wrote=False)  # nothing was written yet: the path is left as it was
@@ -584,5 +594,5 @@ def prepare(
     assert staging is not None
     return PreparedSave(
         store, comm, options, plan, txn, save_id, staged, staging, exchange, values, order, layout,
-        structure=coordinator.get("structure"), ties=coordinator.get("ties"),
+        structure=coordinator.get("structure"), ties=coordinator.get("ties"), whole=whole,
     )
