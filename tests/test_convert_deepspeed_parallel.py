@@ -19,7 +19,6 @@ against the real framework (``ds_parallel`` builds; DeepSpeed 0.19.8 on gloo CPU
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import ds_checkpoints as D
@@ -129,7 +128,7 @@ def test_pipeline_resumes_on_three_stages() -> None:
     for param, entry in ref.items():
         for k, t in entry.items():
             assert torch.equal(state[param][k], t), (param, k)
-    assert P.run_info(out)["losses"] == pytest.approx(P.run_info(src)["losses_after"], rel=1e-6)
+    assert P.run_info(out)["losses"] == P.run_info(src)["losses_after"]
 
 
 # --- MoE -----------------------------------------------------------------------------------------
@@ -153,7 +152,7 @@ def test_moe_equals_live_engines(moe: Path, variant: str, tmp_path: Path) -> Non
 def test_moe_loads_at_another_expert_parallel_degree(moe: Path) -> None:
     """The adapter's save at ``ep_size=2`` loaded by an ``ep_size=1`` engine (every rank holds
     all 4 experts): it holds the saved state bit for bit; its own save right after the load
-    holds the same tensors; it computes the uninterrupted run's loss, and trains on."""
+    holds the same tensors; it trains on with the uninterrupted run's losses."""
     src = moe / "z1-fp32"
     state, ref = torch.load(src / "ep1" / "state.pt", weights_only=True), P.reference(src)
     assert sorted(state) == sorted(ref)
@@ -161,10 +160,8 @@ def test_moe_loads_at_another_expert_parallel_degree(moe: Path) -> None:
         for k, t in entry.items():
             assert torch.equal(state[param][k], t), (param, k)
     _same_tensors(ucp_zarr.open(src / "ep1" / "X"), ucp_zarr.open(src / "X"))
-    # the same weights give the same loss (the routing is deterministic: no random token selection);
-    # the next step differs (an expert's gradient is averaged over other groups at another degree)
-    losses, after = P.run_info(src / "ep1")["losses"], P.run_info(src)["losses_after"]
-    assert losses[0] == pytest.approx(after[0], rel=1e-6) and math.isfinite(losses[1])
+    # deterministic routing (no random token selection): the uninterrupted run's losses, bit for bit
+    assert P.run_info(src / "ep1")["losses"] == P.run_info(src)["losses_after"]
 
 
 @pytest.mark.long

@@ -257,6 +257,8 @@ class _Layout:
     """Tied copies: alias name -> the name DeepSpeed stores it under."""
     not_written: set[str] = field(default_factory=set)
     """Parameters this rank loads but leaves to another to save (a pipeline tie's later stages)."""
+    elsewhere: set[str] = field(default_factory=set)
+    """Parameters and buffers only other ranks hold (other pipeline stages, other experts)."""
 
 
 def _layout(engine: Any) -> _Layout:
@@ -300,8 +302,6 @@ def _layout(engine: Any) -> _Layout:
     group_names: list[list[str]] = [[] for _ in base.param_groups]
     for p in params:
         group_names[flat_group[p.flat]].append(p.name)
-    if pipeline or moe:  # the other stages' and expert-parallel ranks' parameters
-        group_names = _all_group_names(group, group_names)
     layout = _Layout(kind, engine, opt, base, group, dist.get_rank(group), dist.get_world_size(group), params, hp_flats,
                      flat_group, group_names, dp_world)
     if pipeline:
@@ -323,6 +323,8 @@ def _layout(engine: Any) -> _Layout:
         for bname, buf in mod.named_buffers(recurse=False):
             if buf is not None and bname not in mod._non_persistent_buffers_set:
                 layout.buffers[f"{mod_name}.{bname}" if mod_name else bname] = buf
+    if pipeline or moe:  # what the other stages and expert-parallel ranks hold
+        _learn_others(layout)
     return layout
 
 
@@ -369,15 +371,19 @@ def _global_names(engine: Any) -> dict[Any, str]:
     return names
 
 
-def _all_group_names(group: Any, mine: list[list[str]]) -> list[list[str]]:
-    """Per param group, the parameters of every rank of ``group`` (in rank order)."""
-    out: list[list[str]] = [[] for _ in mine]
-    for theirs in Comm(group).all_gather(mine):
-        if len(theirs) != len(mine):
-            raise CheckpointError(f"ranks hold {len(theirs)} and {len(mine)} optimizer param groups")
-        for names, more in zip(out, theirs):
-            names += [n for n in more if n not in names]
-    return out
+def _learn_others(layout: _Layout) -> None:
+    """``group_names`` of every rank of the group (in rank order) and ``elsewhere``: the
+    parameters and buffers other ranks hold (collective)."""
+    mine = set(layout.frozen) | set(layout.buffers) | set(layout.aliases) | {p.name for p in layout.params}
+    groups: list[list[str]] = [[] for _ in layout.group_names]
+    everyone: set[str] = set()
+    for theirs, names in Comm(layout.group).all_gather((layout.group_names, sorted(mine))):
+        if len(theirs) != len(groups):
+            raise CheckpointError(f"ranks hold {len(theirs)} and {len(groups)} optimizer param groups")
+        for into, more in zip(groups, theirs):
+            into += [n for n in more if n not in into]
+        everyone.update(names)
+    layout.group_names, layout.elsewhere = groups, everyone - mine
 
 
 def _trainable_tensors(layout: _Layout) -> list[Any]:
@@ -641,10 +647,11 @@ def _load_plan(layout: _Layout, ck: Any, load_optimizer_states: bool, strict: bo
             after.append(lambda: _restore_param_groups(layout, groups, strict))
 
     def is_known(key: str) -> bool:
-        if key in known or key.startswith("client_state."):
+        if key in known or key.startswith("client_state.") or (key.startswith("model.") and key[6:] in layout.elsewhere):
             return True
         if key.startswith("optim.state."):
-            return key[len("optim.state."):].rsplit(".", 1)[0] in trainable
+            name = key[len("optim.state."):].rsplit(".", 1)[0]
+            return name in trainable or name in layout.elsewhere
         return False
 
     unexpected = [k for k in saved if not is_known(k)]
