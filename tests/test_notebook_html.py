@@ -1,13 +1,16 @@
 """The Jupyter face (ucp_zarr.notebook): checkpoint and tensor HTML, statistics, diffs, plots.
 
 The HTML is parsed (html.parser) and checked for what a reader sees: the tree with each
-parameter's moments in its group, escaped keys and values, the picture of which rank wrote
-which region of a multi-rank save, the diff table; the plots are checked against numbers
-computed here with torch; rendering over S3 fetches nothing beyond what open() read."""
+parameter's moments in its group, escaped keys and values, values and bytes by module and
+dtype, the tree's filter, the picture of which rank wrote which region of a multi-rank save,
+the diff table and its header when everything differs; the plots are checked against numbers
+computed here with torch; rendering over S3 fetches nothing beyond what open() read. Runs of
+steps: tests/test_runs.py."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import subprocess
 import sys
@@ -158,6 +161,7 @@ def test_odd_keys_and_values_are_escaped(tmp_path: Path) -> None:
     assert "&lt;script&gt;alert(&#x27;k&#x27;)&lt;/script&gt;" in html
     assert "&lt;img src=x onerror=alert(1)&gt;" in html
     assert f"model.{evil}" in {c["text"] for c in Dom(html).find("td", **{"class": "key"})}
+    assert evil in {d["attrs"]["data-name"] for d in Dom(html).find("details", **{"class": "group"})}
 
 
 def test_huge_checkpoint_html_is_bounded(tmp_path: Path) -> None:
@@ -184,9 +188,93 @@ def test_tree_of_20k_tensors_is_bounded() -> None:
     ck = Checkpoint(open_store(f"memory://nb-{uuid.uuid4().hex[:8]}/huge"), meta)
     html = notebook.checkpoint_html(ck, max_rows=0, max_nodes=500)
     dom = Dom(html)
-    assert len(dom.find("details")) == 500
+    assert len(dom.find("details", **{"class": "module"}) + dom.find("details", **{"class": "group"})) == 500
     assert len(html) < 200_000
     assert "<td>tensors</td><td>20,000, 312.5 KiB</td>" in html
+
+
+# --- values and bytes by module and dtype; the tree's filter ---------------------------------
+
+
+def _table_rows(html: str, cls: str) -> dict[str, list[str]]:
+    """The rows of the table of class ``cls``: first cell -> the other cells' text."""
+    dom = Dom(html)
+    table = dom.find("table", **{"class": cls})[0]
+    rows = {}
+    for tr in dom.inside(table, "tr"):
+        cells = [td["text"] for td in dom.inside(tr, "td")]
+        if cells:
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_summary_by_module_and_dtype(tmp_path: Path) -> None:
+    net, opt = _trained(named=True)
+    net.head.weight.data = net.head.weight.data.bfloat16().float()
+    sd = net.state_dict()
+    sd["head.weight"] = sd["head.weight"].bfloat16()
+    optim = opt.state_dict()
+    ucp_zarr.save({"model": sd, "optim": optim, "step": 3, "rng": ucp_zarr.PerRank(torch.arange(4))}, tmp_path / "ck")
+    ck = ucp_zarr.open(tmp_path / "ck")
+    summary = ck.summary()
+    moments = [t for st in optim["state"].values() for t in st.values()]
+    assert summary.parameters == summary.total.model == sum(t.numel() for t in sd.values())
+    assert summary.total.optimizer == sum(t.numel() for t in moments)  # exp_avg, exp_avg_sq and the step counts
+    assert summary.total.other == 4 and summary.total.nbytes == ck.nbytes()
+    mods = {r.name: r for r in summary.modules}
+    assert list(mods) == ["embed", "blocks.0", "blocks.1", "blocks.2", "head", ""]
+    assert mods["blocks.1"].model == 8 * 8 + 8 and mods["blocks.1"].optimizer == 2 * (8 * 8 + 8) + 2
+    assert mods["head"].dtypes == {"bfloat16": 4 * 8 * 2, "float32": 2 * 4 * 8 * 4 + 4}  # moments in fp32, step
+    assert mods[""].other == 4 and mods[""].tensors == 1  # rng, per-rank, at the top level
+    dtypes = {r.name: r for r in summary.dtypes}
+    assert dtypes["bfloat16"].model == 32 and dtypes["bfloat16"].nbytes == 64 and summary.dtypes[0].name == "float32"
+    assert [r.name for r in ck.summary(depth=1).modules] == ["embed", "blocks", "head", ""]
+    with pytest.raises(ValueError, match="depth is a positive integer"):
+        ck.summary(depth=0)
+    # the HTML: the same numbers, as the checkpoint's view shows them too
+    html = summary._repr_html_()
+    rows = _table_rows(html, "modules")
+    assert rows["blocks.1"][:5] == ["8", "72", "146", "0", notebook.human_bytes(mods["blocks.1"].nbytes)]
+    assert rows["total"][1] == f"{summary.total.model:,}" and rows["(top level)"][3] == "4"
+    assert "bfloat16 64 B" in rows["head"][-1]
+    assert _table_rows(html, "dtypes")["bfloat16"][1] == "32"
+    view = ck._repr_html_()
+    assert _table_rows(view, "modules") == rows
+    facts = "".join(n["text"] for n in Dom(view).find("table", **{"class": "facts"}))
+    assert f"{summary.total.model:,} model (parameters and buffers) \u00b7 {summary.total.optimizer:,} optimizer state" in facts
+    assert json.loads(json.dumps(summary.to_dict()))["total"]["model"] == summary.parameters
+
+
+def test_summary_of_a_huge_index_is_bounded() -> None:
+    digest = "sha256:" + "0" * 64
+    tensors = {f"model.layers.{i}.w": TensorEntry(f"layers.{i}.w/model", (4,), "float32", digest) for i in range(500)}
+    ck = Checkpoint(open_store(f"memory://nb-{uuid.uuid4().hex[:8]}/s"), CheckpointMeta(tensors, {}, "x", "ucp_zarr", "0" * 32))
+    html = notebook.summary_html(ck.summary(), max_rows=10)
+    rows = _table_rows(html, "modules")
+    assert len(rows) == 12 and rows["\u2026 490 more modules"][:2] == ["490", "1,960"] and rows["total"][1] == "2,000"
+
+
+def test_tree_filter(tmp_path: Path) -> None:
+    """``ck.tree(filter)``: the groups whose name or keys hold the text (optimizer state keyed by
+    number is found by its parameter's name); the checkpoint's view has the filter box."""
+    net, opt = _trained(named=False)
+    ucp_zarr.save({"model": net.state_dict(), "optim": opt.state_dict()}, tmp_path / "ck", model=net)
+    ck = ucp_zarr.open(tmp_path / "ck")
+    tree = ck.tree(filter="BLOCKS.1")
+    fqns = [k for k, _ in net.named_parameters()]
+    want = {f"model.blocks.1.{n}" for n in ("weight", "bias")}
+    want |= {f"optim.state.{fqns.index(f'blocks.1.{n}')}.{m}"
+             for n in ("weight", "bias") for m in ("exp_avg", "exp_avg_sq", "step")}
+    assert set(tree.keys) == want
+    groups = _groups(tree._repr_html_())
+    assert set(groups) == {"blocks.1.weight", "blocks.1.bias"} and set().union(*groups.values()) == want
+    assert repr(tree).endswith(f"{len(want)} of {len(ck)} tensors matching 'BLOCKS.1'>")
+    assert set(ck.tree(filter="exp_avg_sq").keys) == {k for k in ck.keys() if k.endswith("exp_avg_sq")}
+    assert ck.tree(filter="nothing").keys == [] and "0 of" in ck.tree(filter="nothing")._repr_html_()
+    box = Dom(ck._repr_html_()).find("input", **{"class": "ucpz-filter"})
+    assert len(box) == 1 and "querySelectorAll('details.group')" in box[0]["attrs"]["oninput"]
+    names = {d["attrs"]["data-name"] for d in Dom(ck._repr_html_()).find("details", **{"class": "group"})}
+    assert names == set(fqns)
 
 
 # --- the rank picture of a multi-rank save ---------------------------------------------------
@@ -355,6 +443,48 @@ def test_diff_table(tmp_path: Path) -> None:
     assert tensor_rows[:2] == ["model.gone", "model.new"] and tensor_rows[-1] == "model.b"  # missing first, equal last
     values = dom.find("table", **{"class": "values"})[0]
     assert [td["text"] for td in dom.inside(values, "td")] == ["step", "1", "2"]
+
+
+def test_diff_header_when_everything_differs(tmp_path: Path) -> None:
+    """Steps of training (small updates), unrelated checkpoints (independent weights) and
+    checkpoints with no key in common each get a header that says so; a long table shows its
+    largest relative updates and keeps every row folded."""
+    g = torch.Generator().manual_seed(5)
+    a = {f"layers.{i}.w": torch.randn(16, 16, generator=g) for i in range(30)}
+    stepped = {k: v + 1e-5 * 1.3 ** int(k.split(".")[1]) * torch.randn(16, 16, generator=g) for k, v in a.items()}
+    unrelated = {k: torch.randn(16, 16, generator=g) for k in a}
+    for name, model in (("a", a), ("stepped", stepped), ("unrelated", unrelated), ("renamed", {"x" + k: v for k, v in a.items()}),
+                        ("few_a", dict(list(a.items())[:3])), ("few_b", dict(list(unrelated.items())[:3]))):
+        ucp_zarr.save({"model": model}, tmp_path / name)
+
+    def headline(html: str) -> tuple[str, str]:
+        (div,) = [d for d in Dom(html).find("div") if "headline" in (d["attrs"].get("class") or "")]
+        return div["attrs"]["class"], " ".join(div["text"].split())
+
+    d = diff(tmp_path / "a", tmp_path / "stepped")
+    html = d._repr_html_()
+    cls, text = headline(html)
+    assert cls == "headline" and "every one of the 30 tensors in common differs" in text
+    assert "as between steps of training" in text
+    rels = sorted(r.rel_update for r in d.rows)
+    assert f"= {rels[15]:.3g}" in text  # the median
+    dom = Dom(html)
+    top = dom.find("table", **{"class": "diff top"})[0]
+    keys = [c["text"] for c in dom.inside(top, "td") if c["attrs"].get("class") == "key"]
+    assert keys == [f"model.layers.{i}.w" for i in range(29, 19, -1)]  # the largest updates: the last layers
+    folded = dom.find("details", **{"class": "all"})[0]
+    assert len([tr for tr in dom.inside(folded, "tr") if tr["attrs"].get("data-status")]) == 30
+    assert "open" not in folded["attrs"]
+    cells = {c["text"] for c in dom.inside(top, "td") if "rel" in (c["attrs"].get("class") or "")}
+    assert f"{max(rels):.3g}" in cells
+
+    cls, text = headline(diff(tmp_path / "a", tmp_path / "unrelated")._repr_html_())
+    assert cls == "headline bad" and "These look like unrelated checkpoints" in text
+    cls, text = headline(diff(tmp_path / "a", tmp_path / "renamed")._repr_html_())
+    assert cls == "headline bad" and text.startswith("no tensor in common: A has 30 tensors, B 30")
+    few = diff(tmp_path / "few_a", tmp_path / "few_b")._repr_html_()  # short: header, and the whole table open
+    assert "unrelated" in headline(few)[1] and "<details" not in few and few.count("data-status='differs'") == 3
+    assert "headline" not in diff(tmp_path / "a", tmp_path / "a")._repr_html_()
 
 
 # --- plots -----------------------------------------------------------------------------------

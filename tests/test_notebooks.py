@@ -12,7 +12,7 @@ import pytest
 from _notebooks import NOTEBOOKS, execute
 
 MAX_NOTEBOOK_BYTES = 300_000
-EXPECTED = ["elastic_resume.ipynb", "other_tools.ipynb", "quickstart.ipynb"]
+EXPECTED = ["elastic_resume.ipynb", "other_tools.ipynb", "quickstart.ipynb", "training_run.ipynb"]
 
 
 def _outputs(nb: nbformat.NotebookNode) -> list[tuple[int, dict]]:
@@ -52,8 +52,9 @@ def test_quickstart() -> None:
     nb, _ = execute("quickstart.ipynb")
     html = _html(nb)
     tree = next(h for h in html if "ucp_zarr checkpoint" in h)
-    assert "<details class='group' open>" in tree and "<details class='module'" in tree
+    assert re.search(r"<details class='group' data-name='[^']+' open>", tree) and "<details class='module'" in tree
     assert "optim.exp_avg_sq" in tree  # moments listed in their parameter's group
+    assert "class='ucpz-filter'" in tree and "<table class='modules'>" in tree  # the filter box, the summary
     assert any("<svg" in h and "class='region'" in h for h in html)  # the tensor view
     assert any("<th>norm</th>" in h for h in html)  # its statistics
     diff = next(h for h in html if "data-status" in h)
@@ -61,6 +62,29 @@ def test_quickstart() -> None:
     assert len(_pngs(nb)) == 2  # the norm plot, the histograms
     m = re.search(r"\(2, 64\) torch.float32: ([\d,]+) bytes read of ([\d,]+)", _text(nb))
     assert m and int(m[1].replace(",", "")) < int(m[2].replace(",", "")) / 2  # a partial read
+
+
+def test_training_run() -> None:
+    """A manager run of 4 steps: its table, a summary, a filtered tree, norms and updates over
+    steps, histograms across steps, a diff of two steps (small updates) and of unrelated
+    checkpoints (said so)."""
+    nb, _ = execute("training_run.ipynb")
+    html = _html(nb)
+    assert "steps saved: [0, 2, 4, 6]" in _text(nb)
+    run = next(h for h in html if "ucp_zarr run" in h)
+    assert run.count("data-state='committed'") == 4
+    summary = next(h for h in html if "<b>summary</b>" in h)
+    assert "<td><code>blocks.2</code></td>" in summary and "<table class='dtypes'>" in summary
+    tree = next(h for h in html if "<b>tree</b>" in h)
+    names = re.findall(r"data-name='([^']+)'", tree)
+    assert len(names) == 6 and all(".fc1." in n for n in names)
+    norms = next(h for h in html if "L2 norm</b> of 3 tensors at 4 steps" in h)
+    assert norms.count("<td class='key'>") == 3
+    diffs = [h for h in html if "class='headline" in h]
+    assert len(diffs) == 2
+    assert "class='headline'>" in diffs[0] and "as between steps of training" in diffs[0]
+    assert "class='headline bad'>" in diffs[1] and "unrelated checkpoints" in diffs[1]
+    assert len(_pngs(nb)) == 3  # norms and updates, histograms, updates by layer
 
 
 def test_elastic_resume() -> None:

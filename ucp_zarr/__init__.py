@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .ops import CheckpointManager, optimal_interval
     from .place import place
     from .rules import RuleError, Rules
+    from .runs import open_run
     from .saver import SaveResult
 
 _LAZY = {
@@ -70,6 +71,7 @@ _LAZY = {
     "place": ".place",
     "RuleError": ".rules",
     "Rules": ".rules",
+    "open_run": ".runs",
     "SaveResult": ".saver",
     "ZarrStorageReader": ".adapters.dcp",
     "ZarrStorageWriter": ".adapters.dcp",
@@ -118,6 +120,7 @@ __all__ = [
     "export",
     "load",
     "open",
+    "open_run",
     "optimal_interval",
     "place",
     "read_state_dict",

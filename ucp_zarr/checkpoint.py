@@ -47,7 +47,8 @@ from .transaction import committed_store
 if TYPE_CHECKING:
     import torch
 
-    from .inspect import TensorStats
+    from .inspect import CheckpointSummary, TensorStats
+    from .notebook import CheckpointTree
     from .rules import Rules
 
 
@@ -375,6 +376,21 @@ class Checkpoint:
         from .notebook import checkpoint_html
 
         return checkpoint_html(self)
+
+    def summary(self, depth: int = 2) -> "CheckpointSummary":
+        """Elements (model, optimizer state, other) and bytes by module (parameter FQNs cut to
+        ``depth`` names) and by dtype, from the commit record (see
+        :func:`ucp_zarr.inspect.checkpoint_summary`)."""
+        from .inspect import checkpoint_summary
+
+        return checkpoint_summary(self, depth)
+
+    def tree(self, filter: str | None = None) -> "CheckpointTree":
+        """The tree of groups (as the checkpoint displays it) of the tensors whose key or
+        parameter name holds ``filter`` (case-insensitive), for Jupyter."""
+        from .notebook import CheckpointTree
+
+        return CheckpointTree(self, filter)
 
 
 WHOLE_SHARD_BYTES = 4 << 20

@@ -15,6 +15,7 @@ import itertools
 import math
 import os
 import re
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -255,7 +256,15 @@ def select_keys(ck: Checkpoint, patterns: Iterable[str] | None) -> list[str]:
     if patterns is None:
         return ck.keys()
     pats = list(patterns)
-    return [k for k in ck.keys() if any(matches(k, p) for p in pats)]
+    globs = [p for p in pats if any(c in p for c in "*?[")]
+    plain = set(pats).difference(globs)  # (many exact keys: each key's dotted prefixes looked up, not every pattern tried)
+
+    def hit(key: str) -> bool:
+        parts = key.split(".")
+        return (any(".".join(parts[:i]) in plain for i in range(1, len(parts) + 1)) if plain else False) or any(
+            fnmatch.fnmatchcase(key, g) for g in globs)
+
+    return [k for k in ck.keys() if hit(k)]
 
 
 def list_tensors(ck: Checkpoint, pattern: str | None = None) -> list[TensorRow]:
@@ -294,6 +303,114 @@ def checkpoint_info(ck: Checkpoint) -> dict[str, Any]:
         "index": {k: {"path": e.path, "shape": list(e.shape), "dtype": e.dtype, "nbytes": e.nbytes}
                   for k, e in meta.tensors.items()},
     }
+
+
+# --- summary ------------------------------------------------------------------------------
+
+KINDS = ("model", "optimizer", "other")
+"""What a tensor is, for :func:`checkpoint_summary` (see :func:`tensor_kind`)."""
+
+
+def tensor_kind(key: str, ranks: Any = None) -> str:
+    """``"optimizer"`` for ``<top>.state.<param>.<name>`` keys (moments, step counts, fp32
+    masters: the keys optimizers' ``state_dict()`` and the converters give), ``"other"`` for
+    per-rank state (``ranks`` given) and top-level tensors (``"step"``), else ``"model"``
+    (parameters and buffers)."""
+    parts = key.split(".")
+    if ranks is not None or len(parts) == 1:
+        return "other"
+    return "optimizer" if len(parts) >= 4 and parts[1] == "state" else "model"
+
+
+def module_of(group: str, depth: int) -> str:
+    """The module of a parameter group (its FQN) cut to ``depth`` names, never the parameter's
+    own name: ``("blocks.0.attn.qkv.weight", 2)`` -> ``"blocks.0"``, ``("head.weight", 2)`` ->
+    ``"head"``; ``""`` for a top-level name."""
+    parts = group.split(".")
+    return ".".join(parts[: min(depth, len(parts) - 1)])
+
+
+def group_of(path: str) -> str:
+    """The parameter group (the parameter's FQN) of an array path ``<group>/<array>``."""
+    return urllib.parse.unquote(path.partition("/")[0])
+
+
+@dataclass
+class SummaryRow:
+    """The tensors of one module (or of one dtype) in a :class:`CheckpointSummary`:
+    elements by kind (see :func:`tensor_kind`), bytes, and the dtypes seen."""
+
+    name: str
+    tensors: int = 0
+    model: int = 0
+    optimizer: int = 0
+    other: int = 0
+    nbytes: int = 0
+    dtypes: dict[str, int] = field(default_factory=dict)
+    """Bytes by dtype."""
+
+    def add(self, kind: str, numel: int, nbytes: int, dtype: str) -> None:
+        self.tensors += 1
+        setattr(self, kind, getattr(self, kind) + numel)
+        self.nbytes += nbytes
+        self.dtypes[dtype] = self.dtypes.get(dtype, 0) + nbytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "tensors": self.tensors, "model": self.model, "optimizer": self.optimizer,
+                "other": self.other, "nbytes": self.nbytes, "dtypes": dict(self.dtypes)}
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    """Parameter counts and bytes of a checkpoint by module and by dtype
+    (:func:`checkpoint_summary`, ``ck.summary()``). Elements are counted per kind:
+    ``model`` (parameters and buffers), ``optimizer`` (optimizer state) and ``other``;
+    per-rank tensors once (one copy), tied tensors once."""
+
+    url: str
+    depth: int
+    modules: list[SummaryRow]
+    """By module (the parameter's FQN cut to ``depth`` names; ``""``: top level), in key order."""
+    dtypes: list[SummaryRow]
+    """By dtype, largest first."""
+    total: SummaryRow
+
+    @property
+    def parameters(self) -> int:
+        """Elements of the model's tensors (parameters and buffers)."""
+        return self.total.model
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "depth": self.depth, "total": self.total.to_dict(),
+                "modules": [r.to_dict() for r in self.modules], "dtypes": [r.to_dict() for r in self.dtypes]}
+
+    def __repr__(self) -> str:
+        t = self.total
+        return (f"<CheckpointSummary {self.url}: {t.model:,} model values, {t.optimizer:,} optimizer values, "
+                f"{t.other:,} other, {t.nbytes:,} bytes; {len(self.modules)} modules at depth {self.depth}>")
+
+    def _repr_html_(self) -> str:
+        from .notebook import summary_html
+
+        return summary_html(self)
+
+
+def checkpoint_summary(ck: Checkpoint, depth: int = 2) -> CheckpointSummary:
+    """Elements (model, optimizer, other) and bytes of ``ck`` by module (each tensor's
+    parameter group, cut to ``depth`` names by :func:`module_of`) and by dtype. Reads the
+    commit record only."""
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"depth is a positive integer (how many names of the FQN make a module), got {depth!r}")
+    modules: dict[str, SummaryRow] = {}
+    dtypes: dict[str, SummaryRow] = {}
+    total = SummaryRow("total")
+    for key, e in ck.meta.tensors.items():
+        name = module_of(group_of(e.path), depth)
+        args = (tensor_kind(key, e.ranks), math.prod(e.shape), e.nbytes, e.dtype)
+        for row in (modules.setdefault(name, SummaryRow(name)), dtypes.setdefault(e.dtype, SummaryRow(e.dtype)), total):
+            row.add(*args)
+    return CheckpointSummary(ck.store.url, depth, list(modules.values()),
+                             sorted(dtypes.values(), key=lambda r: -r.nbytes), total)
 
 
 # --- statistics ---------------------------------------------------------------------------
@@ -423,6 +540,56 @@ def tensor_stats(
     )
 
 
+def _finite(block: np.ndarray) -> np.ndarray:
+    """A block's finite values, flattened (ints and bools as float64)."""
+    if block.dtype.kind == "c":
+        raise TypeError("complex tensors have no histogram here: plot their abs or real part")
+    flat = block.reshape(-1)
+    return flat[np.isfinite(flat)] if flat.dtype.kind == "f" else flat.astype(np.float64)
+
+
+@dataclass(frozen=True)
+class ValueRange:
+    """The finite values of a tensor (:func:`value_range`): their range and count, and how many
+    elements are NaN or Inf (``skipped``). ``lo``/``hi`` are None when no value is finite."""
+
+    lo: float | None
+    hi: float | None
+    count: int
+    skipped: int
+
+
+def value_range(ck: Checkpoint, key: str, *, max_bytes: int = MAX_BYTES) -> ValueRange:
+    """The range of tensor ``key``'s finite values, streamed block by block."""
+    lo, hi, skipped, count = math.inf, -math.inf, 0, 0
+    for _, block in iter_blocks(ck, key, max_bytes=max_bytes):
+        finite = _finite(block)
+        skipped += block.size - finite.size
+        count += finite.size
+        if finite.size:
+            lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
+    return ValueRange(lo if count else None, hi if count else None, count, skipped)
+
+
+def histogram_edges(lo: float | None, hi: float | None, bins: int) -> np.ndarray:
+    """``bins + 1`` equal bins over ``[lo, hi]`` (one unit wide around a single value; ``[0, 1]``
+    without values)."""
+    if lo is None or hi is None:
+        lo, hi = 0.0, 1.0
+    elif lo == hi:
+        lo, hi = lo - 0.5, hi + 0.5
+    return np.linspace(lo, hi, bins + 1)
+
+
+def histogram_counts(ck: Checkpoint, key: str, edges: np.ndarray, *, max_bytes: int = MAX_BYTES) -> np.ndarray:
+    """How many finite values of tensor ``key`` fall in each bin of ``edges`` (as
+    :func:`numpy.histogram` counts them), streamed block by block."""
+    counts = np.zeros(len(edges) - 1, dtype=np.int64)
+    for _, block in iter_blocks(ck, key, max_bytes=max_bytes):
+        counts += np.histogram(_finite(block), bins=edges)[0]
+    return counts
+
+
 # --- diff ---------------------------------------------------------------------------------
 
 STATUSES = ("equal", "differs", "only_a", "only_b", "shape", "dtype")
@@ -439,7 +606,11 @@ class DiffRow:
     an Inf meets a finite value); ``max_rel = max_abs / max |b|`` over b's finite values, one
     scale per tensor, so tiny elements do not blow it up (inf when b is all zeros and a not);
     ``nan_mismatch`` counts elements NaN in one and not the other. ``rank``: the saving rank
-    of a per-rank copy, else None."""
+    of a per-rank copy, else None.
+
+    ``norm_a`` is the L2 norm of a's finite values and ``norm_delta`` that of ``b - a`` over
+    the elements finite in both (in float64; complex: moduli); :attr:`rel_update` is their
+    ratio, the relative update ``‖Δw‖/‖w‖`` from a to b."""
 
     key: str
     status: str
@@ -452,6 +623,18 @@ class DiffRow:
     max_rel: float | None = None
     nan_mismatch: int | None = None
     rank: int | None = None
+    norm_a: float | None = None
+    norm_delta: float | None = None
+
+    @property
+    def rel_update(self) -> float | None:
+        """``norm_delta / norm_a`` (0 when nothing changed, inf from all zeros); None when the
+        values were not compared."""
+        if self.norm_a is None or self.norm_delta is None:
+            return None
+        if self.norm_delta == 0.0:
+            return 0.0
+        return self.norm_delta / self.norm_a if self.norm_a > 0 else math.inf
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -460,7 +643,8 @@ class DiffRow:
             "shape_b": None if self.shape_b is None else list(self.shape_b),
             "dtype_a": self.dtype_a, "dtype_b": self.dtype_b, "ndiff": self.ndiff,
             "max_abs": _json_float(self.max_abs), "max_rel": _json_float(self.max_rel),
-            "nan_mismatch": self.nan_mismatch, "rank": self.rank,
+            "nan_mismatch": self.nan_mismatch, "rank": self.rank, "norm_a": _json_float(self.norm_a),
+            "norm_delta": _json_float(self.norm_delta), "rel_update": _json_float(self.rel_update),
         }
 
 
@@ -541,10 +725,13 @@ class _Compare:
     nan_mismatch: int = 0
     max_abs: float = 0.0
     max_b: float = 0.0
+    sq_a: float = 0.0
+    sq_delta: float = 0.0
 
     def add(self, ra: np.ndarray, rb: np.ndarray, dtype_a: str, dtype_b: str) -> None:
         wa, wb = widen(ra, dtype_a).reshape(-1), widen(rb, dtype_b).reshape(-1)
         self.max_b = max(self.max_b, _max_finite_abs(wb))
+        self.sq_a += _sum_squares(wa)
         if dtype_a == dtype_b:
             bits = _bits(ra) != _bits(rb)
             differ = bits.any(axis=1) if bits.ndim == 2 else bits
@@ -560,7 +747,9 @@ class _Compare:
         self.nan_mismatch += int((na != nb).sum())
         both = ~(na | nb)
         if both.any():
-            self.max_abs = max(self.max_abs, float(np.abs(da[both] - db[both]).max()))
+            delta = np.abs(da[both] - db[both])
+            self.max_abs = max(self.max_abs, float(delta.max()))
+            self.sq_delta += _sum_squares(delta)
 
     def row(self, key: str, status: str, shape: tuple[int, ...], dtype_a: str, dtype_b: str, rank: int | None) -> DiffRow:
         if self.max_abs == 0.0:
@@ -569,7 +758,24 @@ class _Compare:
             rel = self.max_abs / self.max_b if self.max_b > 0 else math.inf
         if status == "equal" and self.ndiff:
             status = "differs"
-        return DiffRow(key, status, shape, shape, dtype_a, dtype_b, self.ndiff, self.max_abs, rel, self.nan_mismatch, rank)
+        return DiffRow(key, status, shape, shape, dtype_a, dtype_b, self.ndiff, self.max_abs, rel, self.nan_mismatch, rank,
+                       math.sqrt(self.sq_a), math.sqrt(self.sq_delta))
+
+
+def _sum_squares(w: np.ndarray) -> float:
+    """The sum of the squares of ``w``'s finite values (moduli for complex), in float64, in
+    pieces of :data:`_PIECE` elements (bounded temporaries)."""
+    total = 0.0
+    for start in range(0, w.size, _PIECE):
+        x = w[start : start + _PIECE]
+        if x.dtype.kind == "c":
+            x = np.abs(x)
+        sq = np.square(x, dtype=np.float64)
+        piece = float(sq.sum())
+        if not math.isfinite(piece) and x.dtype.kind == "f":  # NaN/Inf left out (an overflowing square stays inf)
+            piece = float(sq[np.isfinite(x)].sum())
+        total += piece
+    return total
 
 
 def _max_finite_abs(w: np.ndarray) -> float:

@@ -2,14 +2,19 @@
 
 A thin layer over :class:`~ucp_zarr.checkpoint.Checkpoint` and :mod:`ucp_zarr.inspect`:
 
-* :func:`checkpoint_html` (``Checkpoint._repr_html_``) and :func:`tensor_html`
-  (``TensorView._repr_html_``) read metadata only (the commit record, whose consolidated
-  metadata holds every array's ``zarr.json``), never tensor data: no request beyond
-  :func:`ucp_zarr.open`'s on object stores, and bounded in size for any checkpoint;
-* :func:`stats_html`, :func:`diff_html` render what :func:`ucp_zarr.inspect.tensor_stats` and
-  :func:`ucp_zarr.inspect.diff` computed;
-* :func:`plot_norms` and :func:`plot_histogram` stream tensors block by block (bounded memory)
-  and draw with matplotlib, imported when first called.
+* :func:`checkpoint_html` (``Checkpoint._repr_html_``: facts, values and bytes by module and
+  dtype, the tree of groups with a filter box), :class:`CheckpointTree` (``ck.tree(filter)``),
+  :func:`summary_html` (``ck.summary()``) and :func:`tensor_html` (``TensorView._repr_html_``)
+  read metadata only (the commit record, whose consolidated metadata holds every array's
+  ``zarr.json``), never tensor data: no request beyond :func:`ucp_zarr.open`'s on object
+  stores, and bounded in size for any checkpoint;
+* :func:`run_html` (a :class:`~ucp_zarr.runs.Run`'s steps) reads the steps' commit records;
+* :func:`stats_html`, :func:`diff_html`, :func:`series_html` render what
+  :func:`ucp_zarr.inspect.tensor_stats`, :func:`ucp_zarr.inspect.diff` and
+  :class:`~ucp_zarr.runs.Run` computed;
+* :func:`plot_norms`, :func:`plot_histogram`, :func:`plot_updates`, :func:`plot_series` and
+  :func:`plot_step_histograms` draw with matplotlib, imported when first called; what they
+  draw was streamed block by block (bounded memory).
 
 Every string taken from a checkpoint (keys, paths, values) is HTML-escaped. Importing this
 module imports neither torch nor matplotlib.
@@ -23,14 +28,17 @@ import math
 import re
 import urllib.parse
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     from matplotlib.axes import Axes
 
     from .checkpoint import Checkpoint, TensorView
     from .format import ArrayMeta, Region, TensorEntry
-    from .inspect import CheckpointDiff, TensorStats
+    from .inspect import CheckpointDiff, CheckpointSummary, DiffRow, SummaryRow, TensorStats
+    from .runs import Run, StepHistograms, StepSeries
 
 MAX_ROWS = 200
 """Array rows a checkpoint's tree shows in full; further groups show their totals only."""
@@ -119,14 +127,16 @@ class _Node:
 
     name: str
     group: bool = False
+    fqn: str = ""
+    """A group's whole name (the parameter's FQN)."""
     children: dict[tuple[str, bool], "_Node"] = field(default_factory=dict)
     arrays: list[tuple[str, str, "TensorEntry"]] = field(default_factory=list)
     """(array name within the group, tensor key, index entry)."""
     count: int = 0
     nbytes: int = 0
 
-    def add(self, parts: list[str], row: tuple[str, str, "TensorEntry"], nbytes: int) -> None:
-        """Add an array under the module path ``parts[:-1]``, in the group ``parts[-1]``."""
+    def add(self, parts: list[str], row: tuple[str, str, "TensorEntry"], nbytes: int, fqn: str) -> None:
+        """Add an array under the module path ``parts[:-1]``, in the group ``parts[-1]`` (named ``fqn``)."""
         node = self
         for i, part in enumerate(parts):
             node.count += 1
@@ -134,7 +144,7 @@ class _Node:
             at = (part, i == len(parts) - 1)
             child = node.children.get(at)
             if child is None:
-                child = node.children[at] = _Node(part, group=at[1])
+                child = node.children[at] = _Node(part, group=at[1], fqn=fqn if at[1] else "")
             node = child
         node.count += 1
         node.nbytes += nbytes
@@ -145,18 +155,24 @@ class _Node:
         node = self
         while not node.group and len(node.children) == 1:
             (child,) = node.children.values()
-            node = _Node(f"{node.name}.{child.name}", child.group, child.children, child.arrays, child.count, child.nbytes)
+            node = _Node(f"{node.name}.{child.name}", child.group, child.fqn, child.children, child.arrays, child.count,
+                         child.nbytes)
         node.children = {k: c.collapsed() for k, c in node.children.items()}
         return node
 
 
-def checkpoint_tree(ck: "Checkpoint") -> _Node:
-    """The checkpoint's tensors as a tree of their Zarr groups (one group per parameter, which
-    holds its optimizer moments too), group names split at dots, single-child chains merged."""
+def checkpoint_tree(ck: "Checkpoint", keys: "Collection[str] | None" = None) -> _Node:
+    """The checkpoint's tensors (those of ``keys``, if given) as a tree of their Zarr groups (one
+    group per parameter, which holds its optimizer moments too), group names split at dots,
+    single-child chains merged."""
+    from .inspect import group_of
+
     root = _Node("")
     for key, entry in ck.meta.tensors.items():
-        group, _, name = (urllib.parse.unquote(p) for p in entry.path.partition("/"))
-        root.add([p for p in group.split(".") if p] or [group], (name, key, entry), entry.nbytes)
+        if keys is not None and key not in keys:
+            continue
+        group, name = group_of(entry.path), urllib.parse.unquote(entry.path.partition("/")[2])
+        root.add([p for p in group.split(".") if p] or [group], (name, key, entry), entry.nbytes, group)
     root.children = {k: c.collapsed() for k, c in root.children.items()}
     return root
 
@@ -196,7 +212,7 @@ def _node_html(ck: "Checkpoint", node: _Node, budget: _Budget, opened: bool) -> 
     totals = f"{_n(node.count, 'tensor')}, {human_bytes(node.nbytes)}"
     if not node.group:
         summary = f"<summary><b>{_e(node.name)}</b> <span class='dim'>{totals}</span></summary>"
-        inner = _children_html(ck, list(node.children.values()), budget, False)
+        inner = _children_html(ck, list(node.children.values()), budget, opened)
         return f"<details class='module'{' open' * opened}>{summary}{inner}</details>"
     names = ", ".join(name for name, _, _ in node.arrays[:6]) + (", \u2026" if len(node.arrays) > 6 else "")
     shape = _shape(node.arrays[0][2].shape)
@@ -209,7 +225,7 @@ def _node_html(ck: "Checkpoint", node: _Node, budget: _Budget, opened: bool) -> 
         budget.rows = 0
         body = (f"<div class='dim'>{len(node.arrays)} arrays not listed (over the tree's row limit): "
                 "use <code>ck.keys()</code> and <code>ck[key]</code></div>")
-    return f"<details class='group'{' open' * opened}>{summary}{body}</details>"
+    return f"<details class='group' data-name='{_e(node.fqn)}'{' open' * opened}>{summary}{body}</details>"
 
 
 def _children_html(ck: "Checkpoint", children: list[_Node], budget: _Budget, opened: bool,
@@ -228,12 +244,16 @@ def _children_html(ck: "Checkpoint", children: list[_Node], budget: _Budget, ope
     return "".join(out)
 
 
-def _facts_html(ck: "Checkpoint", nbytes: int) -> str:
+def _facts_html(ck: "Checkpoint", nbytes: int, summary: "CheckpointSummary") -> str:
     meta = ck.meta
     md = ck.metadata
+    t = summary.total
     facts: list[tuple[str, str]] = [
         ("step", _e(repr(md["step"]))),
         ("tensors", f"{len(meta.tensors):,}, {human_bytes(nbytes)}"),
+        ("elements", f"{_counts_text(t)} <span class='dim'>(<code>ck.summary()</code>)</span>"),
+        ("by module", f"<details class='summary'><summary>{_n(len(summary.modules), 'module')} at depth "
+                      f"{summary.depth}, {_n(len(summary.dtypes), 'dtype')}</summary>{_summary_tables(summary)}</details>"),
         ("saved by", _n(meta.world_size, "rank")),
         ("created", _e(meta.created)),
         ("library", _e(meta.library)),
@@ -257,8 +277,8 @@ def _facts_html(ck: "Checkpoint", nbytes: int) -> str:
         rows = "".join(f"<tr><td><code>{_e(k)}</code></td><td><code>{_e(_short(v))}</code></td></tr>"
                        for k, v in list(values.items())[:MAX_VALUES])
         more = f"<div class='dim'>\u2026 and {len(values) - MAX_VALUES} more</div>" if len(values) > MAX_VALUES else ""
-        summary = f"<summary>{len(values)} non-tensor values</summary>"
-        facts.append(("values", f"<details>{summary}<table>{rows}</table>{more}</details>"))
+        summary_line = f"<summary>{len(values)} non-tensor values</summary>"
+        facts.append(("values", f"<details>{summary_line}<table>{rows}</table>{more}</details>"))
     return "<table class='facts'>" + "".join(f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in facts) + "</table>"
 
 
@@ -271,11 +291,123 @@ def checkpoint_html(ck: "Checkpoint", *, max_rows: int = MAX_ROWS, max_nodes: in
     ``max_nodes`` groups and modules (the rest are summed up), so the HTML stays small for
     any checkpoint. Reads metadata only: the commit record (with its consolidated copy of
     the arrays' ``zarr.json``)."""
+    from .inspect import checkpoint_summary
+
     tree = checkpoint_tree(ck)
     head = f"<div><b>ucp_zarr checkpoint</b> <code>{_e(ck.store.url)}</code></div>"
+    facts = _facts_html(ck, tree.nbytes, checkpoint_summary(ck))
+    return f"{_STYLE}<div class='ucpz'>{head}{facts}{_tree_html(ck, tree, max_rows, max_nodes)}</div>"
+
+
+_FILTER_JS = (  # the tree's filter box: groups whose name, or whose arrays' keys, hold the text
+    "var q=this.value.trim().toLowerCase(),t=this.closest('.ucpz-tree'),n=0;"
+    "t.querySelectorAll('details.group').forEach(function(g){"
+    "var own=!q||g.dataset.name.toLowerCase().indexOf(q)>=0,hit=own;"
+    "g.querySelectorAll('tr').forEach(function(r){var k=r.querySelector('td.key'),"
+    "m=own||(k!==null&&k.textContent.toLowerCase().indexOf(q)>=0);r.hidden=!m;hit=hit||m;});"
+    "g.hidden=!hit;if(hit&&q)n++;});"
+    "t.querySelectorAll('details.module').forEach(function(m){"
+    "var v=!q||m.querySelector('details.group:not([hidden])')!==null;m.hidden=!v;if(q&&v)m.open=true;});"
+    "t.querySelector('.ucpz-matches').textContent=q?n+(n==1?' group matches':' groups match'):'';"
+)
+
+
+def _tree_html(ck: "Checkpoint", tree: _Node, max_rows: int, max_nodes: int) -> str:
+    """The tree of groups with its filter box (JavaScript in the page, no library: it works
+    where the notebook's HTML is trusted, nbconvert's pages among them; elsewhere use
+    ``ck.tree(filter=...)``)."""
     budget = _Budget(max_rows, max_nodes)
-    body = _children_html(ck, list(tree.children.values()), budget, len(ck.meta.tensors) <= 40, True)
-    return f"{_STYLE}<div class='ucpz'>{head}{_facts_html(ck, tree.nbytes)}<div class='ucpz-tree'>{body}</div></div>"
+    body = _children_html(ck, list(tree.children.values()), budget, tree.count <= 40, True)
+    box = (f"<div><input type='search' class='ucpz-filter' placeholder='filter by name' "
+           f"title='groups whose name or keys hold the text (of those listed)' oninput='{_e(_FILTER_JS)}'> "
+           "<span class='ucpz-matches dim'></span></div>")
+    return f"<div class='ucpz-tree'>{box}{body}</div>"
+
+
+class CheckpointTree:
+    """The tree of a checkpoint's groups restricted to the tensors whose key, or whose
+    parameter's name, holds ``filter`` (case-insensitive; None: all), as ``ck.tree(filter)``
+    gives it. Reads metadata only."""
+
+    def __init__(self, ck: "Checkpoint", filter: str | None = None, *, max_rows: int = MAX_ROWS,
+                 max_nodes: int = MAX_NODES) -> None:
+        from .inspect import group_of
+
+        self.checkpoint = ck
+        self.filter = filter
+        self.max_rows, self.max_nodes = max_rows, max_nodes
+        q = None if filter is None else filter.lower()
+        self.keys = [k for k, e in ck.meta.tensors.items()
+                     if q is None or q in k.lower() or q in group_of(e.path).lower()]
+        """The keys shown."""
+
+    def __repr__(self) -> str:
+        match = "" if self.filter is None else f" matching {self.filter!r}"
+        return f"<CheckpointTree {self.checkpoint.store.url}: {len(self.keys)} of {len(self.checkpoint)} tensors{match}>"
+
+    def _repr_html_(self) -> str:
+        ck = self.checkpoint
+        tree = checkpoint_tree(ck, set(self.keys))
+        match = "" if self.filter is None else f" whose name holds <code>{_e(self.filter)}</code>"
+        head = (f"<div><b>tree</b> of <code>{_e(ck.store.url)}</code>: {len(self.keys):,} of "
+                f"{_n(len(ck), 'tensor')}{match} ({human_bytes(tree.nbytes)})</div>")
+        return f"{_STYLE}<div class='ucpz'>{head}{_tree_html(ck, tree, self.max_rows, self.max_nodes)}</div>"
+
+
+# --------------------------------------------------------------------------------------
+# summaries: values and bytes by module and dtype
+
+MAX_SUMMARY_ROWS = 100
+"""Modules a summary lists (the rest are summed up in one row)."""
+
+
+def _counts_text(t: "SummaryRow") -> str:
+    return (f"{t.model:,} model <span class='dim'>(parameters and buffers)</span> \u00b7 "
+            f"{t.optimizer:,} optimizer state \u00b7 {t.other:,} other")
+
+
+def _summary_row(row: "SummaryRow", total: int, label: str, dtypes: bool) -> str:
+    share = row.nbytes / total if total else 0.0
+    bar = (f"<span style='display:inline-block;height:9px;width:{60 * share:.1f}px;background:{_PALETTE[0]};"
+           f"margin-right:4px'></span>{100 * share:.1f}%")
+    kinds = "".join(f"<td class='num'>{_num(getattr(row, k))}</td>" for k in ("model", "optimizer", "other"))
+    extra = ""
+    if dtypes:
+        by_size = sorted(row.dtypes.items(), key=lambda x: -x[1])
+        extra = "<td>" + ", ".join(f"{_e(d)} {human_bytes(b)}" for d, b in by_size) + "</td>"
+    return (f"<tr><td>{label}</td><td class='num'>{row.tensors:,}</td>{kinds}"
+            f"<td class='num'>{human_bytes(row.nbytes)}</td><td>{bar}</td>{extra}</tr>")
+
+
+def _summary_tables(summary: "CheckpointSummary", max_rows: int = MAX_SUMMARY_ROWS) -> str:
+    from .inspect import SummaryRow
+
+    total = summary.total.nbytes
+    head = ("<th>tensors</th><th>model</th><th>optimizer</th><th>other</th><th>bytes</th><th>share</th>")
+    rows = [_summary_row(r, total, f"<code>{_e(r.name)}</code>" if r.name else "<span class='dim'>(top level)</span>", True)
+            for r in summary.modules[:max_rows]]
+    rest = summary.modules[max_rows:]
+    if rest:
+        more = SummaryRow(f"\u2026 {len(rest):,} more modules")
+        for r in rest:
+            for field_name in ("tensors", "model", "optimizer", "other", "nbytes"):
+                setattr(more, field_name, getattr(more, field_name) + getattr(r, field_name))
+        rows.append(_summary_row(more, total, f"<span class='dim'>{_e(more.name)}</span>", False))
+    rows.append(_summary_row(summary.total, total, "<b>total</b>", True))
+    modules = f"<table class='modules'><tr><th>module</th>{head}<th>dtypes</th></tr>{''.join(rows)}</table>"
+    by_dtype = "".join(_summary_row(r, total, f"<code>{_e(r.name)}</code>", False) for r in summary.dtypes)
+    dtypes = f"<table class='dtypes'><tr><th>dtype</th>{head}</tr>{by_dtype}</table>"
+    return modules + dtypes
+
+
+def summary_html(summary: "CheckpointSummary", *, max_rows: int = MAX_SUMMARY_ROWS) -> str:
+    """A :class:`~ucp_zarr.inspect.CheckpointSummary` as HTML: the values of each kind, and
+    tables by module (at most ``max_rows``, the rest summed) and by dtype, with each one's
+    share of the bytes."""
+    t = summary.total
+    title = (f"<div><b>summary</b> of <code>{_e(summary.url)}</code> <span class='dim'>(modules: FQNs cut to "
+             f"{summary.depth} names)</span></div><div>{_counts_text(t)}; {human_bytes(t.nbytes)}</div>")
+    return f"{_STYLE}<div class='ucpz'>{title}{_summary_tables(summary, max_rows)}</div>"
 
 
 # --------------------------------------------------------------------------------------
@@ -435,31 +567,98 @@ _STATUS_TEXT = {
 }
 
 
-def diff_html(diff: "CheckpointDiff", *, max_rows: int = MAX_DIFF_ROWS) -> str:
-    """A comparison of two checkpoints as tables: per tensor its status, elements that
-    differ, max absolute and relative difference, shapes and dtypes (missing tensors
-    highlighted, differences first), then the non-tensor values that differ."""
-    rows = list(diff.rows)
-    counts = {s: n for s, n in diff.counts().items() if n}
-    summary = ", ".join(f"{n} {_STATUS_TEXT.get(s, s)}" for s, n in counts.items())
-    verdict = "<b>identical</b>" if diff.equal else "<b class='bad'>different</b>"
-    order = sorted(rows, key=lambda r: (r.status == "equal", r.status not in ("only_a", "only_b")))
+OPEN_DIFF_ROWS = 20
+"""A diff of more rows than this, where every tensor differs, shows its largest relative
+updates and keeps the full table folded."""
+UNRELATED_UPDATE = 0.5
+"""A median ``‖Δw‖/‖w‖`` from this up reads as unrelated checkpoints: steps of one run change
+weights by far less; independent initialisations give about 1.4 (√2)."""
+TOP_UPDATES = 10
+
+
+def _rel(v: float | None) -> str:
+    return _num(v) if v is None or not math.isfinite(v) else f"{v:.3g}"
+
+
+def _diff_table(order: list["DiffRow"], max_rows: int, cls: str = "diff") -> str:
     body = []
     for r in order[:max_rows]:
-        cls = "only" if r.status in ("only_a", "only_b") else ("differs" if r.status != "equal" else "")
+        row_cls = "only" if r.status in ("only_a", "only_b") else ("differs" if r.status != "equal" else "")
         key = r.key if r.rank is None else f"{r.key} (rank {r.rank})"
         dtypes = _e(r.dtype_a or r.dtype_b) if r.dtype_a == r.dtype_b or None in (r.dtype_a, r.dtype_b) else (
             f"{_e(r.dtype_a)} / {_e(r.dtype_b)}")
         body.append(
-            f"<tr class='{cls}' data-status='{_e(r.status)}'><td class='key'><code>{_e(key)}</code></td>"
+            f"<tr class='{row_cls}' data-status='{_e(r.status)}'><td class='key'><code>{_e(key)}</code></td>"
             f"<td>{_e(_STATUS_TEXT.get(r.status, r.status))}</td><td class='num'>{_num(r.ndiff)}</td>"
             f"<td class='num'>{_num(r.max_abs)}</td><td class='num'>{_num(r.max_rel)}</td>"
+            f"<td class='num rel'>{_rel(r.rel_update)}</td>"
             f"<td>{'' if r.shape_a is None else _shape(r.shape_a)}</td>"
             f"<td>{'' if r.shape_b is None else _shape(r.shape_b)}</td><td>{dtypes}</td></tr>"
         )
     more = f"<div class='dim'>\u2026 and {len(order) - max_rows} more rows</div>" if len(order) > max_rows else ""
     head = ("<tr><th>tensor</th><th>status</th><th>elements differ</th><th>max abs</th><th>max rel</th>"
+            "<th title='the L2 norm of b - a over that of a'>\u2016\u0394w\u2016/\u2016w\u2016</th>"
             "<th>shape A</th><th>shape B</th><th>dtype</th></tr>")
+    return f"<table class='{cls}'>{head}{''.join(body)}</table>{more}"
+
+
+def _everything_differs(diff: "CheckpointDiff") -> str | None:
+    """The header of a diff where no tensor is equal (None otherwise): no key in common, or
+    every compared tensor differs, with the median relative update and what it suggests."""
+    rows = diff.rows
+    compared = [r for r in rows if r.status not in ("only_a", "only_b")]
+    if not rows or any(r.status == "equal" for r in rows):
+        return None
+    if not compared:
+        a = sum(r.status == "only_a" for r in rows)
+        return (f"<div class='headline bad'>no tensor in common: A has {_n(a, 'tensor')}, B {len(rows) - a:,}, "
+                "none under the same key. These are unrelated checkpoints (or their keys were renamed).</div>")
+    from .inspect import tensor_kind
+
+    rels = [r.rel_update for r in compared if r.rel_update is not None]
+    model = [r.rel_update for r in compared if r.rel_update is not None and tensor_kind(r.key) == "model"]
+    rels = sorted(model or rels)  # (optimizer moments change by more than themselves early on)
+    median = rels[len(rels) // 2] if rels else None
+    text = f"every one of the {_n(len(compared), 'tensor')} in common differs"
+    if median is not None:
+        of = "the model's " if model else ""
+        text += f"; median \u2016\u0394w\u2016/\u2016w\u2016 of {of}tensors = {_rel(median)}"
+    if median is not None and median >= UNRELATED_UPDATE:
+        text += (": as large as the weights themselves. These look like unrelated checkpoints (independent "
+                 "initialisations give about 1.4), not nearby steps of one run.")
+        return f"<div class='headline bad'>{text}</div>"
+    shapes = sum(r.status == "shape" for r in compared)
+    if shapes * 2 > len(compared):
+        return (f"<div class='headline bad'>{text}; {shapes:,} of them in shape: these look like checkpoints of "
+                "different models.</div>")
+    return f"<div class='headline'><b>{text}</b> (as between steps of training).</div>"
+
+
+def diff_html(diff: "CheckpointDiff", *, max_rows: int = MAX_DIFF_ROWS) -> str:
+    """A comparison of two checkpoints as tables: per tensor its status, elements that
+    differ, max absolute and relative difference, the relative update ``‖Δw‖/‖w‖``, shapes and
+    dtypes (missing tensors highlighted, differences first), then the non-tensor values that
+    differ.
+
+    When no tensor is equal, a header says so first: no key in common, or every tensor
+    differs with the median relative update (from :data:`UNRELATED_UPDATE` up: unrelated
+    checkpoints); a long table then shows its largest updates and keeps the rest folded."""
+    rows = list(diff.rows)
+    counts = {s: n for s, n in diff.counts().items() if n}
+    summary = ", ".join(f"{n} {_STATUS_TEXT.get(s, s)}" for s, n in counts.items())
+    verdict = "<b>identical</b>" if diff.equal else "<b class='bad'>different</b>"
+    order = sorted(rows, key=lambda r: (r.status == "equal", r.status not in ("only_a", "only_b")))
+    headline = _everything_differs(diff)
+    if headline is not None and len(rows) > OPEN_DIFF_ROWS:
+        rated = [(r.rel_update, r) for r in rows if r.rel_update is not None]  # finite first (inf: from all zeros)
+        top = [r for _, r in sorted(rated, key=lambda x: (not math.isfinite(x[0]), -x[0]))[:TOP_UPDATES]]
+        shown = ""
+        if top:
+            shown = f"<div>the {len(top)} largest relative updates:</div>{_diff_table(top, TOP_UPDATES, 'diff top')}"
+        tables = (f"{shown}<details class='all'><summary>all {len(rows):,} rows</summary>"
+                  f"{_diff_table(order, max_rows)}</details>")
+    else:
+        tables = _diff_table(order, max_rows)
     values = ""
     if diff.values:
         cells = "".join(
@@ -471,7 +670,7 @@ def diff_html(diff: "CheckpointDiff", *, max_rows: int = MAX_DIFF_ROWS) -> str:
         values = (f"<div><b>{_n(len(diff.values), 'non-tensor value')} differ</b></div>"
                   f"<table class='values'><tr><th>key</th><th>A</th><th>B</th></tr>{cells}</table>")
     title = f"<div>{verdict}: <code>{_e(diff.a)}</code> vs <code>{_e(diff.b)}</code>, {len(rows)} tensors ({_e(summary)})</div>"
-    return f"{_STYLE}<div class='ucpz'>{title}<table class='diff'>{head}{''.join(body)}</table>{more}{values}</div>"
+    return f"{_STYLE}<div class='ucpz'>{title}{headline or ''}{tables}{values}</div>"
 
 
 # --------------------------------------------------------------------------------------
@@ -496,6 +695,37 @@ def _new_axes(ax: "Axes | None") -> "Axes":
     return plt.subplots(figsize=(7, 3.5))[1]
 
 
+def _plot_by_layer(ax: "Axes", values: dict[str, float], ylabel: str, log: bool) -> None:
+    """Keys with a layer number (:func:`layer_of`) as one line per kind of tensor over the layer
+    index; without any, one bar per key."""
+    series: dict[str, dict[int, float]] = {}
+    for k, v in values.items():
+        layer = layer_of(k)
+        if layer is not None:
+            series.setdefault(f"{layer[0]}.*.{layer[2]}", {})[layer[1]] = v
+    if series:
+        if len(series) > 10:  # (the default cycle repeats after 10 colours)
+            import matplotlib
+
+            ax.set_prop_cycle(color=matplotlib.colormaps["tab20"].colors)
+        for name, points in series.items():
+            xs = sorted(points)
+            ax.plot(xs, [points[x] for x in xs], marker="o", label=name)
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("layer")
+        ax.set_ylabel(ylabel)
+        if len(series) <= 12:
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.barh(range(len(values)), list(values.values()), tick_label=list(values))
+        ax.invert_yaxis()
+        ax.set_xlabel(ylabel)
+    if log:
+        (ax.set_yscale if series else ax.set_xscale)("log")
+
+
 def plot_norms(ck: "Checkpoint", pattern: str | None = None, ax: "Axes | None" = None, *,
                max_bytes: int = 64 << 20) -> "Axes":
     """L2 norms of the tensors matching ``pattern`` (as :func:`ucp_zarr.inspect.list_tensors`
@@ -506,39 +736,35 @@ def plot_norms(ck: "Checkpoint", pattern: str | None = None, ax: "Axes | None" =
     keys = [row.key for row in list_tensors(ck, pattern)]
     if not keys:
         raise KeyError(f"no tensor of {ck.store.url} matches {pattern!r}")
-    norms = {k: tensor_stats(ck, k, max_bytes=max_bytes).norm for k in keys}
     ax = _new_axes(ax)
-    series: dict[str, dict[int, float]] = {}
-    for k, v in norms.items():
-        layer = layer_of(k)
-        if layer is not None:
-            series.setdefault(f"{layer[0]}.*.{layer[2]}", {})[layer[1]] = v
-    if series:
-        for name, points in series.items():
-            xs = sorted(points)
-            ax.plot(xs, [points[x] for x in xs], marker="o", label=name)
-        from matplotlib.ticker import MaxNLocator
-
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("layer")
-        ax.set_ylabel("L2 norm")
-        if len(series) <= 12:
-            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    else:
-        ax.barh(range(len(norms)), list(norms.values()), tick_label=list(norms))
-        ax.invert_yaxis()
-        ax.set_xlabel("L2 norm")
+    _plot_by_layer(ax, {k: tensor_stats(ck, k, max_bytes=max_bytes).norm for k in keys}, "L2 norm", False)
     ax.set_title(f"L2 norms{'' if pattern is None else f' of {pattern}'}")
     return ax
 
 
-def _finite(block: Any) -> Any:
-    import numpy as np
+def _tail(url: str) -> str:
+    return url.rstrip("/").rsplit("/", 1)[-1]
 
-    if block.dtype.kind == "c":
-        raise TypeError("complex tensors have no histogram here: plot their abs or real part")
-    flat = block.reshape(-1)
-    return flat[np.isfinite(flat)] if flat.dtype.kind == "f" else flat.astype(np.float64)
+
+def plot_updates(diff: "CheckpointDiff", keys: str | None = None, ax: "Axes | None" = None, *,
+                 log: bool = True) -> "Axes":
+    """The relative update ``‖Δw‖/‖w‖`` of each tensor of a diff (:func:`ucp_zarr.diff`) by layer:
+    numbered layers (``layers.12.``) as one line per kind of tensor over the layer index, else
+    one bar per tensor. ``keys``: a pattern (see :func:`ucp_zarr.inspect.matches`) choosing the
+    tensors; default: the model's (not optimizer state, see
+    :func:`~ucp_zarr.inspect.tensor_kind`)."""
+    from .inspect import matches, tensor_kind
+
+    values = {r.key: r.rel_update for r in diff.rows if r.rank is None and r.rel_update is not None
+              and (matches(r.key, keys) if keys is not None else tensor_kind(r.key) == "model")}
+    if not values:
+        raise KeyError(f"no tensor compared in both {diff.a} and {diff.b} matches {keys or 'the model'!r}")
+    ax = _new_axes(ax)
+    finite = {k: v for k, v in values.items() if math.isfinite(v)}
+    _plot_by_layer(ax, finite, "\u2016\u0394w\u2016 / \u2016w\u2016", log and any(v > 0 for v in finite.values()))
+    note = f" ({len(values) - len(finite)} infinite left out)" if len(finite) < len(values) else ""
+    ax.set_title(f"relative update {_tail(diff.a)} \u2192 {_tail(diff.b)}{note}", fontsize="medium")
+    return ax
 
 
 def plot_histogram(ck_or_view: "Checkpoint | TensorView", key: str | None = None, bins: int = 100,
@@ -547,9 +773,7 @@ def plot_histogram(ck_or_view: "Checkpoint | TensorView", key: str | None = None
     then counts), so memory stays bounded by ``max_bytes`` whatever the tensor's size.
 
     Pass a :class:`~ucp_zarr.checkpoint.TensorView`, or a checkpoint and ``key``."""
-    import numpy as np
-
-    from .inspect import iter_blocks
+    from .inspect import histogram_counts, histogram_edges, value_range
 
     if key is None:
         if not hasattr(ck_or_view, "checkpoint"):
@@ -557,26 +781,178 @@ def plot_histogram(ck_or_view: "Checkpoint | TensorView", key: str | None = None
         ck, key = ck_or_view.checkpoint, ck_or_view.key  # type: ignore[union-attr]
     else:
         ck = ck_or_view  # type: ignore[assignment]
-    lo, hi, skipped, count = math.inf, -math.inf, 0, 0
-    for _, block in iter_blocks(ck, key, max_bytes=max_bytes):
-        finite = _finite(block)
-        skipped += block.size - finite.size
-        count += finite.size
-        if finite.size:
-            lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
+    found = value_range(ck, key, max_bytes=max_bytes)
     ax = _new_axes(ax)
-    if count:
-        if lo == hi:
-            lo, hi = lo - 0.5, hi + 0.5
-        edges = np.linspace(lo, hi, bins + 1)
-        counts = np.zeros(bins, dtype=np.int64)
-        for _, block in iter_blocks(ck, key, max_bytes=max_bytes):
-            counts += np.histogram(_finite(block), bins=edges)[0]
-        ax.stairs(counts, edges, fill=True)
+    if found.count:
+        edges = histogram_edges(found.lo, found.hi, bins)
+        ax.stairs(histogram_counts(ck, key, edges, max_bytes=max_bytes), edges, fill=True)
     if log:
         ax.set_yscale("log")
-    note = f", {skipped:,} NaN/Inf left out" if skipped else ""
-    ax.set_title(f"{key}: {count:,} values{note}", fontsize="medium")
+    note = f", {found.skipped:,} NaN/Inf left out" if found.skipped else ""
+    ax.set_title(f"{key}: {found.count:,} values{note}", fontsize="medium")
     ax.set_ylabel("count")
     return ax
 
+
+# --------------------------------------------------------------------------------------
+# runs: the steps under a root, tensors over steps
+
+MAX_STEP_ROWS = 200
+"""Steps a run's table lists (the newest; the rest are counted)."""
+MAX_SERIES_COLUMNS = 24
+"""Steps a series table shows (the newest)."""
+MAX_LINES = 12
+"""Tensors a series plot draws one labelled line each; more: grey lines and their median."""
+
+
+def _seconds(s: float) -> str:
+    if s < 120:
+        return f"{s:.0f} s"
+    return f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def _when(created: str | None) -> "datetime | None":
+    from datetime import datetime
+
+    try:
+        return None if created is None else datetime.fromisoformat(created)
+    except ValueError:
+        return None
+
+
+def run_html(run: "Run", *, max_rows: int = MAX_STEP_ROWS) -> str:
+    """A run's steps (:func:`ucp_zarr.open_run`) as a table: state, size, tensors, saving
+    ranks, creation time and the time since the previous step, layout, live readers (the
+    newest ``max_rows``). Reads nothing beyond the commit records :attr:`Run.steps` holds."""
+    steps = run.steps
+    committed = [s for s in steps if s.committed]
+    total = sum(s.nbytes or 0 for s in committed)
+    head = (f"<div><b>ucp_zarr run</b> <code>{_e(run.url)}</code>: {_n(len(steps), 'step folder')}, "
+            f"{len(committed):,} committed ({human_bytes(total)}), latest {_e(run.latest)}</div>")
+    layouts, readers = any(s.layout for s in steps), any(s.readers for s in steps)
+    rows, prev = [], None
+    for s in steps:
+        when = _when(s.created)
+        since = "" if when is None or prev is None else _seconds((when - prev).total_seconds())
+        prev = when or prev
+        bad = " bad" * (s.state not in ("committed", "writing"))
+        created = "" if s.created is None else _e(s.created[:19].replace("T", " "))
+        rows.append(
+            f"<tr data-state='{_e(s.state)}'><td class='num'>{s.step:,}</td><td class='{bad.strip()}'>{_e(s.state)}</td>"
+            f"<td class='num'>{'' if s.nbytes is None else human_bytes(s.nbytes)}</td>"
+            f"<td class='num'>{_num(s.tensors)}</td><td class='num'>{_num(s.world_size)}</td><td>{created}</td>"
+            f"<td class='num'>{since}</td>" + (f"<td>{_e(', '.join(s.layout))}</td>" if layouts else "")
+            + (f"<td class='num'>{s.readers or ''}</td>" if readers else "") + "</tr>")
+    earlier = len(rows) - max_rows
+    more = f"<div class='dim'>{earlier:,} earlier steps not listed</div>" if earlier > 0 else ""
+    extra = "<th>layout</th>" * layouts + "<th>readers</th>" * readers
+    table = ("<table class='steps'><tr><th>step</th><th>state</th><th>size</th><th>tensors</th><th>ranks</th>"
+             f"<th>created</th><th>after</th>{extra}</tr>{''.join(rows[-max_rows:])}</table>")
+    hint = ("<div class='dim'><code>run[step]</code> opens a step; over steps (streamed): "
+            "<code>run.norms(keys).plot()</code>, <code>run.updates(keys).plot()</code>, "
+            "<code>run.histograms(key).plot()</code></div>")
+    return f"{_STYLE}<div class='ucpz'>{head}{more}{table}{hint}</div>"
+
+
+_QUANTITY = {"norm": "L2 norm", "update": "\u2016\u0394w\u2016 / \u2016w\u2016"}
+
+
+def series_html(series: "StepSeries", *, max_rows: int = MAX_DIFF_ROWS, max_columns: int = MAX_SERIES_COLUMNS) -> str:
+    """Values of tensors over steps (:meth:`Run.norms`, :meth:`Run.updates`) as a table: one
+    row per tensor (at most ``max_rows``), one column per step (the newest ``max_columns``)."""
+    steps = series.steps[-max_columns:]
+    cut = len(series.steps) - len(steps)
+    head = "".join(f"<th class='num'>{s:,}</th>" for s in steps)
+    rows = []
+    for key, values in list(series.values.items())[:max_rows]:
+        cells = "".join(f"<td class='num'>{_rel(v)}</td>" for v in values[cut:])
+        rows.append(f"<tr><td class='key'><code>{_e(key)}</code></td>{cells}</tr>")
+    notes = []
+    if cut:
+        notes.append(f"{cut} earlier steps not shown")
+    if len(series.values) > max_rows:
+        notes.append(f"{len(series.values) - max_rows} more tensors")
+    note = f"<div class='dim'>{'; '.join(notes)}</div>" if notes else ""
+    what = "L2 norm"
+    if series.quantity == "update":
+        what = "relative update \u2016\u0394w\u2016/\u2016w\u2016 from the previous step"
+    title = (f"<div><b>{_e(what)}</b> of {_n(len(series.values), 'tensor')} at {_n(len(series.steps), 'step')} of "
+             f"<code>{_e(series.root)}</code> <span class='dim'>(<code>.plot()</code>)</span></div>")
+    return (f"{_STYLE}<div class='ucpz'>{title}<table class='series'><tr><th>tensor \\ step</th>{head}</tr>"
+            f"{''.join(rows)}</table>{note}</div>")
+
+
+def plot_series(series: "StepSeries", ax: "Axes | None" = None, *, log: bool | None = None) -> "Axes":
+    """Values of tensors over steps: one labelled line per tensor, or, for more than
+    :data:`MAX_LINES`, thin grey lines and their median. ``log``: a logarithmic y axis
+    (default: for updates)."""
+    import numpy as np
+
+    ax = _new_axes(ax)
+    xs = np.array(series.steps)
+    ys = np.array([[np.nan if v is None else v for v in values] for values in series.values.values()], dtype=float)
+    if len(ys) <= MAX_LINES:
+        for key, y in zip(series.values, ys):
+            ax.plot(xs, y, marker="o", label=key)
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        for y in ys:
+            ax.plot(xs, y, color="#999", linewidth=0.6, alpha=0.6)
+        ax.plot(xs, np.nanmedian(np.where(np.isfinite(ys), ys, np.nan), axis=0), color=_PALETTE[0], linewidth=2.5,
+                marker="o", label=f"median of {len(ys)} tensors")
+        ax.legend(fontsize="small")
+    if log if log is not None else series.quantity == "update":
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel(_QUANTITY.get(series.quantity, series.quantity))
+    title = "relative updates from the previous step" if series.quantity == "update" else "L2 norms over steps"
+    ax.set_title(title, fontsize="medium")
+    return ax
+
+
+HISTOGRAM_KINDS = ("ridge", "heatmap", "overlay")
+
+
+def plot_step_histograms(h: "StepHistograms", kind: str = "ridge", ax: "Axes | None" = None, *,
+                         log: bool = False) -> "Axes":
+    """One tensor's histograms at several steps (:meth:`Run.histograms`): ``"ridge"`` (each
+    scaled to its peak, stacked, the first step at the top), ``"heatmap"`` (steps by bins) or
+    ``"overlay"`` (outlines on one axis). ``log``: counts on a log scale (log1p for ridge and
+    heatmap)."""
+    import numpy as np
+
+    if kind not in HISTOGRAM_KINDS:
+        raise ValueError(f"kind is one of {HISTOGRAM_KINDS}, got {kind!r}")
+    ax = _new_axes(ax)
+    counts = np.log1p(h.counts) if log and kind != "overlay" else h.counts.astype(float)
+    n = len(h.steps)
+    labels = [f"step {s:,}" for s in h.steps]
+    if kind == "ridge":
+        peak = counts.max(axis=1, keepdims=True)
+        scaled = counts / np.where(peak > 0, peak, 1) * 1.4
+        for i in range(n):
+            base = n - 1 - i
+            ax.stairs(scaled[i] + base, h.edges, baseline=base, fill=True, facecolor=_PALETTE[i % len(_PALETTE)],
+                      edgecolor="white", linewidth=0.8, alpha=0.85, zorder=i)
+        ax.set_yticks(range(n - 1, -1, -1), labels)
+        ax.set_ylim(-0.1, n + 0.5)
+    elif kind == "heatmap":
+        mesh = ax.pcolormesh(h.edges, np.arange(n + 1), counts, cmap="viridis")
+        ax.set_yticks(np.arange(n) + 0.5, labels)
+        ax.invert_yaxis()
+        ax.figure.colorbar(mesh, ax=ax, label="log(1 + count)" if log else "count")
+    else:
+        import matplotlib
+
+        colors = matplotlib.colormaps["viridis"](np.linspace(0, 0.9, n))
+        for i in range(n):
+            ax.stairs(counts[i], h.edges, color=colors[i], label=labels[i])
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        ax.set_ylabel("count")
+        if log:
+            ax.set_yscale("log")
+    skipped = sum(h.skipped)
+    note = f", {skipped:,} NaN/Inf left out" if skipped else ""
+    ax.set_title(f"{h.key} at {n} steps{note}", fontsize="medium")
+    ax.set_xlabel("value")
+    return ax
