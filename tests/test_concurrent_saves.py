@@ -1,5 +1,6 @@
 """Two saves into one path, from separate processes, interleaved both ways, on the local
-disk and on a real S3 server (SeaweedFS on loopback).
+disk and on a real S3 server (SeaweedFS on loopback; through obstore, the default, and for
+the overwrite, whose adoption copies objects server-side, through fsspec too).
 
 Regression: a second save used to delete the first one's files, and the later commit
 silently replaced an already committed root. Now the path has exactly one owner: a live
@@ -45,7 +46,8 @@ def backend(request, tmp_path) -> Backend:
     if request.param == "local":
         return Backend("local", str(tmp_path), None)
     server = request.getfixturevalue("seaweed")
-    return Backend("s3", f"s3://{BUCKET}", server.storage_options())
+    fsspec = {"backend": "fsspec"} if request.param == "s3-fsspec" else {}
+    return Backend(request.param, f"s3://{BUCKET}", {**server.storage_options(), **fsspec})
 
 
 class Save:
@@ -124,6 +126,7 @@ def test_a_dead_save_is_recognised_and_its_leftovers_reclaimed(tmp_path, backend
     assert _value(backend, url) == 2.0
 
 
+@pytest.mark.parametrize("backend", ["local", "s3", "s3-fsspec"], indirect=True)
 def test_a_committed_checkpoint_is_replaced_only_when_asked(tmp_path, backend):
     url = backend.url()
     assert Save(tmp_path, backend, url, 1.0).outcome()["ok"]
@@ -138,5 +141,5 @@ def test_a_committed_checkpoint_is_replaced_only_when_asked(tmp_path, backend):
     else:
         from s3fs import S3FileSystem
 
-        fs = S3FileSystem(**backend.storage_options)
+        fs = S3FileSystem(**{k: v for k, v in backend.storage_options.items() if k != "backend"})
         assert [p.rsplit("/", 1)[1] for p in fs.ls(parent.removeprefix("s3://"), refresh=True)] == ["ck"]

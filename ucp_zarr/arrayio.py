@@ -121,25 +121,26 @@ class Seal:
 
 
 def _chunk_buffers(
-    chunk_shape: tuple[int, ...], part: "torch.Tensor", stage: "torch.Tensor"
+    chunk_shape: tuple[int, ...], part: "torch.Tensor", stage: Callable[[], "torch.Tensor"]
 ) -> tuple[memoryview, int]:
     """The stored form of a chunk whose part inside the array is ``part`` (padded with zeros
     to ``chunk_shape`` at the array's edge) and its crc32c.
 
     A chunk that is a contiguous block of its source is returned as a view of it (no copy);
-    any other chunk is copied into ``stage`` (valid until the next call with it)."""
+    any other chunk is copied into ``stage()`` (valid until the next call with it)."""
     edge = tuple(part.shape) != chunk_shape
     if not edge and part.is_contiguous():
         data = _bytes_of(part)
         return data, checksum(data)
     nbytes = math.prod(chunk_shape) * part.element_size()
-    full = stage[:nbytes].view(part.dtype).view(chunk_shape)
+    buf = stage()
+    full = buf[:nbytes].view(part.dtype).view(chunk_shape)
     if edge:
         full.zero_()
         full[tuple(slice(0, n) for n in part.shape)] = part
     else:
         full.copy_(part)
-    data = memoryview(stage.numpy())[:nbytes]
+    data = memoryview(buf.numpy())[:nbytes]
     return data, checksum(data)
 
 
@@ -190,8 +191,15 @@ def write_shard(
         raise ValueError(f"tensor {meta.key!r}: source {src_box} does not cover shard {sbox}")
     key = f"{path}/{chunk_key(shard)}"
     cps = grid.chunks_per_shard
-    # One staging buffer per shard: Store.write consumes each buffer before pulling the next.
-    stage = torch.empty(math.prod(grid.chunk_shape) * meta.dtype.itemsize, dtype=torch.uint8)
+    # One staging buffer per shard, made when a chunk is no contiguous block of ``src``:
+    # Store.write consumes each buffer before pulling the next.
+    made: list[torch.Tensor] = []
+
+    def stage() -> torch.Tensor:
+        if not made:
+            made.append(torch.empty(math.prod(grid.chunk_shape) * meta.dtype.itemsize, dtype=torch.uint8))
+        return made[0]
+
     sealed: list[bytes] = []
 
     def buffers() -> Iterator[memoryview | bytes]:
@@ -268,17 +276,19 @@ def _chunk_pieces(meta: ArrayMeta, box: Box, out: np.ndarray, shard: Sequence[in
             i0, i1 = max(o, lo), min(o + cs, hi)
             dim.append((g - s0 // cs, o, slice(i0 - o, i1 - o), slice(i0 - bo, i1 - bo), i0 == o and i1 == o + cs))
         per_dim.append(dim)
-    strides = [math.prod(grid.chunks_per_shard[d + 1 :]) for d in range(len(per_dim))]
+    cps = grid.chunks_per_shard
+    strides = [math.prod(cps[d + 1 :]) for d in range(len(per_dim))]
+    rows = index.tolist()
     pieces = []
     for combo in itertools.product(*per_dim):
         row = sum(c[0] * st for c, st in zip(combo, strides))
         dst = tuple(c[3] for c in combo)
         direct = None
-        if all(c[4] for c in combo) and out.ndim:
+        if out.ndim and all(c[4] for c in combo):
             view = out[dst]
             direct = view if view.flags.c_contiguous else None
-        off, nbytes = index[row]
-        pieces.append(_Piece(int(off), int(nbytes), row, tuple(c[1] for c in combo), tuple(c[2] for c in combo), dst, direct))
+        off, nbytes = rows[row]
+        pieces.append(_Piece(off, nbytes, row, tuple(c[1] for c in combo), tuple(c[2] for c in combo), dst, direct))
     return pieces
 
 
@@ -392,44 +402,102 @@ def read_box(
     ``shard`` covers, reading only the chunks that overlap ``box``; ``head`` is the shard's
     checked index and trailer (:func:`read_shard_head`); ``whole``, when given, the shard's
     object already read (:func:`read_small_shard`), which the chunks are copied from."""
-    grid = meta.grid
     key, where = _shard_where(store, path, shard)
     pieces = _chunk_pieces(meta, box, out, shard, head.index)
     if not pieces:
         return
     pieces.sort(key=lambda p: p.offset)
     for run in _runs(pieces, direct=all(p.direct is not None for p in pieces)):
-        staged = sum(_aligned(p.nbytes) for p in run if p.direct is None)
-        stage = _stage(staged) if staged else None
-        bufs: list[memoryview] = []
-        at = 0
-        for p in run:
-            if p.direct is not None:
-                bufs.extend(p.buffers())
-            else:
-                assert stage is not None
-                p.scratch = stage[at : at + p.nbytes]  # the stored chunk: its bytes, then its crc
-                bufs.append(memoryview(p.scratch))
-                at += _aligned(p.nbytes)  # every staged chunk starts 64-byte aligned
+        bufs = _run_buffers(run)
         if whole is None:
             _readv(store, key, where, meta, [(run[0].offset, bufs)])
         else:
             _copy_out(whole, run[0].offset, bufs, f"{where} (tensor {meta.key!r})")
-        for p in run:
-            chunk_where = f"{where} (tensor {meta.key!r}, chunk at {p.origin})"
-            if p.direct is not None:
-                assert p.crc is not None
-                data = _array_bytes(p.direct)
-                verify_chunk(data, p.crc, chunk_where)
-                head.trailer.check_chunk(p.row, p.crc, data, chunk_where)
-                continue
+        _land(run, out, meta, head, where)
+
+
+def read_whole_shard(
+    store: Store, path: str, meta: ArrayMeta, box: Box, out: np.ndarray, shard: Sequence[int], seal: Seal
+) -> ShardHead | None:
+    """Fill the part of ``out`` (as :func:`read_box`; ``box`` covers ``shard`` whole) that
+    ``shard`` covers in one request, its index unread: the chunks, where this library's
+    writer puts them (:func:`written_index`), straight into ``out`` where they land whole,
+    then the trailer and index from the object's end. Returns the shard's checked head; a
+    shard whose index records another layout is read again by it. None, with nothing read,
+    where the store cannot read an object of a known size in one request, the object has
+    another size, or the chunks take more than one request: the caller then reads the index
+    first (:func:`read_shard_head`)."""
+    index, size = written_index(meta, shard, seal)
+    pieces = _chunk_pieces(meta, box, out, shard, index)
+    direct = all(p.direct is not None for p in pieces)
+    if size - _head_nbytes(meta, seal) > (MAX_REQUEST_BYTES if direct else MAX_STAGED_BYTES):
+        return None
+    tail = bytearray(_head_nbytes(meta, seal))
+    key, where = _shard_where(store, path, shard)
+    try:
+        if not store.readv_whole(key, [(0, [*_run_buffers(pieces), memoryview(tail)])], size):
+            return None
+    except (OSError, FormatError):
+        return None  # (missing, short, not a file: the two-request path names what is wrong)
+    head = decode_shard_head(store, path, meta, shard, seal, tail)
+    if not np.array_equal(head.index, index):
+        read_box(store, path, meta, box, out, shard, head)
+    else:
+        _land(pieces, out, meta, head, where)
+    return head
+
+
+def written_index(meta: ArrayMeta, shard: Sequence[int], seal: Seal) -> tuple[np.ndarray, int]:
+    """The index :func:`write_shard` gives ``shard`` (every chunk inside the array, in C
+    order, back to back from the object's start) and the size of its object."""
+    inside = _inside_rows(meta, shard)
+    chunk_nbytes = math.prod(meta.grid.chunk_shape) * meta.dtype.itemsize + CRC_BYTES
+    index = empty_index(meta.grid.chunks_per_shard)
+    stored = int(inside.sum())
+    index[inside, 0] = np.arange(stored, dtype="<u8") * chunk_nbytes
+    index[inside, 1] = chunk_nbytes
+    return index, stored * chunk_nbytes + _head_nbytes(meta, seal)
+
+
+def _run_buffers(run: list[_Piece]) -> list[memoryview]:
+    """The buffers one request of ``run`` (adjacent chunks) reads into: each chunk straight
+    into the destination when it lands there whole, else into this thread's staging buffer
+    (every staged chunk 64-byte aligned), with its crc32c."""
+    staged = sum(_aligned(p.nbytes) for p in run if p.direct is None)
+    stage = _stage(staged) if staged else None
+    bufs: list[memoryview] = []
+    at = 0
+    for p in run:
+        if p.direct is not None:
+            bufs.extend(p.buffers())
+        else:
+            assert stage is not None
+            p.scratch = stage[at : at + p.nbytes]  # the stored chunk: its bytes, then its crc
+            bufs.append(memoryview(p.scratch))
+            at += _aligned(p.nbytes)
+    return bufs
+
+
+def _land(run: list[_Piece], out: np.ndarray, meta: ArrayMeta, head: ShardHead, where: str) -> None:
+    """Check every chunk of ``run`` (just read) against its crc32c and the one its shard's
+    trailer recorded; copy the staged ones into ``out``."""
+    recorded = head.trailer.crcs
+    for p in run:
+        if p.direct is not None:
+            assert p.crc is not None
+            data, crc = _array_bytes(p.direct), p.crc
+        else:
             assert p.scratch is not None
             n = p.nbytes - CRC_BYTES
             stored = memoryview(p.scratch)
-            verify_chunk(stored[:n], stored[n:], chunk_where)
-            head.trailer.check_chunk(p.row, stored[n:], stored[:n], chunk_where)
-            chunk = p.scratch[:n].view(out.dtype).reshape(grid.chunk_shape)
-            out[p.dst] = chunk[p.src]
+            data, crc = stored[:n], stored[n:]
+        value = checksum(data)
+        if value != int.from_bytes(crc, "little") or value != recorded[p.row] or head.trailer.shas is not None:
+            chunk_where = f"{where} (tensor {meta.key!r}, chunk at {p.origin})"  # (the checks that name it)
+            verify_chunk(data, crc, chunk_where)
+            head.trailer.check_chunk(p.row, crc, data, chunk_where)
+        if p.direct is None:
+            out[p.dst] = p.scratch[:n].view(out.dtype).reshape(meta.grid.chunk_shape)[p.src]
             p.scratch = None
 
 

@@ -24,6 +24,7 @@ from .arrayio import (
     read_box,
     read_shard_head,
     read_small_shard,
+    read_whole_shard,
     verify_shard,
     writable_view,
 )
@@ -203,8 +204,9 @@ class Checkpoint:
 
     def _read_into(self, key: str, box: Box, raw: np.ndarray, rank: int | None) -> None:
         """Fill ``raw`` (storage dtype, shape of ``box``, any strides) with ``box`` of ``key``.
-        A small shard that ``box`` covers whole, whose index is not known yet, is fetched in
-        one request (its index, trailer and chunks) instead of two."""
+        A shard that ``box`` covers whole, whose index is not known yet, is read in one
+        request: its chunks straight into ``raw`` and its index from its end where the store
+        can (:func:`read_whole_shard`), else, when small, the whole object."""
         meta = self.array_meta(key, rank)
         path = self._path(key, rank)
         for shard in meta.grid.shards_overlapping(box):
@@ -212,6 +214,11 @@ class Checkpoint:
                 known = (path, shard) in self._heads
             whole = None
             if not known and box.contains(meta.grid.shard_box(shard)):
+                head = read_whole_shard(self.store, path, meta, box, raw, shard, self.seal)
+                if head is not None:
+                    with self._lock:
+                        self._heads[(path, shard)] = head
+                    continue
                 whole = read_small_shard(self.store, path, meta, shard, self.seal, WHOLE_SHARD_BYTES)
             read_box(self.store, path, meta, box, raw, shard, self._head(path, meta, shard, whole), whole)
 

@@ -62,24 +62,25 @@ def check_replicas(plan: SavePlan, digests: list[Digests]) -> None:
 
 def _message(rep: Replicated, box: Box, groups: list[list[int]]) -> str:
     shown = " vs ".join(f"ranks {rs}" for rs in groups)
+    holders = sorted(r for g in groups for r in g)
+    where = "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(box.offset, box.shape)) + "]"
+    if rep.rule:
+        return (
+            f"tensor {rep.key!r}: ranks {holders} all place {where} of it (rule {rep.rule!r}), so their copies "
+            f"must be equal, but they differ ({shown} hold different values). Replicated parameters must hold "
+            "the same value; if these ranks hold different layers or experts (pipeline stages, expert "
+            "parallelism), the rules need a pipeline or experts entry that renumbers them"
+        )
     if rep.plain:
         return (
             f"tensor {rep.key!r} is a plain tensor, so every rank must hold the same value, but its "
             f"copies differ ({shown} hold different values). Wrap per-rank state (RNG states, "
             "data positions) in ucp_zarr.PerRank(...), or make the replicas equal"
         )
-    where = "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(box.offset, box.shape)) + "]"
-    if rep.rule:
-        return (
-            f"tensor {rep.key!r}: ranks {sorted(r for g in groups for r in g)} all place {where} of it (rule "
-            f"{rep.rule!r}), so their copies must be equal, but they differ ({shown}). Replicated parameters "
-            "must hold the same value; if these ranks hold different layers or experts (pipeline stages, "
-            "expert parallelism), the rules need a pipeline or experts entry that renumbers them"
-        )
     return (
-        f"tensor {rep.key!r}: ranks {sorted(r for g in groups for r in g)} all hold {where} of it, so they "
-        f"are replicas and must be equal, but they differ ({shown}): two ranks claim the same part of the "
-        "tensor with different values (check the global offsets and shapes of the fragments)"
+        f"tensor {rep.key!r}: ranks {holders} all hold {where} of it, so they are replicas and must be "
+        f"equal, but they differ ({shown}): two ranks claim the same part of the tensor with different "
+        "values (check the global offsets and shapes of the fragments)"
     )
 
 

@@ -251,6 +251,7 @@ class PreparedSave:
         self.whole = plan if whole is None else whole
         """The whole plan, on the coordinator (``plan`` is this rank's part; a process
         saving alone may pass its whole plan as ``plan``)."""
+        self._docs: tuple[SavePlan, list[tuple[str, dict[str, Any], bytes]]] | None = None
 
     def finish(self, comm: Comm | None = None) -> SaveResult:
         """Exchange boundary pieces, write this rank's documents and shards, commit (over
@@ -299,9 +300,16 @@ class PreparedSave:
         except Exception as e:  # the save's own error is what the caller needs to see
             log.warning("ucp_zarr: could not clean up the failed save at %s: %s", self.store.url, e)
 
+    def _documents(self, plan: SavePlan) -> list[tuple[str, dict[str, Any], bytes]]:
+        """Every group and array ``zarr.json`` of ``plan``: key, document, bytes as written
+        (made once per save: the documents written and the commit record's digests of them)."""
+        if self._docs is None or self._docs[0] is not plan:
+            self._docs = (plan, [(k, d, dump_document(d)) for k, d in document_dicts(plan)])
+        return self._docs[1]
+
     def _write_documents(self, rank: int, fence: Fence) -> None:
         """Write this rank's group and array documents behind the fence, durably."""
-        docs = [(k, d) for k, d in documents(self.plan) if self.plan.doc_writers.get(k) == rank]
+        docs = [(k, b) for k, _, b in self._documents(self.plan) if self.plan.doc_writers.get(k) == rank]
         with ThreadPoolExecutor(self.options.write_workers or self.options.max_workers) as pool:
             _first_failure([pool.submit(self.target.write, k, [d], fence) for k, d in docs])
         self.target.sync()
@@ -361,7 +369,8 @@ class PreparedSave:
             meta = plan.arrays[ranks[min(ranks)]][1]
             entries[key] = TensorEntry(first.path, meta.shape, meta.dtype.name, first.digest, copies)
         position = {k: i for i, k in enumerate(self.order)}
-        docs = document_dicts(plan)
+        made = self._documents(plan)
+        docs = [(k, d) for k, d, _ in made]
         global_values, rank_values = self.values
         stored = set(entries) | set(global_values) | set(rank_values) | set(self.ties)
         meta = CheckpointMeta(
@@ -374,7 +383,7 @@ class PreparedSave:
             layout=self.layout,
             rank_values=rank_values,
             structure=None if self.structure is None else self.structure.select(stored.__contains__, lambda _: True),
-            documents={k: document_digest(dump_document(d)) for k, d in docs},
+            documents={k: document_digest(b) for k, _, b in made},
             consolidated=consolidated_nodes(docs),
             ties=self.ties,
         )
@@ -400,11 +409,6 @@ def document_dicts(plan: SavePlan) -> list[tuple[str, dict[str, Any]]]:
     docs = [(f"{g}/{METADATA_FILE}", group_zarr_json()) for g in plan.groups]
     docs += [(f"{p}/{METADATA_FILE}", m.to_zarr_json()) for p, m in plan.arrays.values()]
     return docs
-
-
-def documents(plan: SavePlan) -> list[tuple[str, bytes]]:
-    """Every group and array ``zarr.json`` of the checkpoint, as written."""
-    return [(k, dump_document(d)) for k, d in document_dicts(plan)]
 
 
 

@@ -134,6 +134,14 @@ class Store:
         """A whole object; :class:`FileNotFoundError` if absent."""
         raise NotImplementedError
 
+    def holds(self, key: str, data: bytes) -> bool:
+        """Whether ``key`` holds exactly ``data`` (after a create found the key taken: a
+        retried create whose first attempt landed made it, and it is the creator's)."""
+        try:
+            return self.read(key) == data
+        except FileNotFoundError:
+            return False
+
     def read_tail(self, key: str, nbytes: int) -> bytes:
         raise NotImplementedError
 
@@ -146,6 +154,12 @@ class Store:
 
     def readv(self, key: str, requests: Sequence[ReadRequest]) -> None:
         raise NotImplementedError
+
+    def readv_whole(self, key: str, requests: Sequence[ReadRequest], size: int) -> bool:
+        """:meth:`readv`, in one request, if the object has exactly ``size`` bytes (True);
+        False, reading nothing, if it has another size or the store cannot tell without a
+        request of its own (then the caller reads the object's index first)."""
+        return False
 
     def exists(self, key: str) -> bool:
         raise NotImplementedError
@@ -213,7 +227,8 @@ class LocalStore(Store):
         self.root = os.path.abspath(root)
         self.url = self.root
         self.stats = IOStats()
-        self._dirs: set[str] = set()
+        self._dirs: dict[str, int] = {}
+        """Every directory this store made or found, with the device (``st_dev``) it is on."""
         self._dirs_lock = threading.Lock()
         if batch_sync and _SYNCFS is None:
             raise ValueError(f"{self.root}: batch_sync=True needs syncfs(2), which this system lacks")
@@ -223,36 +238,51 @@ class LocalStore(Store):
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
 
-    def _makedirs(self, d: str) -> None:
+    def _makedirs(self, d: str) -> int:
         """Create directory ``d`` (inside the root) and its parents, never through a symbolic
-        link inside the checkpoint (the root itself may be one)."""
+        link inside the checkpoint (the root itself may be one); return its device."""
         with self._dirs_lock:
-            if d in self._dirs:
-                return
+            dev = self._dirs.get(d)
+        if dev is not None:
+            return dev
+        new: dict[str, int] = {}
         if self.root not in self._dirs:
-            self._mkdir(self.root, os.makedirs)
-        new, cur = [self.root, os.path.dirname(self.root)], self.root
+            new[self.root] = self._mkdir(self.root, os.makedirs) or os.stat(self.root).st_dev
+            parent = os.path.dirname(self.root)
+            new[parent] = os.stat(parent).st_dev
+        cur, dev = self.root, new.get(self.root, self._dirs.get(self.root))
         for part in os.path.relpath(d, self.root).split(os.sep) if d != self.root else ():
             cur = os.path.join(cur, part)
-            if cur not in self._dirs:
-                self._mkdir(cur, os.mkdir)
-                new.append(cur)
+            known = self._dirs.get(cur)
+            if known is None:  # a directory made here is on its parent's device
+                known = self._mkdir(cur, os.mkdir) or dev
+                new[cur] = known
+            dev = known
         with self._dirs_lock:
             self._dirs.update(new)
+        assert dev is not None
+        return dev
 
-    def _mkdir(self, path: str, mkdir: Callable[[str], None]) -> None:
+    def _mkdir(self, path: str, mkdir: Callable[[str], None]) -> int | None:
+        """Make directory ``path``: None; or the device of the directory already there."""
         try:
             mkdir(path)
+            return None
         except (FileExistsError, NotADirectoryError):
-            mode = os.lstat(path).st_mode
+            try:
+                mode = os.lstat(path).st_mode
+                st = os.stat(path)
+            except OSError:  # a parent is a file
+                mode, st = stat.S_IFREG, None
             if stat.S_ISLNK(mode) and path != self.root:
                 raise NotACheckpointError(
                     f"{path} is a symbolic link inside the checkpoint at {self.root}: refusing to write through it"
                 ) from None
-            if not stat.S_ISDIR(os.stat(path).st_mode):
+            if st is None or not stat.S_ISDIR(st.st_mode):
                 raise NotACheckpointError(
                     f"cannot create the directory {path}: a file is in the way (a checkpoint path must be a directory)"
                 ) from None
+            return st.st_dev
 
     def write(self, key: str, buffers: Iterable[Buffer | bytes], guard: WriteGuard | None = None) -> int:
         path = self._path(key)
@@ -309,12 +339,13 @@ class LocalStore(Store):
     def _write_file(self, path: str, buffers: Iterable[Buffer | bytes], defer: bool = False) -> int:
         """Create ``path`` from ``buffers`` with ``writev``, then ``fsync`` it; with ``defer``,
         a small file on a batching file system is left to :meth:`sync` instead."""
-        self._makedirs(os.path.dirname(path))
+        directory = os.path.dirname(path)
+        dev = self._makedirs(directory)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         total = 0
         try:
             # joined before the first byte is written: its syncfs reports every later writeback error
-            batched = defer and self._batch.join(fd, os.path.dirname(path))
+            batched = defer and self._batch.join(dev, directory)
             # each buffer is written before the next is pulled (producers may reuse memory),
             # except ``bytes``, which cannot change: they join the next buffer's writev
             held: list[Buffer | bytes] = []
@@ -341,9 +372,8 @@ class LocalStore(Store):
         return data
 
     def read_tail(self, key: str, nbytes: int) -> bytes:
-        fd = _open_regular(self._path(key))
+        fd, size = _open_regular_sized(self._path(key))
         try:
-            size = os.fstat(fd).st_size
             if size < nbytes:
                 raise OSError(f"{self._path(key)} has {size} bytes, fewer than its {nbytes}-byte index")
             data = os.pread(fd, nbytes, size - nbytes)
@@ -355,20 +385,34 @@ class LocalStore(Store):
     def readv(self, key: str, requests: Sequence[ReadRequest]) -> None:
         path = self._path(key)
         fd = _open_regular(path)
-        total = calls = 0
         try:
-            for offset, bufs in requests:
-                for start in range(0, len(bufs), _IOV_MAX):
-                    part = bufs[start : start + _IOV_MAX]
-                    want = sum(b.nbytes for b in part)
-                    got = _preadv_all(fd, part, offset)
-                    if got != want:
-                        raise OSError(f"{path}: short read of {got} bytes at {offset}, wanted {want}")
-                    offset += got
-                    total += got
-                    calls += 1
+            self._readv_fd(fd, path, requests)
         finally:
             os.close(fd)
+
+    def readv_whole(self, key: str, requests: Sequence[ReadRequest], size: int) -> bool:
+        path = self._path(key)
+        fd, actual = _open_regular_sized(path)
+        try:
+            if actual != size:
+                return False
+            self._readv_fd(fd, path, requests)
+        finally:
+            os.close(fd)
+        return True
+
+    def _readv_fd(self, fd: int, path: str, requests: Sequence[ReadRequest]) -> None:
+        total = calls = 0
+        for offset, bufs in requests:
+            for start in range(0, len(bufs), _IOV_MAX):
+                part = bufs[start : start + _IOV_MAX]
+                want = sum(b.nbytes for b in part)
+                got = _preadv_all(fd, part, offset)
+                if got != want:
+                    raise OSError(f"{path}: short read of {got} bytes at {offset}, wanted {want}")
+                offset += got
+                total += got
+                calls += 1
         self.stats.add_read(total, calls)
 
     def exists(self, key: str) -> bool:
@@ -410,7 +454,7 @@ class LocalStore(Store):
                     raise
                 continue
             with self._dirs_lock:
-                self._dirs.discard(path)
+                self._dirs.pop(path, None)
             _fsync_dir(os.path.dirname(path))
 
     def remove(self) -> None:
@@ -443,11 +487,10 @@ class LocalStore(Store):
         per batching file system written to, then an fsync of each directory elsewhere."""
         synced = self._batch.flush()
         with self._dirs_lock:
-            dirs = sorted(self._dirs, key=len, reverse=True)
+            dirs = sorted((d for d, dev in self._dirs.items() if dev not in synced), key=len, reverse=True)
         for d in dirs:
             try:
-                if os.stat(d).st_dev not in synced:
-                    _fsync_dir(d)
+                _fsync_dir(d)
             except FileNotFoundError:
                 continue
 
@@ -457,6 +500,11 @@ def _open_regular(path: str) -> int:
     nothing can be (a parent is a file, a name is too long); :class:`FormatError` for a
     directory, FIFO, device or socket, which never blocks (``O_NONBLOCK``) or streams
     without end."""
+    return _open_regular_sized(path)[0]
+
+
+def _open_regular_sized(path: str) -> tuple[int, int]:
+    """:func:`_open_regular`, and the file's size."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except NotADirectoryError:
@@ -466,14 +514,14 @@ def _open_regular(path: str) -> int:
             raise FileNotFoundError(errno.ENOENT, "name too long", path) from None
         raise
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
             raise FormatError(f"{path} is {kind} where a file belongs")
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st.st_size
 
 
 def _tmp_name(path: str) -> str:
@@ -505,6 +553,20 @@ def _rename_noreplace(src: str, dst: str) -> bool:
         return False
     os.unlink(src)
     return True
+
+
+def fill(where: str, requests: Sequence[ReadRequest], datas: Sequence[Any]) -> None:
+    """Copy each request's bytes (``datas[i]``, any buffer) into its buffers, one after
+    another; :class:`OSError` naming ``where`` for a short read."""
+    for (offset, bufs), data in zip(requests, datas):
+        view, want = memoryview(data), sum(b.nbytes for b in bufs)
+        if view.nbytes != want:
+            raise OSError(f"{where}: short read of {view.nbytes} bytes at {offset}, wanted {want}")
+        pos = 0
+        for b in bufs:
+            flat = b.cast("B") if b.format != "B" or b.ndim != 1 else b
+            flat[:] = view[pos : pos + flat.nbytes]
+            pos += flat.nbytes
 
 
 def _flat(bufs: Sequence[Buffer | bytes]) -> list[memoryview]:
@@ -620,11 +682,11 @@ class _SyncBatch:
         self._kinds: dict[int, bool] = {}
         self._lock = threading.Lock()
 
-    def join(self, fd: int, directory: str) -> bool:
-        """Whether the file ``fd`` (in ``directory``) may leave its fsync to :meth:`flush`."""
+    def join(self, dev: int, directory: str) -> bool:
+        """Whether a file in ``directory`` (on device ``dev``), opened but not written yet,
+        may leave its fsync to :meth:`flush`."""
         if not self.allowed:
             return False
-        dev = os.fstat(fd).st_dev
         with self._lock:
             if dev in self._fds:
                 return True
@@ -780,15 +842,9 @@ class FsspecStore(Store):
             self.retry.call(f"creating {self.url}/{key}", create)
         except FileExistsError:
             # a retried create whose first attempt landed: the object is ours
-            if self._read_or_none(key) != data:
+            if not self.holds(key, data):
                 raise
         self.stats.add_write(key, len(data))
-
-    def _read_or_none(self, key: str) -> bytes | None:
-        try:
-            return self.read(key)
-        except FileNotFoundError:
-            return None
 
     def read(self, key: str) -> bytes:
         data = self.retry.call(f"reading {self.url}/{key}", lambda: self.fs.cat_file(self._path(key)))
@@ -823,15 +879,7 @@ class FsspecStore(Store):
                     raise data
             return datas
 
-        datas = self.retry.call(f"reading {self.url}/{key}", fetch)
-        for (offset, bufs), want, data in zip(requests, sizes, datas):
-            if len(data) != want:
-                raise OSError(f"{path}: short read of {len(data)} bytes at {offset}, wanted {want}")
-            pos = 0
-            for b in bufs:
-                flat = b.cast("B") if b.format != "B" or b.ndim != 1 else b
-                flat[:] = data[pos : pos + flat.nbytes]
-                pos += flat.nbytes
+        fill(path, requests, self.retry.call(f"reading {self.url}/{key}", fetch))
         self.stats.add_read(sum(sizes), len(requests))
 
     def exists(self, key: str) -> bool:
@@ -921,12 +969,15 @@ class FsspecStore(Store):
 
 def open_store(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Store:
     """A store for a local path or ``file://`` URL (always the local store: exclusive
-    creation, fsync), or any other fsspec URL. ``storage_options`` apply to fsspec URLs
+    creation, fsync), an object-store URL (``s3://``, ``gs://``, ``az://``: obstore, see
+    :mod:`.obstore_store`), or any other fsspec URL. ``storage_options`` apply to URLs
     only; given for a local path they are refused, never silently ignored."""
     path = os.fspath(path)
     local = path[len("file://") :] if path.startswith("file://") else path if "://" not in path else None
     if local is None:
-        return FsspecStore(path, storage_options)
+        from .obstore_store import open_url
+
+        return open_url(path, storage_options)
     if storage_options:
         raise OptionError(
             Keyword("storage_options"), f" {sorted(storage_options)} do not apply to the local path {local!r} "

@@ -15,6 +15,7 @@ behind the defaults.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -59,7 +60,7 @@ class ChunkGrid:
     def shard_counts(self) -> tuple[int, ...]:
         return tuple(-(-n // s) for n, s in zip(self.shape, self.shard_shape))
 
-    @property
+    @functools.cached_property
     def chunks_per_shard(self) -> tuple[int, ...]:
         return tuple(s // c for s, c in zip(self.shard_shape, self.chunk_shape))
 

@@ -36,6 +36,7 @@ from typing import Any
 
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, NotACheckpointError
 from ..format import METADATA_FILE, CheckpointMeta, parse_document
+from ..obstore_store import ObstoreStore
 from ..storage import FsspecStore, LocalStore, Store, open_store
 from ..owned import Owned
 from ..transaction import (
@@ -92,6 +93,8 @@ def step_store(root: Store, step: int, storage_options: dict[str, Any] | None = 
         return LocalStore(os.path.join(root.root, step_name(step)))
     if isinstance(root, FsspecStore):
         return FsspecStore(f"{root.url}/{step_name(step)}", root.storage_options, root.retry)
+    if isinstance(root, ObstoreStore):  # (one client for the run's bucket)
+        return ObstoreStore(f"{root.url}/{step_name(step)}", root.storage_options, client=root.client)
     return open_store(f"{root.url.rstrip('/')}/{step_name(step)}", storage_options)
 
 

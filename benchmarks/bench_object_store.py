@@ -1,0 +1,212 @@
+"""Object stores against their limit: single-process ``ucp_zarr.save``/``load`` of Llama-like
+states (``bench_limits.model_state``) on loopback S3 (SeaweedFS, started here), through
+obstore (the default for ``s3://``) and through fsspec (s3fs, ``backend="fsspec"``),
+against **raw concurrent PUT/GET of the same objects with obstore**: as many objects of the
+same sizes as the ucp_zarr save wrote, random bytes, put by as many threads as ucp_zarr
+writes with (``obstore.put``, the same part size and upload concurrency), then those a load
+reads (the shards and the root document: a load takes the array documents from the root's
+consolidated copy) got back whole by as many threads as ucp_zarr loads with.
+
+Each repeat runs every method once, alternating, in an order that rotates per repeat; each
+ratio is taken per repeat (ucp_zarr's MiB/s over raw's, a few seconds apart); loaded data is
+checked bit for bit. SeaweedFS keeps what it serves in its own memory and the page cache,
+for raw and ucp_zarr alike. Requests per save and per load are counted in a separate,
+untimed pass through a counting proxy (``tests/s3server.FaultProxy``): every HTTP request
+each method sends.
+
+Run: ``python benchmarks/bench_object_store.py [--sizes 256,1024] [--repeat 3] [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "tests")]
+
+import obstore  # noqa: E402
+from bench_limits import MiB, bit_equal, model_state, nbytes  # noqa: E402
+from s3server import FaultProxy, SeaweedServer  # noqa: E402
+
+import ucp_zarr  # noqa: E402
+import ucp_zarr.obstore_store as O  # noqa: E402
+from ucp_zarr.api import DEFAULT_WORKERS  # noqa: E402
+from ucp_zarr.loader import LOAD_WORKERS  # noqa: E402
+
+BUCKET = "bench"
+METHODS = ("obstore", "fsspec", "raw")
+
+
+def options(server: SeaweedServer, backend: str, endpoint: str | None = None) -> dict[str, Any]:
+    return {**server.storage_options(endpoint), "backend": backend}
+
+
+def raw_client(endpoint: str) -> Any:
+    """An obstore client as ucp_zarr makes one (same defaults), for the raw limit."""
+    return O._client("s3", BUCKET, {"key": "k", "secret": "s", "endpoint_url": endpoint})
+
+
+def raw_put(client: Any, prefix: str, sizes: list[int], src: memoryview) -> None:
+    """PUT ``len(sizes)`` objects of these sizes, ``DEFAULT_WORKERS`` at a time."""
+    def put(i: int) -> None:
+        obstore.put(client, f"{prefix}/{i}", src[: sizes[i]], chunk_size=O.PART_BYTES, max_concurrency=O.UPLOAD_CONCURRENCY)
+
+    with ThreadPoolExecutor(DEFAULT_WORKERS) as pool:
+        list(pool.map(put, range(len(sizes))))
+
+
+def raw_get(client: Any, prefix: str, sizes: list[int], read: list[int]) -> int:
+    """GET the objects ``read`` (indices into ``sizes``) back whole, ``LOAD_WORKERS`` at a
+    time; return the bytes."""
+    def get(i: int) -> int:
+        return len(obstore.get(client, f"{prefix}/{i}").bytes())
+
+    with ThreadPoolExecutor(LOAD_WORKERS) as pool:
+        got = sum(pool.map(get, read))
+    assert got == sum(sizes[i] for i in read)
+    return got
+
+
+def objects(server: SeaweedServer, url: str) -> tuple[list[int], list[int]]:
+    """The sizes of every object under ``url``, largest first, and which of them a load
+    reads (all but the array and group documents, which the root holds a copy of)."""
+    client = raw_client(server.endpoint)
+    prefix = url.removeprefix(f"s3://{BUCKET}/")
+    metas = sorted(obstore.list(client, prefix).collect(), key=lambda m: -m["size"])
+    root = f"{prefix}/zarr.json"
+    return [m["size"] for m in metas], [i for i, m in enumerate(metas) if m["path"] == root or
+                                        not m["path"].endswith("/zarr.json")]
+
+
+def zeroed(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(v) for k, v in sd.items()}
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def one_repeat(server: SeaweedServer, sd: dict[str, torch.Tensor], order: list[str], sizes: list[int],
+               read: list[int], src: memoryview) -> dict[str, dict[str, float]]:
+    """Every method's save and load once, in ``order``: seconds."""
+    out: dict[str, dict[str, float]] = {}
+    for m in order:
+        url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+        if m == "raw":
+            client = raw_client(server.endpoint)
+            prefix = url.removeprefix(f"s3://{BUCKET}/")
+            out[m] = {"save": timed(lambda: raw_put(client, prefix, sizes, src)),
+                      "load": timed(lambda: raw_get(client, prefix, sizes, read))}
+            continue
+        opts = options(server, m)
+        save = timed(lambda: ucp_zarr.save(sd, url, storage_options=opts))
+        target = zeroed(sd)
+        load = timed(lambda: ucp_zarr.load(target, url, storage_options=opts))
+        assert all(bit_equal(target[k], v) for k, v in sd.items()), f"{m}: the load differs"
+        out[m] = {"save": save, "load": load}
+    return out
+
+
+def count_requests(
+    server: SeaweedServer, sd: dict[str, torch.Tensor], sizes: list[int], read: list[int], src: memoryview
+) -> dict[str, Any]:
+    """HTTP requests of one save and one load of each method, through a counting proxy."""
+    out: dict[str, Any] = {}
+    with FaultProxy(server.s3_port) as proxy:
+        for m in METHODS:
+            url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+            before = proxy.counts.requests
+            if m == "raw":
+                client = raw_client(proxy.endpoint)
+                prefix = url.removeprefix(f"s3://{BUCKET}/")
+                raw_put(client, prefix, sizes, src)
+                mid = proxy.counts.requests
+                raw_get(client, prefix, sizes, read)
+            else:
+                opts = options(server, m, proxy.endpoint)
+                ucp_zarr.save(sd, url, storage_options=opts)
+                mid = proxy.counts.requests
+                ucp_zarr.load(zeroed(sd), url, storage_options=opts)
+            out[m] = {"save": mid - before, "load": proxy.counts.requests - mid}
+    return out
+
+
+def measure(server: SeaweedServer, mib: float, repeat: int, log: Any = print) -> dict[str, Any]:
+    sd = model_state(mib)
+    total = nbytes(sd)
+    probe = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/probe"
+    ucp_zarr.save(sd, probe, storage_options=options(server, "obstore"))
+    sizes, read = objects(server, probe)
+    src = memoryview(torch.randint(0, 256, (max(sizes),), dtype=torch.uint8).numpy()).cast("B")
+    runs = []
+    for i in range(repeat):
+        order = [METHODS[(i + j) % len(METHODS)] for j in range(len(METHODS))]
+        runs.append(one_repeat(server, sd, order, sizes, read, src))
+        log(json.dumps({"mib": round(total / MiB), "repeat": i, "order": order,
+                        **{f"{m}:{op}": round(runs[-1][m][op], 3) for m in METHODS for op in ("save", "load")}}))
+    return {"mib": total / MiB, "objects": len(sizes), "object_mib": sum(sizes) / MiB, "read_objects": len(read),
+            "runs": runs, "requests": count_requests(server, sd, sizes, read, src)}
+
+
+def summary(r: dict[str, Any]) -> dict[str, Any]:
+    """MiB/s of each method (median over repeats) and each ratio to raw: (median, min, max)."""
+    out: dict[str, Any] = {}
+    for op in ("save", "load"):
+        for m in METHODS:
+            out[f"{op}:{m}"] = statistics.median(r["mib"] / run[m][op] for run in r["runs"])
+        for m in ("obstore", "fsspec"):
+            ratios = [run["raw"][op] / run[m][op] for run in r["runs"]]
+            out[f"{op}:{m}_vs_raw"] = (statistics.median(ratios), min(ratios), max(ratios))
+    return out
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = ["| state | op | ucp_zarr obstore MiB/s | ucp_zarr fsspec MiB/s | raw obstore MiB/s | obstore / raw | "
+            "fsspec / raw | requests obstore / fsspec / raw |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in results:
+        s = summary(r)
+        for op in ("save", "load"):
+            q = r["requests"]
+            rows.append(
+                f"| {r['mib']:.0f} MiB, {r['objects']} objects | {op} | {s[f'{op}:obstore']:.0f} | {s[f'{op}:fsspec']:.0f} | "
+                f"{s[f'{op}:raw']:.0f} | {s[f'{op}:obstore_vs_raw'][0]:.2f}x ({s[f'{op}:obstore_vs_raw'][1]:.2f}-"
+                f"{s[f'{op}:obstore_vs_raw'][2]:.2f}) | {s[f'{op}:fsspec_vs_raw'][0]:.2f}x | "
+                f"{q['obstore'][op]} / {q['fsspec'][op]} / {q['raw'][op]} |"
+            )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="256,1024", help="state sizes in MiB")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where SeaweedFS keeps its data (default: a temporary folder)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    results = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as work, SeaweedServer(Path(work)) as server:
+        server.make_bucket(BUCKET)
+        for mib in (float(x) for x in args.sizes.split(",")):
+            results.append(measure(server, mib, args.repeat))
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

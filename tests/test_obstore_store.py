@@ -1,0 +1,179 @@
+"""The obstore backend of object-store URLs (``ucp_zarr/obstore_store.py``) against a real
+S3 server (SeaweedFS on loopback): every Store method with FsspecStore's semantics, the
+requests it makes, and the storage_options it takes from s3fs/gcsfs/adlfs users.
+
+(Saves, loads, faults and racing saves on both backends: ``test_object_store.py``,
+``test_concurrent_saves.py``, ``test_fsspec_stores.py``.)"""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+import ucp_zarr.obstore_store as O
+from ucp_zarr.storage import FsspecStore, open_store
+
+BUCKET = "objstore"
+
+
+@pytest.fixture
+def store(seaweed) -> O.ObstoreStore:
+    s = open_store(f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck", seaweed.storage_options())
+    assert isinstance(s, O.ObstoreStore) and s.exclusive_create and s.durable and not s.stages_writes
+    return s
+
+
+def test_object_store_urls_go_through_obstore_and_others_through_fsspec(seaweed) -> None:
+    options = seaweed.storage_options()
+    assert isinstance(open_store("s3://b/x", options), O.ObstoreStore)
+    assert isinstance(open_store("s3://b/x", {**options, "backend": "fsspec"}), FsspecStore)
+    assert isinstance(open_store("memory://x"), FsspecStore)
+    with pytest.raises(ValueError, match="backend='obstore' serves"):
+        open_store("memory://x", {"backend": "obstore"})
+    with pytest.raises(ValueError, match="backend='nope'"):
+        open_store("s3://b/x", {"backend": "nope"})
+
+
+def test_writes_reads_and_listing(store: O.ObstoreStore) -> None:
+    assert store.is_empty() and store.child_names() == []
+    assert store.write("a/b/x", [b"hello ", memoryview(b"world")]) == 11
+    store.write_atomic("a/y", b"y" * 100)
+    assert store.read("a/b/x") == b"hello world" and store.exists("a/y") and not store.exists("a/z")
+    assert store.read_tail("a/y", 10) == b"y" * 10
+    with pytest.raises(OSError, match="shorter"):
+        store.read_tail("a/b/x", 20)
+    assert store.read_small("a/b/x", 11) == b"hello world" and store.read_small("a/b/x", 10) is None
+    for read in (store.read, lambda k: store.read_tail(k, 1), lambda k: store.read_small(k, 8)):
+        with pytest.raises(FileNotFoundError):
+            read("missing")
+    assert store.list() == ["a/b/x", "a/y"] and store.child_names() == ["a"]
+    store.delete("a/b/x")
+    store.delete("a/b/x")  # (absent: no error)
+    assert store.list() == ["a/y"]
+    other = store.sibling("ck-other")
+    other.write_atomic("z", b"z")
+    assert store.sibling_names("ck") == ["ck", "ck-other"]
+
+
+def test_ranges_that_touch_are_one_request(store: O.ObstoreStore) -> None:
+    data = bytes(range(256)) * 64
+    store.write("s", [data])
+    bufs = [bytearray(n) for n in (10, 20, 5, 7)]
+    store.stats = type(store.stats)()
+    # [0, 10) + [10, 30) touch; [100, 105) alone; [105, 112) touches it
+    store.readv("s", [(0, [memoryview(bufs[0])]), (10, [memoryview(bufs[1])]), (100, [memoryview(bufs[2])]),
+                      (105, [memoryview(bufs[3])])])
+    assert [bytes(b) for b in bufs] == [data[0:10], data[10:30], data[100:105], data[105:112]]
+    assert store.stats.read_calls == 2 and store.stats.bytes_read == 42
+
+
+def test_a_large_object_is_a_multipart_upload_of_copied_parts(seaweed, monkeypatch) -> None:
+    """The producer reuses one buffer for every piece (as write_shard does): each piece is
+    copied before the next is pulled, so the object holds every piece, not the last one."""
+    from s3server import FaultProxy
+
+    monkeypatch.setattr(O, "PART_BYTES", 5 << 20)  # (S3's smallest part)
+    piece = bytearray(1 << 20)
+
+    def pieces():
+        for i in range(12):
+            piece[:] = bytes([i]) * len(piece)
+            yield memoryview(piece)
+
+    with FaultProxy(seaweed.s3_port) as proxy:
+        s = open_store(f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck", seaweed.storage_options(proxy.endpoint))
+        assert s.write("big", pieces()) == 12 << 20
+        puts = proxy.counts.requests
+        s.write("small", [b"x" * 1000])
+        assert proxy.counts.requests - puts == 1  # a small object: one PUT
+        got = s.read("big")
+    assert puts >= 2 + 3  # create, three parts, complete
+    assert all(got[i << 20 : (i + 1) << 20] == bytes([i]) * (1 << 20) for i in range(12))
+
+
+def test_exclusive_create_is_a_conditional_put(store: O.ObstoreStore) -> None:
+    store.create_exclusive("m", b"first")
+    store.create_exclusive("m", b"first")  # (a retried create whose first attempt landed)
+    with pytest.raises(FileExistsError):
+        store.create_exclusive("m", b"second")
+    assert store.read("m") == b"first"
+
+    def create(i: int) -> bool:
+        try:
+            store.create_exclusive("race", f"{i}".encode() * 64)
+        except FileExistsError:
+            return False
+        return True
+
+    with ThreadPoolExecutor(8) as pool:  # eight racing creators: one wins
+        won = [i for i, ok in enumerate(pool.map(create, range(8))) if ok]
+    assert len(won) == 1 and store.read("race") == f"{won[0]}".encode() * 64
+
+
+def test_prune_and_remove_leave_no_folder_entries(seaweed, store: O.ObstoreStore) -> None:
+    """SeaweedFS keeps a folder entry for every prefix written: pruned once empty."""
+    store.write_atomic("g/a/c/0", b"0")
+    store.write_atomic("g/b/c/0", b"1")
+    store.delete("g/a/c/0")
+    store.prune(["g/a/c", "g/a", "g/b/c", "g/b"])
+    assert store.child_names() == ["g"] and store._names(store._path("g")) == ["b"]
+    store.remove()
+    parent = store.root.rsplit("/", 1)[0]
+    assert store._names(parent) == []
+
+
+def test_adopt_is_a_server_side_copy(store: O.ObstoreStore) -> None:
+    staged = store.sibling(".ck.staged")
+    staged.write_atomic("a/0", b"new")
+    store.write_atomic("a/0", b"old")
+    store.adopt(staged, "a/0", "tag")
+    assert store.read("a/0") == b"new" and staged.read("a/0") == b"new"
+    with pytest.raises(TypeError):
+        store.adopt(FsspecStore("memory://x"), "a/0", "tag")
+
+
+def test_errors_name_the_object(seaweed) -> None:
+    s = open_store(f"s3://no-such-bucket-{uuid.uuid4().hex[:6]}/ck", seaweed.storage_options())
+    with pytest.raises(OSError, match=r"writing s3://no-such-bucket-.*/ck/k"):
+        s.write_atomic("k", b"1")
+
+
+def test_s3fs_options_map_to_obstore() -> None:
+    config, client, retry = O._config("s3", {
+        "key": "K", "secret": "S", "token": "T", "client_kwargs": {"endpoint_url": "http://127.0.0.1:9", "region_name": "eu-west-1"},
+        "config_kwargs": {"connect_timeout": 1, "read_timeout": 2, "retries": {"total_max_attempts": 8, "mode": "standard"},
+                          "proxies": {}},
+        "skip_instance_cache": True, "use_listings_cache": False, "virtual_hosted_style_request": False,
+    })
+    assert config == {"access_key_id": "K", "secret_access_key": "S", "session_token": "T", "endpoint": "http://127.0.0.1:9",
+                      "region": "eu-west-1", "virtual_hosted_style_request": False}
+    assert client == {"connect_timeout": datetime.timedelta(seconds=1), "read_timeout": datetime.timedelta(seconds=2),
+                      "allow_http": True}
+    assert retry["max_retries"] == 7
+    assert O._config("s3", {"config_kwargs": {"retries": {"total_max_attempts": 1}}})[2]["max_retries"] == 3
+    assert O._config("s3", {"anon": True, "endpoint_url": "https://x"})[0] == {"skip_signature": True, "endpoint": "https://x"}
+
+
+@pytest.mark.parametrize("url, options, match", [
+    ("s3://b/x", {"requester_pays_typo": True}, "requester_pays_typo"),
+    ("s3://b/x", {"client_kwargs": {"verify": False}}, "client_kwargs 'verify'"),
+    ("s3://b/x", {"config_kwargs": {"signature_version": "s3v4"}}, "config_kwargs 'signature_version'"),
+    ("gs://b/x", {"default_location": "EU"}, "default_location"),
+    ("az://c/x", {"account_nam": "a"}, "account_nam"),
+])
+def test_unknown_options_are_refused_by_name(url: str, options: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        open_store(url, options)
+
+
+def test_gcsfs_and_adlfs_options_map_to_obstore() -> None:
+    gs = open_store("gs://bkt/a/b", {"token": "anon", "project": "p"})
+    assert isinstance(gs, O.ObstoreStore) and gs.client.config.get("skip_signature") == "true" and gs.root == "a/b"
+    az = open_store("az://cont/x", {"account_name": "acct", "account_key": "a2V5", "anon": False})
+    assert az.client.config["account_name"] == "acct" and az.client.config["account_key"] == "a2V5"
+    conn = O._azure_connection_string("DefaultEndpointsProtocol=https;AccountName=a;AccountKey=k;BlobEndpoint=http://h")
+    assert conn == {"account_name": "a", "account_key": "k", "endpoint": "http://h"}
