@@ -14,8 +14,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: $(VENV)/.installed
 	$(VENV)/bin/ucp-zarr demo
 
+# two workers (one file each at a time: module fixtures such as the DeepSpeed and Megatron
+# jobs run once): most tests wait on processes, servers and the disk, so two cores overlap them
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # the documentation site (mkdocs.yml) into build/site; any warning fails the build
 docs: $(VENV)/.installed

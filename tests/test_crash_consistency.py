@@ -14,7 +14,7 @@ every trial:
   IncompleteCheckpointError / NotACheckpointError, or it is complete and verifies;
 * a new save onto the same path afterwards works (the dead owner is recognised as dead).
 
-``UCP_ZARR_KILL_TRIALS`` sets the number of trials (CI: 30); ``-m long`` runs 200.
+``UCP_ZARR_KILL_TRIALS`` sets the number of trials (CI: 16); ``-m long`` runs 200.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from _crash_job import WORLD, full_state, worker
 
 import ucp_zarr
 
-TRIALS = int(os.environ.get("UCP_ZARR_KILL_TRIALS", "30"))
+TRIALS = int(os.environ.get("UCP_ZARR_KILL_TRIALS", "16"))
 LONG_TRIALS = 200
 
 
