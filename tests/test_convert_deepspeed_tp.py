@@ -29,23 +29,25 @@ TRAIN = textwrap.dedent('''
     deepspeed.ops.__compatible_ops__ = collections.defaultdict(bool)  # no shm_comm JIT build
     deepspeed.init_distributed(dist_backend="gloo")
     from transformers import LlamaConfig, LlamaForCausalLM
-    out, stage, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    model = LlamaForCausalLM(config)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
-           "tensor_parallel": {"autotp_size": 2}, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
-           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
-    if dtype == "bf16":
-        cfg["bf16"] = {"enabled": True}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    for step in range(2):
-        x = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(step))
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
-    engine.save_checkpoint(out)
+    for variant in sys.argv[1:]:  # out:stage:dtype, each trained afresh in these processes
+        out, stage, dtype = variant.split(":")
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+        model = LlamaForCausalLM(config)
+        cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": int(stage)},
+               "tensor_parallel": {"autotp_size": 2}, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
+               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
+        if dtype == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        for step in range(2):
+            x = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(step))
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+        engine.save_checkpoint(out)
+        engine.destroy()
 ''')
 VARIANTS = [(1, "fp32"), (2, "bf16")]
 
@@ -62,18 +64,23 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str
     work = tmp_path_factory.mktemp("autotp")
     (work / "train.py").write_text(TRAIN)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    out = {}
-    for stage, dtype in VARIANTS:
-        ck = work / f"z{stage}-{dtype}"
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={_port()}",
-                        str(work / "train.py"), str(ck), str(stage), dtype],
-                       check=True, env=env, timeout=600, capture_output=True)
+    folders = {(stage, dtype): work / f"z{stage}-{dtype}" for stage, dtype in VARIANTS}
+    # one launch trains every variant (4 processes importing DeepSpeed and transformers once)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={_port()}",
+                    str(work / "train.py"), *(f"{ck}:{stage}:{dtype}" for (stage, dtype), ck in folders.items())],
+                   check=True, env=env, timeout=600, capture_output=True)
+    out, converting = {}, []
+    for (stage, dtype), ck in folders.items():  # DeepSpeed's own converter, on every variant at once
         step = ck / (ck / "latest").read_text().strip()
         uni = work / f"uni-z{stage}-{dtype}"
-        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(step),
-                        "--output_folder", str(uni), "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                       check=True, env=env, timeout=600, capture_output=True)
+        converting.append(subprocess.Popen(
+            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(step),
+             "--output_folder", str(uni), "--num_extract_workers", "1", "--num_merge_workers", "1"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         out[(stage, dtype)] = (ck, uni)
+    for proc in converting:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err.decode()[-4000:]
     return out
 
 

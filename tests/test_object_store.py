@@ -112,6 +112,9 @@ def _save_pausing(rank: int, world: int, url: str, options: dict[str, Any], paus
     Path(result, f"{rank}.json").write_text(json.dumps(out))
 
 
+@pytest.mark.parametrize(
+    "backend", ["obstore", pytest.param("fsspec", marks=pytest.mark.long)], indirect=True
+)  # (the fsspec store's retries of a dead server take ~1 min: -m long; its retries are tested below)
 def test_server_dying_mid_save_fails_every_rank_clearly_and_keeps_the_previous_checkpoint(tmp_path, backend):
     import json
     import threading
