@@ -182,6 +182,8 @@ def summary(r: dict[str, Any]) -> dict[str, float]:
     size = r["bytes"] / MiB
     save_ratios = [w / s for s, w in zip(r["save"], r["raw_write"])]
     load_ratios = [w / s for s, w in zip(r["load"], r["raw_read"])]
+    cpu = r.get("cpu", {})
+    cpu_ratios = [a / b for a, b in zip(cpu.get("load", []), cpu.get("raw_read", [])) if b > 0]
     return {
         "save": size / statistics.median(r["save"]),
         "raw_write": size / statistics.median(r["raw_write"]),
@@ -191,7 +193,9 @@ def summary(r: dict[str, Any]) -> dict[str, float]:
         "load_ratio": statistics.median(load_ratios), "load_ratio_min": min(load_ratios), "load_ratio_max": max(load_ratios),
         "read_amplification": statistics.median(r["bytes_read"]) / r["bytes"],
         "save_ms": 1000 * statistics.median(r["save"]), "raw_write_ms": 1000 * statistics.median(r["raw_write"]),
-        **{f"cpu_{k}": statistics.median(v) for k, v in r.get("cpu", {}).items() if v},
+        **{f"cpu_{k}": statistics.median(v) for k, v in cpu.items() if v},
+        **({"cpu_load_ratio": statistics.median(cpu_ratios), "cpu_load_ratio_min": min(cpu_ratios),
+            "cpu_load_ratio_max": max(cpu_ratios)} if cpu_ratios else {}),
     }
 
 

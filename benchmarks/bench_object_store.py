@@ -168,26 +168,34 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
     for op in ("save", "load"):
         for m in METHODS:
             out[f"{op}:{m}"] = statistics.median(r["mib"] / run[m][op] for run in r["runs"])
-        for m in ("obstore", "fsspec"):
-            ratios = [run["raw"][op] / run[m][op] for run in r["runs"]]
-            out[f"{op}:{m}_vs_raw"] = (statistics.median(ratios), min(ratios), max(ratios))
+        for m, peer in (("obstore", "raw"), ("fsspec", "raw"), ("obstore", "fsspec")):
+            ratios = [run[peer][op] / run[m][op] for run in r["runs"]]
+            out[f"{op}:{m}_vs_{peer}"] = (statistics.median(ratios), min(ratios), max(ratios))
     return out
 
 
 def table(results: list[dict[str, Any]]) -> str:
     rows = ["| state | op | ucp_zarr obstore MiB/s | ucp_zarr fsspec MiB/s | raw obstore MiB/s | obstore / raw | "
-            "fsspec / raw | requests obstore / fsspec / raw |", "|---|---|---:|---:|---:|---:|---:|---|"]
+            "fsspec / raw | obstore / fsspec | requests obstore / fsspec / raw |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+
+    def ratio(x: tuple[float, float, float]) -> str:
+        return f"{x[0]:.2f}x ({x[1]:.2f}-{x[2]:.2f})"
+
     for r in results:
         s = summary(r)
         for op in ("save", "load"):
             q = r["requests"]
             rows.append(
                 f"| {r['mib']:.0f} MiB, {r['objects']} objects | {op} | {s[f'{op}:obstore']:.0f} | {s[f'{op}:fsspec']:.0f} | "
-                f"{s[f'{op}:raw']:.0f} | {s[f'{op}:obstore_vs_raw'][0]:.2f}x ({s[f'{op}:obstore_vs_raw'][1]:.2f}-"
-                f"{s[f'{op}:obstore_vs_raw'][2]:.2f}) | {s[f'{op}:fsspec_vs_raw'][0]:.2f}x | "
-                f"{q['obstore'][op]} / {q['fsspec'][op]} / {q['raw'][op]} |"
+                f"{s[f'{op}:raw']:.0f} | {ratio(s[f'{op}:obstore_vs_raw'])} | {ratio(s[f'{op}:fsspec_vs_raw'])} | "
+                f"{ratio(s[f'{op}:obstore_vs_fsspec'])} | {q['obstore'][op]} / {q['fsspec'][op]} / {q['raw'][op]} |"
             )
     return "\n".join(rows)
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -198,10 +206,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     results = []
+    print(f"load average at the start {loadavg()}", flush=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as work, SeaweedServer(Path(work)) as server:
         server.make_bucket(BUCKET)
         for mib in (float(x) for x in args.sizes.split(",")):
-            results.append(measure(server, mib, args.repeat))
+            results.append(measure(server, mib, args.repeat, log=lambda line: print(line, flush=True)))
+    print(f"load average at the end {loadavg()}")
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

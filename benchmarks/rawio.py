@@ -29,6 +29,19 @@ def raw_read(path: str, sizes: list[int], dst: torch.Tensor, threads: int) -> No
     _per_file(path, sizes, dst, threads, pread_exact)
 
 
+def read_files(paths: list[str], dst: torch.Tensor, threads: int) -> None:
+    """Read the files ``paths`` whole with ``preadv`` into consecutive ranges of the
+    preallocated ``dst``, ``threads`` at a time."""
+    view = memoryview(dst.numpy())
+    offsets = [0, *itertools.accumulate(os.path.getsize(p) for p in paths)]
+
+    def one(i: int) -> None:
+        pread_exact(paths[i], view[offsets[i] : offsets[i + 1]])
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(len(paths))))
+
+
 def _per_file(path: str, sizes: list[int], buf: torch.Tensor, threads: int, fn: Callable[[str, memoryview], None]) -> None:
     """``fn(file i, its range of buf)`` for the files ``0 .. len(sizes) - 1`` under ``path``,
     whose ranges follow each other in ``buf``, on ``threads`` threads."""
@@ -71,18 +84,20 @@ def pread_exact(path: str, mv: memoryview) -> None:
 def counted_load(state: dict[str, Any], path: str, **load_kwargs: Any) -> int:
     """``ucp_zarr.load`` in place; return the bytes its store read."""
     import ucp_zarr
-    import ucp_zarr.api as api
+    import ucp_zarr.loader as loader
 
     stores: list[Any] = []
-    real = api.open_store
+    real = loader.open_store
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         stores.append(real(*args, **kwargs))
         return stores[-1]
 
-    api.open_store = counting
+    loader.open_store = counting  # (the name ucp_zarr.load opens its store with)
     try:
         ucp_zarr.load(state, path, **load_kwargs)
     finally:
-        api.open_store = real
+        loader.open_store = real
+    if not stores:
+        raise RuntimeError("ucp_zarr.load no longer opens its store through ucp_zarr.loader.open_store: fix counted_load")
     return sum(s.stats.bytes_read for s in stores)
