@@ -13,6 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+import torch
+
+import ucp_zarr
 
 import ucp_zarr.obstore_store as O
 from ucp_zarr.storage import FsspecStore, open_store
@@ -69,6 +72,41 @@ def test_ranges_that_touch_are_one_request(store: O.ObstoreStore) -> None:
                       (105, [memoryview(bufs[3])])])
     assert [bytes(b) for b in bufs] == [data[0:10], data[10:30], data[100:105], data[105:112]]
     assert store.stats.read_calls == 2 and store.stats.bytes_read == 42
+
+
+def test_a_whole_object_of_a_known_size_is_one_request(store: O.ObstoreStore) -> None:
+    data = bytes(range(256)) * 64
+    store.write("w", [data])
+    bufs = [bytearray(1000), bytearray(len(data) - 1000)]
+    store.stats = type(store.stats)()
+    assert not store.readv_whole("w", [(0, [memoryview(b) for b in bufs])], len(data) + 1)  # another size
+    assert bufs[0] == bytearray(1000) and store.stats.bytes_read == 0
+    assert store.readv_whole("w", [(0, [memoryview(b) for b in bufs])], len(data))
+    assert bytes(bufs[0] + bufs[1]) == data and store.stats.read_calls == 1 and store.stats.bytes_read == len(data)
+
+
+def test_a_load_of_whole_shards_makes_one_request_per_shard(seaweed, monkeypatch) -> None:
+    """Without a whole read, each shard larger than a small one (read whole anyway) takes two
+    requests (its index from the end, then its chunks), one after the other."""
+    from ucp_zarr.checkpoint import WHOLE_SHARD_BYTES
+
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+    w = torch.randn(4 * (WHOLE_SHARD_BYTES // 4096 + 1), 1024)
+    options = seaweed.storage_options()
+    ucp_zarr.save({"w": w}, url, storage_options=options, chunk_bytes=1 << 20, shard_bytes=w.nbytes // 4)
+    gets = []
+    for name in ("get", "get_ranges"):
+        monkeypatch.setattr(O.obstore, name, lambda *a, _f=getattr(O.obstore, name), **k: gets.append(a[1]) or _f(*a, **k))
+
+    def shard_requests() -> int:
+        gets.clear()
+        out = ucp_zarr.load({"w": torch.zeros_like(w)}, url, storage_options=options)
+        assert torch.equal(out["w"], w)
+        return sum("/c/" in key for key in gets)
+
+    assert shard_requests() == 4
+    monkeypatch.setattr(O.ObstoreStore, "readv_whole", lambda self, key, requests, size: False)
+    assert shard_requests() == 8
 
 
 def test_a_large_object_is_a_multipart_upload_of_copied_parts(seaweed, monkeypatch) -> None:
