@@ -421,3 +421,36 @@ def test_a_save_never_writes_through_a_symbolic_link_inside_its_path(tmp_path):
     (tmp_path / "link").symlink_to(tmp_path / "real")  # the path itself may be a link
     ucp_zarr.save(_state(3.0), tmp_path / "link" / "ck")
     _assert_holds(tmp_path / "real" / "ck", 3.0)
+
+
+_DIE_COMMITTING = """
+import os, sys, torch, ucp_zarr
+link = os.link
+def dying_link(src, dst, *a, **k):
+    if dst == os.path.join(sys.argv[1], "zarr.json"):  # the commit record, its temporary copy written
+        os._exit(9)
+    return link(src, dst, *a, **k)
+os.link = dying_link
+ucp_zarr.save({"w": torch.ones(4, 4)}, sys.argv[1])
+"""
+
+
+def test_a_save_killed_while_committing_leaves_nothing_that_blocks_the_path(tmp_path):
+    """A local exclusive create writes the commit record to a temporary file, then links it
+    into place; a save killed in between left ``zarr.json.tmp-<hex>``, which the next save
+    or the manager's clean-up kept, and a later save at the path was refused (the path 'is
+    not empty and holds no ucp_zarr checkpoint')."""
+    ck = tmp_path / "ck"
+    died = subprocess.run([sys.executable, "-c", _DIE_COMMITTING, str(ck)], capture_output=True)
+    assert died.returncode == 9, died.stderr.decode()[-2000:]
+    assert any(n.startswith("zarr.json.tmp-") for n in os.listdir(ck))
+    ucp_zarr.save(_state(2.0), ck)  # takes the dead save's claim over
+    _assert_holds(ck, 2.0)
+    assert not [n for n in os.listdir(ck) if ".tmp-" in n]
+
+    alone = tmp_path / "alone"  # what the manager's clean-up of a dead step left: the temporary copy alone
+    alone.mkdir()
+    shutil.copy(next(p for p in ck.iterdir() if p.name == "zarr.json"), alone / f"zarr.json.tmp-{'a' * 32}")
+    ucp_zarr.save(_state(3.0), alone)
+    _assert_holds(alone, 3.0)
+    assert sorted(os.listdir(alone)) == sorted(n for n in os.listdir(ck))

@@ -294,6 +294,19 @@ def is_checkpoint_object(key: str) -> bool:
     return is_internal(key) or _CHECKPOINT_OBJECT.fullmatch(key) is not None
 
 
+_COMMIT_TEMP = re.compile(rf"{re.escape(METADATA_FILE)}\.tmp-[0-9a-f]{{32}}")
+"""A temporary copy of the commit record: a local store's exclusive create writes one, then
+links it into place, so a save killed in between leaves it behind."""
+
+
+def remove_commit_temps(store: Store) -> None:
+    """Delete what saves killed while committing left of their commit records (called by the
+    path's owner only: no live save is creating the record)."""
+    for name in store.child_names():
+        if _COMMIT_TEMP.fullmatch(name):
+            store.delete(name)
+
+
 def is_internal(key: str) -> bool:
     return "/" not in key and key.startswith(INTERNAL_PREFIX)
 
@@ -524,7 +537,7 @@ class Transaction:
         out committed once we held it: a save never writes into a committed path."""
         for _ in range(16):
             if not store.exists(MARKER) and not store.exists(METADATA_FILE):
-                leftovers = [k for k in store.list() if not is_internal(k)]
+                leftovers = [k for k in store.list() if not is_internal(k) and not _COMMIT_TEMP.fullmatch(k)]
                 if leftovers:
                     raise CheckpointExistsError(
                         f"{store.url} is not empty and holds no ucp_zarr checkpoint (found "
@@ -546,6 +559,8 @@ class Transaction:
                 won = self._take_over(store, holder)
             if won:
                 if not store.exists(METADATA_FILE):
+                    if store.stages_writes:  # (only a local store's exclusive create leaves one)
+                        remove_commit_temps(store)
                     return True
                 self._release(store)
                 return False
