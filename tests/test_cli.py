@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ucp_zarr
-from ucp_zarr import inspect as I
+from ucp_zarr.browse import inspect as I
 from ucp_zarr.cli import COMMANDS, build_parser, main
 
 SMALL = dict(chunk_bytes=1 << 9, shard_bytes=1 << 11)
@@ -126,7 +126,7 @@ def test_ls(capsys, paths) -> None:
     w = next(line.split() for line in lines if line.startswith("model.layers.0.weight "))
     row = next(r for r in I.list_tensors(ucp_zarr.open(paths["a"])) if r.key == "model.layers.0.weight")
     assert w == ["model.layers.0.weight", "40x30", "float32", "4.7", "KiB", "x".join(map(str, row.chunks)), str(row.shards)]
-    assert lines[-1] == f"5 tensors, {ucp_zarr.checkpoint._human(ucp_zarr.open(paths['a']).nbytes())}"
+    assert lines[-1] == f"5 tensors, {ucp_zarr.protocol.checkpoint._human(ucp_zarr.open(paths['a']).nbytes())}"
     rc, data = run_json(capsys, "ls", paths["a"], "model.layers.*")
     assert rc == 0 and [d["key"] for d in data] == ["model.layers.0.weight", "model.layers.0.bias", "model.layers.1.weight"]
     assert data[1] == next(r for r in I.list_tensors(ucp_zarr.open(paths["a"])) if r.key == "model.layers.0.bias").to_dict()
@@ -499,7 +499,7 @@ def test_a_manager_root_lists_its_steps_in_info_too(capsys, paths) -> None:
 
 def test_an_unfinished_save_is_still_called_incomplete(capsys, tmp_path, monkeypatch) -> None:
     """A folder holding a save that never committed is not a folder of checkpoints."""
-    from ucp_zarr import saver
+    from ucp_zarr.protocol import saver
 
     ucp_zarr.save({"w": torch.ones(3)}, tmp_path / "run" / "a")
 

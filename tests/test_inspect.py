@@ -1,4 +1,4 @@
-"""ucp_zarr.inspect and the torch-free read path: values, selections, statistics, listings and
+"""ucp_zarr.browse.inspect and the torch-free read path: values, selections, statistics, listings and
 diffs on real checkpoints, checked against numpy and torch."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ucp_zarr
-from ucp_zarr import inspect as I
+from ucp_zarr.browse import inspect as I
 from ucp_zarr.layout import Box
 
 FP8 = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]

@@ -1,4 +1,4 @@
-"""The Jupyter face (ucp_zarr.notebook): checkpoint and tensor HTML, statistics, diffs, plots.
+"""The Jupyter face (ucp_zarr.browse.notebook): checkpoint and tensor HTML, statistics, diffs, plots.
 
 The HTML is parsed (html.parser) and checked for what a reader sees: the tree with each
 parameter's moments in its group, escaped keys and values, values and bytes by module and
@@ -26,11 +26,11 @@ import torch
 from _dist import run
 
 import ucp_zarr
-from ucp_zarr import notebook
-from ucp_zarr.checkpoint import Checkpoint
-from ucp_zarr.format import CheckpointMeta, TensorEntry
-from ucp_zarr.inspect import diff
-from ucp_zarr.storage import open_store
+from ucp_zarr.browse import notebook
+from ucp_zarr.protocol.checkpoint import Checkpoint
+from ucp_zarr.format.documents import CheckpointMeta, TensorEntry
+from ucp_zarr.browse.inspect import diff
+from ucp_zarr.io.store import open_store
 
 matplotlib.use("Agg")
 
@@ -584,7 +584,7 @@ def test_s3_renders_from_metadata_only(seaweed: Any) -> None:
 def test_import_is_torch_free(tmp_path: Path) -> None:
     ucp_zarr.save({"model": {"w": torch.ones(4, 4)}, "step": 1}, tmp_path / "ck")
     code = (
-        "import sys, ucp_zarr, ucp_zarr.notebook as nb\n"
+        "import sys, ucp_zarr, ucp_zarr.browse.notebook as nb\n"
         f"html = nb.checkpoint_html(ucp_zarr.open({str(tmp_path / 'ck')!r}))\n"
         "assert 'model.w' in html\n"
         "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))\n"

@@ -1,4 +1,4 @@
-"""A training run in a notebook (ucp_zarr.runs, the relative update of ucp_zarr.diff): the steps
+"""A training run in a notebook (ucp_zarr.browse.runs, the relative update of ucp_zarr.diff): the steps
 of a manager root, norms, updates and histograms over steps against numbers computed here
 with torch, on a local path, an in-memory URL and a real S3 server, and bounded memory
 without torch on a checkpoint run larger than the bound."""
@@ -22,8 +22,8 @@ import torch
 from test_notebook_html import Dom
 
 import ucp_zarr
-from ucp_zarr import notebook
-from ucp_zarr.inspect import diff
+from ucp_zarr.browse import notebook
+from ucp_zarr.browse.inspect import diff
 
 matplotlib.use("Agg")
 
@@ -273,7 +273,7 @@ def test_run_views_stream_in_bounded_memory(tmp_path: Path) -> None:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot
-        import ucp_zarr, ucp_zarr.notebook, ucp_zarr.runs
+        import ucp_zarr, ucp_zarr.browse.notebook, ucp_zarr.browse.runs
 
         def peak():
             return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")) << 10

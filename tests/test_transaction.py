@@ -1,4 +1,4 @@
-"""The save transaction (ucp_zarr.transaction), unit-tested on a real local store wrapped in
+"""The save transaction (ucp_zarr.protocol.transaction), unit-tested on a real local store wrapped in
 a recording, crash-injecting store, with a liveness judge that declares chosen saves dead.
 
 The claims under test:
@@ -18,10 +18,10 @@ import pytest
 from _faulty import Crash, FaultyStore, Judge, Log
 
 from ucp_zarr.errors import CheckpointExistsError, IncompleteCheckpointError, NotACheckpointError, OwnershipError
-from ucp_zarr.format import CheckpointMeta, dump_document
-from ucp_zarr.owned import Owned, OwnedArray
-from ucp_zarr.storage import LocalStore
-from ucp_zarr.transaction import (
+from ucp_zarr.format.documents import CheckpointMeta, dump_document
+from ucp_zarr.protocol.owned import Owned, OwnedArray
+from ucp_zarr.io.store import LocalStore
+from ucp_zarr.protocol.transaction import (
     HEARTBEAT,
     MARKER,
     OWNED,

@@ -1,7 +1,7 @@
 """ucp_zarr: universal checkpointing for PyTorch training, stored as plain Zarr v3.
 
 The package imports lazily (PEP 562): ``import ucp_zarr`` loads neither torch nor zarr, so
-read-only tools (``ucp-zarr info``, :mod:`ucp_zarr.inspect`) start fast; each public name is
+read-only tools (``ucp-zarr info``, :mod:`ucp_zarr.browse.inspect`) start fast; each public name is
 imported from its module on first use."""
 
 from __future__ import annotations
@@ -38,41 +38,41 @@ from .version import __version__
 if TYPE_CHECKING:
     from .adapters.dcp import ZarrStorageReader, ZarrStorageWriter
     from .api import save, wait_for_pending_save
-    from .checkpoint import Checkpoint, TensorView, open
+    from .protocol.checkpoint import Checkpoint, TensorView, open
     from .convert import convert, export
-    from .fragments import FlatShard, PerRank, Placed, Shard
-    from .inspect import diff
-    from .loader import IncompatibleKeys, IncompatibleKeysWarning, load, read_state_dict
+    from .protocol.fragments import FlatShard, PerRank, Placed, Shard
+    from .browse.inspect import diff
+    from .protocol.loader import IncompatibleKeys, IncompatibleKeysWarning, load, read_state_dict
     from .ops import CheckpointManager, optimal_interval
-    from .place import place
-    from .rules import RuleError, Rules
-    from .runs import open_run
-    from .saver import SaveResult
+    from .rules.place import place
+    from .rules.language import RuleError, Rules
+    from .browse.runs import open_run
+    from .protocol.saver import SaveResult
 
 _LAZY = {
-    "IncompatibleKeys": ".loader",
-    "IncompatibleKeysWarning": ".loader",
-    "load": ".loader",
-    "read_state_dict": ".loader",
+    "IncompatibleKeys": ".protocol.loader",
+    "IncompatibleKeysWarning": ".protocol.loader",
+    "load": ".protocol.loader",
+    "read_state_dict": ".protocol.loader",
     "save": ".api",
     "wait_for_pending_save": ".api",
-    "Checkpoint": ".checkpoint",
-    "TensorView": ".checkpoint",
-    "open": ".checkpoint",
+    "Checkpoint": ".protocol.checkpoint",
+    "TensorView": ".protocol.checkpoint",
+    "open": ".protocol.checkpoint",
     "convert": ".convert",
     "export": ".convert",
-    "FlatShard": ".fragments",
-    "PerRank": ".fragments",
-    "Placed": ".fragments",
-    "Shard": ".fragments",
-    "diff": ".inspect",
+    "FlatShard": ".protocol.fragments",
+    "PerRank": ".protocol.fragments",
+    "Placed": ".protocol.fragments",
+    "Shard": ".protocol.fragments",
+    "diff": ".browse.inspect",
     "CheckpointManager": ".ops",
     "optimal_interval": ".ops",
-    "place": ".place",
-    "RuleError": ".rules",
-    "Rules": ".rules",
-    "open_run": ".runs",
-    "SaveResult": ".saver",
+    "place": ".rules.place",
+    "RuleError": ".rules.language",
+    "Rules": ".rules.language",
+    "open_run": ".browse.runs",
+    "SaveResult": ".protocol.saver",
     "ZarrStorageReader": ".adapters.dcp",
     "ZarrStorageWriter": ".adapters.dcp",
 }

@@ -24,7 +24,7 @@ import textwrap
 import time
 from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator
 
-from .checkpoint import _human
+from .protocol.checkpoint import _human
 from .errors import (
     CheckpointError,
     FormatError,
@@ -36,8 +36,8 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
-    from .storage import Store
+    from .protocol.checkpoint import Checkpoint
+    from .io.store import Store
 
 EXAMPLES = """\
 examples:
@@ -261,7 +261,7 @@ def _spelling(parser: argparse.ArgumentParser) -> Callable[[Keyword], str]:
 
 
 def _open(path: str, args: argparse.Namespace) -> "Checkpoint":
-    from .checkpoint import open as open_checkpoint
+    from .protocol.checkpoint import open as open_checkpoint
 
     return open_checkpoint(path, storage_options=args.storage_options, hmac_key=_key(args))
 
@@ -333,7 +333,7 @@ def _num(x: Any) -> str:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .inspect import checkpoint_info
+    from .browse.inspect import checkpoint_info
 
     try:
         ck = _open(args.path, args)
@@ -362,7 +362,7 @@ def _clip(text: str, n: int) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .inspect import list_tensors
+    from .browse.inspect import list_tensors
 
     try:
         ck = _open(args.path, args)
@@ -392,8 +392,8 @@ def _folder(args: argparse.Namespace, why: CheckpointError) -> int:
     manager's root, or the checkpoints below it, or, for another system's checkpoint, what it
     is and how to convert it; else ``why``."""
     from .ops import list_steps
-    from .storage import open_store
-    from .transaction import MARKER, REPLACE_RECORD
+    from .io.store import open_store
+    from .protocol.transaction import MARKER, REPLACE_RECORD
 
     store = open_store(args.path, args.storage_options)
     if store.exists(MARKER) or store.exists(REPLACE_RECORD):  # itself a save that did not finish
@@ -432,10 +432,10 @@ def _checkpoints_under(store: "Store", storage_options: dict[str, Any] | None) -
     """The checkpoints in the folders below ``store`` (at most ``FIND_DEPTH`` levels, hidden
     ones skipped, none inside another): (relative path, :class:`Checkpoint` or the
     :class:`IncompleteCheckpointError` of one that was never committed), by path."""
-    from .checkpoint import open_store_checkpoint
-    from .format import METADATA_FILE
-    from .storage import open_store
-    from .transaction import MARKER
+    from .protocol.checkpoint import open_store_checkpoint
+    from .format.documents import METADATA_FILE
+    from .io.store import open_store
+    from .protocol.transaction import MARKER
 
     folders = {k.rpartition("/")[0] for k in store.list() if k.rpartition("/")[2] in (METADATA_FILE, MARKER)}
     found: list[tuple[str, Any]] = []
@@ -493,8 +493,8 @@ def _foreign_kind(path: str) -> str | None:
 def cmd_show(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from .dtypes import stored_dtype_by_name
-    from .inspect import format_index, parse_index, selection_shape, widen
+    from .format.dtypes import stored_dtype_by_name
+    from .browse.inspect import format_index, parse_index, selection_shape, widen
 
     ck = _open(args.path, args)
     entry = ck._entry(args.key)  # (an unknown key: the checkpoint's error, with close keys)
@@ -542,7 +542,7 @@ def _json_values(x: Any) -> Any:
 
 
 def _selected(ck: "Checkpoint", patterns: list[str]) -> list[str]:
-    from .inspect import select_keys
+    from .browse.inspect import select_keys
 
     keys: list[str] = []
     for p in patterns:
@@ -554,7 +554,7 @@ def _selected(ck: "Checkpoint", patterns: list[str]) -> list[str]:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from .inspect import tensor_stats
+    from .browse.inspect import tensor_stats
 
     ck = _open(args.path, args)
     keys = _selected(ck, args.keys)
@@ -600,7 +600,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from .inspect import diff, select_keys
+    from .browse.inspect import diff, select_keys
 
     a, b = _open(args.a, args), _open(args.b, args)
     if args.keys is not None:

@@ -33,14 +33,14 @@ replicated items, so a replicated tensor is held by one rank of the plan only):
 * rank 0 (DCP's coordinator) takes ``planner_data`` from the ``Metadata`` its
   ``DefaultSavePlanner`` made (what ``FileSystemWriter`` pickles), or else from the plans
   ``prepare_global_plan`` saw, merged as ``DefaultSavePlanner`` merges them;
-* tensor items (``TENSOR``/``SHARD``) become this rank's :class:`~ucp_zarr.fragments.Fragment`
+* tensor items (``TENSOR``/``SHARD``) become this rank's :class:`~ucp_zarr.protocol.fragments.Fragment`
   pieces: ``item.index.fqn`` is the key, ``item.tensor_data.size`` the global shape,
   ``item.tensor_data.chunk`` the global box of ``planner.resolve_data(item)``;
 * ``BYTE_IO`` items are stored as JSON values (never pickled): the original object is taken
   from the planner's flattened state dict, not from the pickled bytes DCP would write; a
   ``BytesIO`` is stored as its bytes, and the ranks agree on which keys were ``BytesIO``
   (one small all-gather, which also fails every rank at once if one could not collect);
-* ``ucp_zarr.saver.prepare(...).finish()`` then validates the global layout, writes every
+* ``ucp_zarr.protocol.saver.prepare(...).finish()`` then validates the global layout, writes every
   shard exactly once and commits, collectively over the writer's process group, with
   ``{"dcp": {...}}`` (schema/FORMAT.md, section 3) in the root's ``layout``.
 
@@ -63,7 +63,7 @@ Limits
   is initialised cannot be detected on rank 0 and is not supported.
 * For ``dcp.async_save``, give the writer (and ``dcp.async_save``) a dedicated gloo group so
   that the background collectives never interleave with training's, as DCP recommends.
-* Non-tensor values must be JSON-able (see :func:`ucp_zarr.statedict.to_json`), or a
+* Non-tensor values must be JSON-able (see :func:`ucp_zarr.format.statedict.to_json`), or a
   ``BytesIO`` leaf; a ``BytesIO`` nested inside a value is refused.
 * ``planner_data`` is stored when it is a flatten mapping as ``DefaultSavePlanner`` makes it
   (str key -> path of str and int whose ``.``-join is the key); other planner data is not.
@@ -107,18 +107,18 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..checkpoint import Checkpoint, open_store_checkpoint
-from ..distributed import Comm
-from ..dtypes import stored_dtype_by_name
+from ..protocol.checkpoint import Checkpoint, open_store_checkpoint
+from ..protocol.distributed import Comm
+from ..format.dtypes import stored_dtype_by_name
 from ..errors import FormatError
-from ..format import CheckpointMeta
-from ..fragments import Fragment
+from ..format.documents import CheckpointMeta
+from ..protocol.fragments import Fragment
 from ..layout import Box
 from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
-from ..saver import Collected, SaveOptions, prepare
-from ..statedict import from_json, to_json
-from ..storage import Buffer, ReadRequest, Store, WriteGuard, open_store
-from ..transaction import is_checkpoint_object
+from ..protocol.saver import Collected, SaveOptions, prepare
+from ..format.statedict import from_json, to_json
+from ..io.store import Buffer, ReadRequest, Store, WriteGuard, open_store
+from ..protocol.transaction import is_checkpoint_object
 
 __all__ = ["ZarrStorageReader", "ZarrStorageWriter"]
 
@@ -271,7 +271,7 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
     def _fresh(self) -> None:
         self.save_id = uuid.uuid4().hex
         self.result: Any = None
-        """This rank's :class:`~ucp_zarr.saver.SaveResult` of the last save."""
+        """This rank's :class:`~ucp_zarr.protocol.saver.SaveResult` of the last save."""
         self._planner_data: dict[str, tuple[str | int, ...]] | None = None
 
     def storage_meta(self) -> StorageMeta | None:

@@ -95,14 +95,14 @@ import torch
 
 from ..api import load as ucp_load
 from ..api import wait_for_pending_save
-from ..checkpoint import open as open_checkpoint
-from ..distributed import Comm, describe
-from ..dtypes import stored_dtype_by_name
+from ..protocol.checkpoint import open as open_checkpoint
+from ..protocol.distributed import Comm, describe
+from ..format.dtypes import stored_dtype_by_name
 from ..errors import CheckpointError, KeyMismatchError, LayoutError, agreed_error
-from ..fragments import FlatShard, PerRank
-from ..saver import SaveOptions, SaveResult, collect, prepare
-from ..statedict import from_json, to_json
-from ..storage import open_store
+from ..protocol.fragments import FlatShard, PerRank
+from ..protocol.saver import SaveOptions, SaveResult, collect, prepare
+from ..format.statedict import from_json, to_json
+from ..io.store import open_store
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def save_checkpoint(engine: Any, path: str | os.PathLike[str], *, client_state: 
     ``save_kwargs`` are those of :func:`ucp_zarr.save`: ``storage_options``, ``overwrite``,
     ``overwrite_incomplete``, ``hmac_key``, ``chunk_bytes``, ``shard_bytes``, ``max_workers``,
     ``lease_s`` (not ``async_save``: the buffers saved are the live ones, changed by the next step).
-    Returns this rank's :class:`~ucp_zarr.saver.SaveResult`.
+    Returns this rank's :class:`~ucp_zarr.protocol.saver.SaveResult`.
     """
     storage_options = save_kwargs.pop("storage_options", None)
     if save_kwargs.pop("async_save", False):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..rules import ParamRule, Renumber, RuleError, Rules
+from ..rules.language import ParamRule, Renumber, RuleError, Rules
 
 _LAYER = r"decoder\.layers\.\d+\."
 _EMBEDDING = r"embedding\.word_embeddings\.weight$"

@@ -2,7 +2,7 @@
 
 One module per foreign format. An importer turns a foreign checkpoint into
 :class:`~.base.Imported` (lazy tensor sources + JSON values) without reading tensor data;
-:func:`~ucp_zarr.writer.write_checkpoint` then streams it shard by shard into a new
+:func:`~ucp_zarr.protocol.writer.write_checkpoint` then streams it shard by shard into a new
 checkpoint, as one transaction. An exporter streams a checkpoint out tensor block by
 tensor block into a temporary folder renamed into place at the end. Neither holds a whole
 model in memory nor leaves a complete-looking output behind when interrupted.
@@ -28,12 +28,12 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from ..checkpoint import open as open_checkpoint
+from ..protocol.checkpoint import open as open_checkpoint
 from ..errors import ConversionError, Keyword
-from ..safe_paths import check_no_links_under
-from ..saver import SaveOptions, SaveResult
-from ..storage import LocalStore, open_store
-from ..writer import CONVERT_SHARD_BYTES, total_bytes, write_checkpoint
+from ..format.safe_paths import check_no_links_under
+from ..protocol.saver import SaveOptions, SaveResult
+from ..io.store import LocalStore, open_store
+from ..protocol.writer import CONVERT_SHARD_BYTES, total_bytes, write_checkpoint
 from .base import Imported
 
 SOURCES = {"deepspeed": "deepspeed", "ds-universal": "ds_universal", "dcp": "dcp", "safetensors": "safetensors",

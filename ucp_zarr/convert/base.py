@@ -18,10 +18,10 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from ..errors import ConversionError, Keyword, UntrustedInputError
-from ..safe_paths import inside
-from ..storage import _AT_FDCWD, _RENAMEAT2
-from ..storage import _fsync_dir as _fsync_path  # (any file or folder)
-from ..writer import TensorSource
+from ..format.safe_paths import inside
+from ..io.store import _AT_FDCWD, _RENAMEAT2
+from ..io.store import _fsync_dir as _fsync_path  # (any file or folder)
+from ..protocol.writer import TensorSource
 
 
 @dataclass

@@ -41,11 +41,11 @@ from typing import IO, Any, Callable, Iterator
 
 import torch
 
-from ..checkpoint import Checkpoint
+from ..protocol.checkpoint import Checkpoint
 from ..errors import ConversionError, Keyword, NotJSONableError, UntrustedInputError
 from ..layout import Box
-from ..safe_paths import inside_relative
-from ..statedict import from_json, to_json
+from ..format.safe_paths import inside_relative
+from ..format.statedict import from_json, to_json
 from .base import Imported, atomic_folder
 
 METADATA_FILE = ".metadata"

@@ -62,8 +62,8 @@ from ..layout.zero import (
     zero12_partition_size,
     zero12_pieces,
 )
-from ..safe_paths import inside
-from ..writer import InMemory
+from ..format.safe_paths import inside
+from ..protocol.writer import InMemory
 from .base import Imported, Opaque, plain, release_pages, torch_load_mapped
 
 OPAQUE = (
@@ -430,8 +430,8 @@ def _merge_group(folder: Path, stage: int, i: int, a: Any, b: Any) -> dict[str, 
 
 def _consolidate(folder: Path, parts: list[Imported], rules: Any) -> Imported:
     """The consolidated tensors of tensor-parallel ranks' states, placed by ``rules``."""
-    from ..place import place
-    from ..rules import RuleError, Rules
+    from ..rules.place import place
+    from ..rules.language import RuleError, Rules
 
     tp_size = len(parts)
     if rules is None:

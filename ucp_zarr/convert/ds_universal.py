@@ -39,7 +39,7 @@ tensor of its training dtype (its values are in ``zero/``; imported again, ``mod
 is the master cast to that dtype, as ``load_universal`` itself makes the module's weights).
 Streamed one parameter at a time into a temporary folder renamed into place at the end.
 Parameter names, state keys and the tag become file names, so each must be one plain file
-name (:mod:`ucp_zarr.safe_paths`): ``model.../../x`` is refused with
+name (:mod:`ucp_zarr.format.safe_paths`): ``model.../../x`` is refused with
 :class:`~ucp_zarr.errors.UnsafePathError`, as are such names in an imported folder's files.
 
 What ``load_universal`` reads from the model-states file (DeepSpeed 0.19): exactly one file
@@ -80,8 +80,8 @@ import torch
 from ..errors import ConversionError
 from ..layout import Box
 from ..layout.zero import FlatPiece
-from ..safe_paths import check_name, inside
-from ..writer import InMemory
+from ..format.safe_paths import check_name, inside
+from ..protocol.writer import InMemory
 from .base import Imported, Opaque, atomic_folder, plain, release_pages, torch_load, torch_load_mapped
 from .deepspeed import OPAQUE, FlatParam, Mapped, _check_rank_numbers, _get, _load, _other_state, _rank, _rows, _scalar
 

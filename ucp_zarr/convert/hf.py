@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from ..checkpoint import Checkpoint
+from ..protocol.checkpoint import Checkpoint
 from ..errors import ConversionError
 from ..layout import Box
 from ..layout.groups import sub_ranges

@@ -21,10 +21,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..checkpoint import Checkpoint
+from ..protocol.checkpoint import Checkpoint
 from ..errors import ConversionError
 from ..layout import Box
-from ..safe_paths import inside_relative
+from ..format.safe_paths import inside_relative
 from .base import Imported, atomic_file, atomic_folder
 
 INDEX_SUFFIX = ".safetensors.index.json"

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from ..errors import ConversionError
-from ..statedict import iter_leaves, to_json
-from ..writer import InMemory
+from ..format.statedict import iter_leaves, to_json
+from ..protocol.writer import InMemory
 from .base import Imported, torch_load
 
 
