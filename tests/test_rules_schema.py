@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucp_zarr import RuleError, Rules
-from ucp_zarr.rules.language import PRECEDENCE, ParamRule, Renumber
+from ucp_zarr.rules.params import PRECEDENCE, ParamRule, Renumber
 from ucp_zarr.rules.schema import KIND_FIELDS
 
 

@@ -45,7 +45,8 @@ if TYPE_CHECKING:
     from .protocol.loader import IncompatibleKeys, IncompatibleKeysWarning, load, read_state_dict
     from .ops import CheckpointManager, optimal_interval
     from .rules.place import place
-    from .rules.language import RuleError, Rules
+    from .rules.language import Rules
+    from .rules.params import RuleError
     from .browse.runs import open_run
     from .protocol.saver import SaveResult
 
@@ -69,7 +70,7 @@ _LAZY = {
     "CheckpointManager": ".ops",
     "optimal_interval": ".ops",
     "place": ".rules.place",
-    "RuleError": ".rules.language",
+    "RuleError": ".rules.params",
     "Rules": ".rules.language",
     "open_run": ".browse.runs",
     "SaveResult": ".protocol.saver",

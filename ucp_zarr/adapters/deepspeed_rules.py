@@ -34,7 +34,8 @@ import logging
 from typing import Any, Mapping
 
 from ..layout.affine import AFFINE_MAP_VERSION, AffineMapError, affine_layout
-from ..rules.language import ParamRule, RuleError, Rules, _int
+from ..rules.language import Rules
+from ..rules.params import ParamRule, RuleError, _int
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..rules.language import ParamRule, Renumber, RuleError, Rules
+from ..rules.language import Rules
+from ..rules.params import ParamRule, Renumber, RuleError
 
 _LAYER = r"decoder\.layers\.\d+\."
 _EMBEDDING = r"embedding\.word_embeddings\.weight$"

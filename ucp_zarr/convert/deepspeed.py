@@ -431,7 +431,8 @@ def _merge_group(folder: Path, stage: int, i: int, a: Any, b: Any) -> dict[str, 
 def _consolidate(folder: Path, parts: list[Imported], rules: Any) -> Imported:
     """The consolidated tensors of tensor-parallel ranks' states, placed by ``rules``."""
     from ..rules.place import place
-    from ..rules.language import RuleError, Rules
+    from ..rules.language import Rules
+    from ..rules.params import RuleError
 
     tp_size = len(parts)
     if rules is None:

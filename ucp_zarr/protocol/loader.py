@@ -27,7 +27,7 @@ from ..errors import DtypeMismatchError, KeyMismatchError, LayoutError, PerRankS
 from .fragments import FlatShard, Fragment, PerRank, Placed, Shard, is_dtensor, is_fragment_value, to_fragment
 from ..rules.place import check_used
 from ..rules.language import Rules
-from ..rules.language import same_meaning
+from ..rules.params import same_meaning
 from ..format.documents import CheckpointMeta
 from ..format.statedict import (
     STRUCTURE_FORMAT,

@@ -14,7 +14,8 @@ from ..protocol.fragments import FlatShard, PerRank, Placed
 from ..layout import groups as G
 from ..layout import pieces as P
 from ..format.optimizer_names import number_names
-from .language import ParamRule, RuleError, Rules
+from .language import Rules
+from .params import ParamRule, RuleError
 from ..format.statedict import Path, iter_leaves, set_leaf
 
 _STAGE = "\0pipeline stage "
@@ -59,7 +60,7 @@ def place(
     shapes); it is stored under the parameter's name (``optim.state.<name>.exp_avg``), so it
     loads at any layout. A number whose parameter is not knowable is refused.
 
-    Raises :class:`~ucp_zarr.rules.language.RuleError` naming the parameter and the rule when the
+    Raises :class:`~ucp_zarr.rules.params.RuleError` naming the parameter and the rule when the
     rules do not fit (ambiguous or, in strict mode with every parameter on this rank,
     unused patterns; sizes that do not add up; a degree a head count cannot be split by;
     ``pp_size`` > 1 without a ``pipeline`` entry, ``ep_size`` > 1 without an ``experts``

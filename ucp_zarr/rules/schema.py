@@ -3,7 +3,7 @@
 :func:`check_rules` reads a rules dict in the vocabulary of :meth:`Rules.from_dict
 <ucp_zarr.Rules.from_dict>` (as given, as read from JSON or TOML, or as ``Rules.to_dict()``
 writes any :class:`~ucp_zarr.Rules`, those made from DeepSpeed's dicts included) and raises
-:class:`~ucp_zarr.rules.language.RuleError` at the first field that is not what the vocabulary allows,
+:class:`~ucp_zarr.rules.params.RuleError` at the first field that is not what the vocabulary allows,
 naming the rule (``params[2] (fused rule ['qkv'])``) and the field. Integers are JSON
 integers, or floats of integral value (``2.0``); booleans are not integers, and strings are
 never read as numbers. A field that the rule's kind does not use is refused like an unknown
@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Mapping
 
-from .language import PRECEDENCE, RuleError
+from .params import PRECEDENCE, RuleError
 
 KIND_FIELDS: dict[str, frozenset[str]] = {
     "split": frozenset({"dim", "widths", "axis"}),
