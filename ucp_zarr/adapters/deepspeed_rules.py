@@ -31,11 +31,10 @@ pattern; so are AutoEP's expert layers and the parameters DeepSpeed marks unconv
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 from ..layout.affine import AFFINE_MAP_VERSION, AffineMapError, affine_layout
-from ..rules.language import Rules
-from ..rules.params import ParamRule, RuleError, _int
+from ..rules.params import ParamRule, RuleError, as_int
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +48,13 @@ _AUTOEP = ("ds_autoep_layers", "autoep_layers", "expert_parameter_patterns")
 """AutoEP's keys (expert placements, with affine maps of their own): refused when set."""
 
 
-def rules_from_deepspeed(info: Mapping[str, Any], *, strict: bool = True) -> Rules:
-    """:class:`Rules` equivalent to DeepSpeed's ``universal_checkpoint_info`` ``info``."""
+R = TypeVar("R")
+
+
+def rules_from_deepspeed(rules_type: Callable[..., R], info: Mapping[str, Any], *, strict: bool = True) -> R:
+    """Rules equivalent to DeepSpeed's ``universal_checkpoint_info`` ``info``, built by ``rules_type``
+    (:class:`~ucp_zarr.Rules`, whose ``from_deepspeed`` calls this: the rule language does not
+    know DeepSpeed, and this adapter does not import it)."""
     if not isinstance(info, Mapping):
         raise RuleError(f"universal_checkpoint_info must be a dict, not {type(info).__name__}")
     autoep = [k for k in _AUTOEP if info.get(k)]
@@ -94,7 +98,7 @@ def rules_from_deepspeed(info: Mapping[str, Any], *, strict: bool = True) -> Rul
     size = info.get("original_vocab_size")
     if vocab and not isinstance(size, int):
         raise RuleError(f"vocabulary_parameter_patterns {list(vocab)} need an integer original_vocab_size, got {size!r}")
-    return Rules(
+    return rules_type(
         params=tuple(params),
         vocab_patterns=vocab,
         vocab_size=size if vocab else None,
@@ -137,12 +141,12 @@ def _sub_params(entry: Any, widths: Mapping[str, Any], version: float) -> list[P
         raise RuleError(f"parameter_with_sub_params entry {dict(entry)!r}: bad patterns or partition_dim")
     at = shape[pd]
     if isinstance(at, (list, tuple)):
-        sizes = tuple(_int(n) for n in at)
+        sizes = tuple(as_int(n) for n in at)
     elif isinstance(at, int) and at > 0:
         sizes = (-1,) * at  # a count of equal sub-parameters (DeepSpeed's reading before 0.4)
     else:
         raise RuleError(f"parameter_with_sub_params entry {dict(entry)!r}: shape[{pd}] must be sizes or a count")
-    view = tuple(-1 if i == pd else _int(n) for i, n in enumerate(shape))
+    view = tuple(-1 if i == pd else as_int(n) for i, n in enumerate(shape))
     out = []
     for pattern in pats:
         by_tp = {}
@@ -152,6 +156,6 @@ def _sub_params(entry: Any, widths: Mapping[str, Any], version: float) -> list[P
                 raise RuleError(f"sub-parameter pattern {pattern!r}: version {version} needs sub_param_shard_widths for it")
             if len(w) != len(sizes) or len({len(x) for x in w}) != 1:
                 raise RuleError(f"sub_param_shard_widths[{pattern!r}] = {w!r} does not give one list per sub-parameter")
-            by_tp = {len(w[0]): tuple(tuple(_int(x) for x in ws) for ws in w)}
+            by_tp = {len(w[0]): tuple(tuple(as_int(x) for x in ws) for ws in w)}
         out.append(ParamRule("fused", (str(pattern),), dim=pd, sizes=sizes, widths=by_tp, view=view))
     return out

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from .params import PRECEDENCE, RULES_FORMAT, ParamRule, Renumber, RuleError, _compile, _first, _patterns
+from .schema import check_rules
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,6 @@ class Rules:
             raise RuleError("vocabulary patterns need the original (unpadded) vocabulary size")
         for p in self.vocab_patterns + self.pipeline_replicated + tuple(p for p, _ in self.rename):
             _compile(p)
-        from .schema import check_rules
-
         check_rules(self.to_dict())  # (rules built in Python, or from DeepSpeed's dicts, are checked as data)
 
     # --- building ------------------------------------------------------------------------
@@ -89,13 +88,9 @@ class Rules:
         if not isinstance(d, Mapping):
             raise RuleError(f"rules must be a mapping, not {type(d).__name__}")
         if any(k in d for k in _DEEPSPEED_KEYS):
-            from ..adapters.deepspeed_rules import rules_from_deepspeed
-
-            return rules_from_deepspeed(d)
+            return cls.from_deepspeed(d)
         if d.get("format", RULES_FORMAT) != RULES_FORMAT:
             raise RuleError(f"rules of format {d['format']!r}; this library reads {RULES_FORMAT!r}")
-        from .schema import check_rules
-
         check_rules(d)  # every field's type and range, before anything is converted
         vocab = d.get("vocab") or {}
         try:
@@ -132,7 +127,7 @@ class Rules:
         Megatron-DeepSpeed write it (versions 0.2 to 0.4)."""
         from ..adapters.deepspeed_rules import rules_from_deepspeed
 
-        return rules_from_deepspeed(info)
+        return rules_from_deepspeed(cls, info)
 
     @classmethod
     def from_megatron(cls, model: Any, *, vocab_size: int) -> "Rules":
@@ -141,7 +136,7 @@ class Rules:
         See :mod:`ucp_zarr.adapters.megatron`."""
         from ..adapters.megatron import rules_from_megatron
 
-        return rules_from_megatron(model, vocab_size=vocab_size)
+        return rules_from_megatron(cls, model, vocab_size=vocab_size)
 
     def to_dict(self) -> dict[str, Any]:
         """Our vocabulary, as JSON-able data (``Rules.from_dict`` gives back equal rules)."""

@@ -149,7 +149,7 @@ class ParamRule:
                 },
                 axis=d.get("axis", "tp"),
                 view=None if d.get("view") is None else tuple(int(n) for n in d["view"]),
-                groups=None if d.get("groups") is None else _int(d["groups"]),
+                groups=None if d.get("groups") is None else as_int(d["groups"]),
                 names=None if d.get("names") is None else tuple(d["names"]) if isinstance(d["names"], list)
                 else (d["names"],),
             )
@@ -242,7 +242,7 @@ class Renumber:
         offsets = d.get("offsets")
         try:
             return cls(str(d["pattern"]), None if count is None else int(count),
-                       None if offsets is None else tuple(_int(o) for o in offsets))
+                       None if offsets is None else tuple(as_int(o) for o in offsets))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, RuleError):
                 raise
@@ -263,7 +263,8 @@ def _compile(pattern: str) -> re.Pattern[str]:
     return rx
 
 
-def _int(value: Any) -> int:
+def as_int(value: Any) -> int:
+    """``value`` as an int when it is one (also as a float); a :class:`RuleError` otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
         raise RuleError(f"{value!r} is not an integer")
     return int(value)
