@@ -94,15 +94,13 @@ def test_every_option_has_help() -> None:
 
 @pytest.mark.parametrize("cmd, option, table", [("export", "--to", "TARGETS"), ("convert", "--from", "SOURCES")])
 def test_help_lists_the_formats_of_the_code(capsys, cmd: str, option: str, table: str) -> None:
-    import importlib
-
-    convert = importlib.import_module("ucp_zarr.convert")  # (the package: ucp_zarr.convert is the function)
+    from ucp_zarr import converters
     with pytest.raises(SystemExit):
         main([cmd, "--help"])
     out = capsys.readouterr().out
     listed = out.split(f"({option}):\n")[1].splitlines()
     kinds = [line.split()[0] for line in listed if line.startswith("  ") and not line.startswith("   ")]
-    assert kinds == list(getattr(convert, table)) and all(len(line) <= 100 for line in listed)
+    assert kinds == list(getattr(converters, table)) and all(len(line) <= 100 for line in listed)
 
 
 def test_info(capsys, paths) -> None:

@@ -7,8 +7,6 @@ imported from its module on first use."""
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
@@ -39,7 +37,7 @@ if TYPE_CHECKING:
     from .adapters.dcp import ZarrStorageReader, ZarrStorageWriter
     from .api import save, wait_for_pending_save
     from .protocol.checkpoint import Checkpoint, TensorView, open
-    from .convert import convert, export
+    from .converters import convert, export
     from .protocol.fragments import FlatShard, PerRank, Placed, Shard
     from .browse.inspect import diff
     from .protocol.loader import IncompatibleKeys, IncompatibleKeysWarning, load, read_state_dict
@@ -60,8 +58,8 @@ _LAZY = {
     "Checkpoint": ".protocol.checkpoint",
     "TensorView": ".protocol.checkpoint",
     "open": ".protocol.checkpoint",
-    "convert": ".convert",
-    "export": ".convert",
+    "convert": ".converters",
+    "export": ".converters",
     "FlatShard": ".protocol.fragments",
     "PerRank": ".protocol.fragments",
     "Placed": ".protocol.fragments",
@@ -142,16 +140,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
-
-class _Package(types.ModuleType):
-    """The package's module type: ``ucp_zarr.convert`` stays the function when the import
-    system binds the subpackage of the same name (as the eager ``from .convert import
-    convert`` used to leave it)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _LAZY.get(name) == f".{name}":
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

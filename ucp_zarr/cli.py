@@ -181,9 +181,9 @@ def build_parser() -> _Parser:
 
 
 def _kinds(title: str, table: str) -> str:
-    """The kinds of a table of :mod:`ucp_zarr.convert` (``SOURCES``, ``TARGETS``), each with
+    """The kinds of a table of :mod:`ucp_zarr.converters` (``SOURCES``, ``TARGETS``), each with
     the first sentence of its module's docstring (read from the source, not imported)."""
-    convert = importlib.import_module(".convert", __package__)
+    convert = importlib.import_module(".converters", __package__)
     lines = [f"{title}:"]
     for kind, module in getattr(convert, table).items():
         name = f"{convert.__name__}.{module}"
@@ -481,7 +481,7 @@ def _foreign_kind(path: str) -> str | None:
     --from``), or None."""
     if "://" in path and not path.startswith("file://"):
         return None
-    from .convert import detect
+    from .converters import detect
     from .errors import ConversionError
 
     try:
@@ -643,7 +643,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import convert, export
+    from .converters import convert, export
 
     t0 = time.perf_counter()
     with _progress(args, args.cmd) as bar:

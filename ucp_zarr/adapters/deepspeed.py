@@ -18,7 +18,7 @@ low-precision partitions). Saving writes only those ranges; loading reads into t
 place, only the chunks this rank's partition overlaps, and then lets DeepSpeed refresh the
 low-precision weights from the fp32 masters, as its own ``load_universal`` path does.
 
-Keys (the same as :mod:`ucp_zarr.convert.deepspeed` writes for an ``engine.save_checkpoint``
+Keys (the same as :mod:`ucp_zarr.converters.deepspeed` writes for an ``engine.save_checkpoint``
 folder, so the two are interchangeable; tensors are equal bit for bit):
 
 =====================================  ====================================================
@@ -505,7 +505,7 @@ def _save(build: Callable[[], tuple[dict[str, Any], dict[str, Any]]], path: str 
 
 def _save_state(engine: Any, layout: _Layout, client_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """This rank's tensors (FlatShard views of the engine's buffers) and the JSON values."""
-    from ..convert.base import plain
+    from ..converters.base import plain
 
     tensors: dict[str, Any] = {}
     values: dict[str, Any] = {}

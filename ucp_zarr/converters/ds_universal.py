@@ -17,7 +17,7 @@ ZeRO-1/2 outputs hold each state in the parameter's shape; ZeRO-3 outputs hold b
 tensors (no dict, no ``step.pt``: the step is in ``optimizer_state.pt``).
 
 **In** (:func:`read`): the keys are those of the ZeRO importer (see
-:mod:`ucp_zarr.convert.deepspeed`), so a universal folder and the ZeRO checkpoint it was
+:mod:`ucp_zarr.converters.deepspeed`), so a universal folder and the ZeRO checkpoint it was
 made from convert to the same checkpoint: every ``zero/<name>/<key>.pt`` of a trainable
 parameter becomes ``optim.state.<name>.<key>`` in the parameter's shape; the master goes to
 ``optim.state.<name>.fp32`` when the module's dtype is not fp32, else it is
