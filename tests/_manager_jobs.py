@@ -15,7 +15,7 @@ from _faulty import Crash, FaultyStore, Log
 import ucp_zarr.protocol.saver
 from ucp_zarr.ops import CheckpointManager
 from ucp_zarr.ops.steps import ReadLease, delete_step
-from ucp_zarr.io.store import LocalStore
+from ucp_zarr.io.local import LocalStore
 
 CHUNK_BYTES, SHARD_BYTES = 4096, 16384
 

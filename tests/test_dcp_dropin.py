@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 import ucp_zarr
 import ucp_zarr.adapters.dcp as dcp_adapter
 from ucp_zarr.protocol import transaction
-from ucp_zarr.io.store import LocalStore
+from ucp_zarr.io.local import LocalStore
 from ucp_zarr.protocol.transaction import Liveness, host_identity
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")

@@ -26,7 +26,7 @@ from test_other_readers import BLOCK_UCP_ZARR
 
 import ucp_zarr
 from ucp_zarr.format.documents import dimension_names
-from ucp_zarr.io.store import LocalStore
+from ucp_zarr.io.local import LocalStore
 
 pytest.importorskip("xarray")
 pytest.importorskip("dask")

@@ -35,7 +35,8 @@ from ucp_zarr.errors import CheckpointError
 from ucp_zarr.ops import CheckpointManager, StepGoneError, list_steps, optimal_interval, parse_step, step_name, steps_to_delete
 from ucp_zarr.ops.steps import DELETING, READER, ReadLease, scan, step_store
 from ucp_zarr.protocol.owned import Owned
-from ucp_zarr.io.store import LocalStore, open_store
+from ucp_zarr.io.factory import open_store
+from ucp_zarr.io.local import LocalStore
 from ucp_zarr.protocol.transaction import Owner, Transaction
 
 KILL_TRIALS = int(os.environ.get("UCP_ZARR_MANAGER_KILL_TRIALS", "20"))

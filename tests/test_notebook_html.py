@@ -30,7 +30,7 @@ from ucp_zarr.browse import notebook
 from ucp_zarr.protocol.checkpoint import Checkpoint
 from ucp_zarr.format.documents import CheckpointMeta, TensorEntry
 from ucp_zarr.browse.inspect import diff
-from ucp_zarr.io.store import open_store
+from ucp_zarr.io.factory import open_store
 
 matplotlib.use("Agg")
 

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 import ucp_zarr.io.obstore as O
-from ucp_zarr.io.store import FsspecStore, open_store
+from ucp_zarr.io.factory import open_store
+from ucp_zarr.io.fsspec import FsspecStore
 
 BUCKET = "objstore"
 

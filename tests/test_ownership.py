@@ -32,7 +32,9 @@ from test_concurrent_saves import Backend, Save
 import ucp_zarr
 from ucp_zarr.errors import CheckpointExistsError, OwnershipError
 from ucp_zarr.ops.steps import collect_staging_copies
-from ucp_zarr.io.store import FsspecStore, LocalStore, open_store
+from ucp_zarr.io.factory import open_store
+from ucp_zarr.io.fsspec import FsspecStore
+from ucp_zarr.io.local import LocalStore
 from ucp_zarr.protocol.transaction import MARKER, Liveness, Owner, Transaction, host_identity
 
 

@@ -33,7 +33,7 @@ from ucp_zarr.errors import FormatError, UnsafePathError
 from ucp_zarr.format.documents import check_array_path, check_document_path
 from ucp_zarr.format.safe_paths import check_no_links, inside, inside_relative, name_problem
 from ucp_zarr.format.statedict import assign_array_paths
-from ucp_zarr.io.store import open_store
+from ucp_zarr.io.factory import open_store
 from ucp_zarr.protocol.writer import InMemory, write_checkpoint
 
 # --- hostile names -----------------------------------------------------------------------------

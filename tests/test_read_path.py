@@ -14,7 +14,7 @@ import ucp_zarr
 from ucp_zarr.protocol.checkpoint import open_store_checkpoint
 from ucp_zarr.format.codec import CRC_BYTES, decode_index, encode_index, index_nbytes
 from ucp_zarr.errors import CorruptChunkError
-from ucp_zarr.io.store import LocalStore
+from ucp_zarr.io.local import LocalStore
 
 
 def _state() -> dict[str, torch.Tensor]:

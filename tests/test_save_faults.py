@@ -100,7 +100,7 @@ def case_write_fails(root: Path, rank: int) -> None:
 
 
 def case_commit_fails(root: Path, rank: int) -> None:
-    from ucp_zarr.io.store import LocalStore
+    from ucp_zarr.io.local import LocalStore
 
     original = LocalStore.create_exclusive
 

@@ -23,7 +23,7 @@ from ucp_zarr.protocol.distributed import Comm
 from ucp_zarr.errors import LayoutError
 from ucp_zarr.protocol.exchange import check_sizes, planned_sizes
 from ucp_zarr.protocol.saver import SaveOptions, collect, prepare
-from ucp_zarr.io.store import LocalStore
+from ucp_zarr.io.local import LocalStore
 
 
 class World:

@@ -20,7 +20,7 @@ from _faulty import Crash, FaultyStore, Judge, Log
 from ucp_zarr.errors import CheckpointExistsError, IncompleteCheckpointError, NotACheckpointError, OwnershipError
 from ucp_zarr.format.documents import CheckpointMeta, dump_document
 from ucp_zarr.protocol.owned import Owned, OwnedArray
-from ucp_zarr.io.store import LocalStore
+from ucp_zarr.io.local import LocalStore
 from ucp_zarr.protocol.transaction import (
     HEARTBEAT,
     MARKER,

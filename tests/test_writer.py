@@ -15,7 +15,7 @@ import ucp_zarr
 from ucp_zarr.errors import LayoutError
 from ucp_zarr.layout import Box
 from ucp_zarr.protocol.saver import SaveOptions
-from ucp_zarr.io.store import open_store
+from ucp_zarr.io.factory import open_store
 from ucp_zarr.protocol.writer import InMemory, write_checkpoint
 
 

@@ -392,7 +392,7 @@ def _folder(args: argparse.Namespace, why: CheckpointError) -> int:
     manager's root, or the checkpoints below it, or, for another system's checkpoint, what it
     is and how to convert it; else ``why``."""
     from .ops import list_steps
-    from .io.store import open_store
+    from .io.factory import open_store
     from .protocol.transaction import MARKER, REPLACE_RECORD
 
     store = open_store(args.path, args.storage_options)
@@ -434,7 +434,7 @@ def _checkpoints_under(store: "Store", storage_options: dict[str, Any] | None) -
     :class:`IncompleteCheckpointError` of one that was never committed), by path."""
     from .protocol.checkpoint import open_store_checkpoint
     from .format.documents import METADATA_FILE
-    from .io.store import open_store
+    from .io.factory import open_store
     from .protocol.transaction import MARKER
 
     folders = {k.rpartition("/")[0] for k in store.list() if k.rpartition("/")[2] in (METADATA_FILE, MARKER)}

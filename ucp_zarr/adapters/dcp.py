@@ -117,7 +117,8 @@ from ..layout import Box
 from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ..protocol.saver import Collected, SaveOptions, prepare
 from ..format.statedict import from_json, to_json
-from ..io.store import Buffer, ReadRequest, Store, WriteGuard, open_store
+from ..io.factory import open_store
+from ..io.store import Buffer, ReadRequest, Store, WriteGuard
 from ..protocol.transaction import is_checkpoint_object
 
 __all__ = ["ZarrStorageReader", "ZarrStorageWriter"]

@@ -102,7 +102,7 @@ from ..errors import CheckpointError, KeyMismatchError, LayoutError, agreed_erro
 from ..protocol.fragments import FlatShard, PerRank
 from ..protocol.saver import SaveOptions, SaveResult, collect, prepare
 from ..format.statedict import from_json, to_json
-from ..io.store import open_store
+from ..io.factory import open_store
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from .inspect import (
     value_range,
 )
 from ..ops.steps import StepInfo, list_steps, step_store
-from ..io.store import open_store
+from ..io.factory import open_store
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

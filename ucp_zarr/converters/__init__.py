@@ -32,7 +32,8 @@ from ..protocol.checkpoint import open as open_checkpoint
 from ..errors import ConversionError, Keyword
 from ..format.safe_paths import check_no_links_under
 from ..protocol.saver import SaveOptions, SaveResult
-from ..io.store import LocalStore, open_store
+from ..io.factory import open_store
+from ..io.local import LocalStore
 from ..protocol.writer import CONVERT_SHARD_BYTES, total_bytes, write_checkpoint
 from .base import Imported
 

@@ -19,8 +19,8 @@ import torch
 
 from ..errors import ConversionError, Keyword, UntrustedInputError
 from ..format.safe_paths import inside
-from ..io.store import _AT_FDCWD, _RENAMEAT2
-from ..io.store import _fsync_dir as _fsync_path  # (any file or folder)
+from ..io.local import _AT_FDCWD, _RENAMEAT2
+from ..io.local import _fsync_dir as _fsync_path  # (any file or folder)
 from ..protocol.writer import TensorSource
 
 

@@ -54,7 +54,7 @@ from ..api import save
 from ..protocol.loader import read_state_dict
 from ..errors import CheckpointError, NotJSONableError
 from ..ops.steps import delete_step, is_committed
-from ..io.store import open_store
+from ..io.factory import open_store
 
 log = logging.getLogger(__name__)
 

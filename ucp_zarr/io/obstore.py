@@ -1,7 +1,7 @@
 """Object stores (``s3://``, ``gs://``, ``az://``) through obstore, the Rust ``object_store``
 client that zarr-python's ``ObjectStore`` also uses.
 
-:class:`ObstoreStore` has the semantics of :class:`~ucp_zarr.io.store.FsspecStore` with the
+:class:`ObstoreStore` has the semantics of :class:`~ucp_zarr.io.fsspec.FsspecStore` with the
 object store's own primitives:
 
 * an object of up to :data:`PART_BYTES` is one PUT; a larger one a multipart upload whose
@@ -43,7 +43,8 @@ from obstore.exceptions import (
     UnknownConfigurationKeyError,
 )
 
-from .store import Buffer, FsspecStore, IOStats, ReadRequest, Store, WriteGuard, fill
+from .fsspec import FsspecStore
+from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, fill
 
 T = TypeVar("T")
 
@@ -59,7 +60,7 @@ DEFAULT_RETRY: dict[str, Any] = {
     "backoff": {"init_backoff": datetime.timedelta(seconds=0.2), "max_backoff": datetime.timedelta(seconds=4), "base": 2},
     "retry_timeout": datetime.timedelta(seconds=60),
 }
-"""Bounded retries with exponential backoff, as :class:`~ucp_zarr.io.store.RetryPolicy`
+"""Bounded retries with exponential backoff, as :class:`~ucp_zarr.io.fsspec.RetryPolicy`
 (4 attempts): a failing store fails a save within about a minute, not obstore's default 3."""
 
 _IGNORED = frozenset({"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "asynchronous", "loop"})

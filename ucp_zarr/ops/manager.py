@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, MutableMapping
 
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, NotACheckpointError
-from ..io.store import Store, open_store
+from ..io.factory import open_store
+from ..io.store import Store
 from ..protocol.transaction import DEFAULT_LEASE_S, Liveness
 from .interval import METHODS, _positive, optimal_interval, resolve_mtbf
 from .retention import check_policy, steps_to_delete

@@ -37,7 +37,10 @@ from typing import Any
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, NotACheckpointError
 from ..format.documents import METADATA_FILE, CheckpointMeta, parse_document
 from ..io.obstore import ObstoreStore
-from ..io.store import FsspecStore, LocalStore, Store, open_store
+from ..io.factory import open_store
+from ..io.fsspec import FsspecStore
+from ..io.local import LocalStore
+from ..io.store import Store
 from ..protocol.owned import Owned
 from ..protocol.transaction import (
     DEFAULT_LEASE_S,

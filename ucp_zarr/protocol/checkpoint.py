@@ -42,7 +42,8 @@ from ..format.documents import ATTRIBUTE, METADATA_FILE, ArrayMeta, CheckpointMe
 from ..format.integrity import array_digest, check_signature, document_digest
 from ..layout import Box
 from ..format.statedict import from_json
-from ..io.store import Store, open_store
+from ..io.factory import open_store
+from ..io.store import Store
 from .transaction import committed_store
 
 if TYPE_CHECKING:

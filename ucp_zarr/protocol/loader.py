@@ -41,7 +41,7 @@ from ..format.statedict import (
     put_path,
     typed_path,
 )
-from ..io.store import open_store
+from ..io.factory import open_store
 from .ties import memory_of
 
 LOAD_WORKERS = 4
