@@ -83,7 +83,8 @@ from ..layout.zero import FlatPiece
 from ..format.safe_paths import check_name, inside
 from ..protocol.writer import InMemory
 from .base import Imported, Opaque, atomic_folder, plain, release_pages, torch_load, torch_load_mapped
-from .deepspeed import OPAQUE, FlatParam, Mapped, _check_rank_numbers, _get, _load, _other_state, _rank, _rows, _scalar
+from .deepspeed_files import OPAQUE, _check_rank_numbers, _get, _load, _rank, _scalar
+from .deepspeed_zero import FlatParam, Mapped, _other_state, _rows
 
 UNIVERSAL_OPAQUE = OPAQUE + ("deepspeed.checkpoint.universal_checkpoint.SubparamShape",)
 """DeepSpeed classes a universal folder pickles (``SubparamShape`` tags fused parameters of
