@@ -691,7 +691,7 @@ class CheckpointDiff:
 
     def _repr_html_(self) -> str:
         try:
-            from .notebook import diff_html
+            from .changes import diff_html
         except ImportError:
             return f"<pre>{html.escape(repr(self))}</pre>"
         return diff_html(self)

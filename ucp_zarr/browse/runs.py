@@ -66,7 +66,7 @@ class StepSeries:
     def plot(self, ax: "Axes | None" = None, *, log: bool | None = None) -> "Axes":
         """One line per tensor over the steps (more than 12: thin grey lines and their median);
         ``log``: a logarithmic y axis (default: for updates)."""
-        from .notebook import plot_series
+        from .plots import plot_series
 
         return plot_series(self, ax, log=log)
 
@@ -78,7 +78,7 @@ class StepSeries:
         return f"<StepSeries {self.quantity} of {len(self.values)} tensors at {len(self.steps)} steps of {self.root}>"
 
     def _repr_html_(self) -> str:
-        from .notebook import series_html
+        from .changes import series_html
 
         return series_html(self)
 
@@ -100,7 +100,7 @@ class StepHistograms:
         """``kind``: ``"ridge"`` (one filled histogram per step, stacked upwards),
         ``"heatmap"`` (steps by bins, coloured by count) or ``"overlay"`` (outlines on one
         axis); ``log``: logarithmic counts."""
-        from .notebook import plot_step_histograms
+        from .plots import plot_step_histograms
 
         return plot_step_histograms(self, kind, ax, log=log)
 
@@ -218,7 +218,7 @@ class Run:
         return f"<ucp_zarr.Run {self.url}: {len(self.steps)} step folders, {n} committed, latest {self.latest}>"
 
     def _repr_html_(self) -> str:
-        from .notebook import run_html
+        from .changes import run_html
 
         return run_html(self)
 
