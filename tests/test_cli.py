@@ -20,6 +20,7 @@ import torch
 
 import ucp_zarr
 from ucp_zarr.browse import inspect as I
+from ucp_zarr.browse import diff as D
 from ucp_zarr.cli import COMMANDS, build_parser, main
 
 SMALL = dict(chunk_bytes=1 << 9, shard_bytes=1 << 11)
@@ -255,7 +256,7 @@ def test_diff(capsys, paths) -> None:
     rc, out, _ = run(capsys, "diff", paths["a"], paths["b"], "--all")
     assert rc == 1 and "model.layers.0.bias" in out and "equal" in out
     rc, data = run_json(capsys, "diff", paths["a"], paths["b"])
-    assert rc == 1 and data == json.loads(json.dumps(I.diff(paths["a"], paths["b"]).to_dict()))
+    assert rc == 1 and data == json.loads(json.dumps(D.diff(paths["a"], paths["b"]).to_dict()))
     assert data["counts"]["differs"] == 1 and data["values"] == [{"key": "step", "status": "differs", "a": 5, "b": 6}]
     rc, data = run_json(capsys, "diff", paths["a"], paths["b"], "--keys", "model.layers.1", "--keys", "model.layers.0.b*")
     assert rc == 0 and [r["key"] for r in data["rows"]] == ["model.layers.0.bias", "model.layers.1.weight"]

@@ -23,7 +23,7 @@ from test_notebook_html import Dom
 
 import ucp_zarr
 from ucp_zarr.browse import changes, notebook, plots
-from ucp_zarr.browse.inspect import diff
+from ucp_zarr.browse.diff import diff
 
 matplotlib.use("Agg")
 

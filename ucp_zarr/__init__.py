@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .protocol.checkpoint import Checkpoint, TensorView, open
     from .converters import convert, export
     from .protocol.fragments import FlatShard, PerRank, Placed, Shard
-    from .browse.inspect import diff
+    from .browse.diff import diff
     from .protocol.loader import IncompatibleKeys, IncompatibleKeysWarning, load, read_state_dict
     from .ops import CheckpointManager, optimal_interval
     from .rules.place import place
@@ -64,7 +64,7 @@ _LAZY = {
     "PerRank": ".protocol.fragments",
     "Placed": ".protocol.fragments",
     "Shard": ".protocol.fragments",
-    "diff": ".browse.inspect",
+    "diff": ".browse.diff",
     "CheckpointManager": ".ops",
     "optimal_interval": ".ops",
     "place": ".rules.place",

@@ -494,7 +494,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     import numpy as np
 
     from .format.dtypes import stored_dtype_by_name
-    from .browse.inspect import format_index, parse_index, selection_shape, widen
+    from .browse.values import format_index, parse_index, selection_shape, widen
 
     ck = _open(args.path, args)
     entry = ck._entry(args.key)  # (an unknown key: the checkpoint's error, with close keys)
@@ -600,7 +600,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from .browse.inspect import diff, select_keys
+    from .browse.diff import diff
+    from .browse.inspect import select_keys
 
     a, b = _open(args.a, args), _open(args.b, args)
     if args.keys is not None:

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from datetime import datetime
 
 
-    from .inspect import CheckpointDiff, DiffRow
+    from .diff import CheckpointDiff, DiffRow
     from .runs import Run, StepSeries
 
 

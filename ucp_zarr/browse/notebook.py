@@ -10,7 +10,7 @@ A thin layer over :class:`~ucp_zarr.protocol.checkpoint.Checkpoint` and :mod:`uc
   stores, and bounded in size for any checkpoint;
 * :func:`run_html` (a :class:`~ucp_zarr.browse.runs.Run`'s steps) reads the steps' commit records;
 * :func:`stats_html`, :func:`diff_html`, :func:`series_html` render what
-  :func:`ucp_zarr.browse.inspect.tensor_stats`, :func:`ucp_zarr.browse.inspect.diff` and
+  :func:`ucp_zarr.browse.inspect.tensor_stats`, :func:`ucp_zarr.browse.diff.diff` and
   :class:`~ucp_zarr.browse.runs.Run` computed;
 * :func:`plot_norms`, :func:`plot_histogram`, :func:`plot_updates`, :func:`plot_series` and
   :func:`plot_step_histograms` draw with matplotlib, imported when first called; what they

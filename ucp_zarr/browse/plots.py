@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
     from ..protocol.checkpoint import Checkpoint, TensorView
-    from .inspect import CheckpointDiff
+    from .diff import CheckpointDiff
     from .runs import StepHistograms, StepSeries
 
 

@@ -25,16 +25,9 @@ import numpy as np
 from ..protocol.checkpoint import Checkpoint, open_store_checkpoint
 from ..errors import NotACheckpointError
 from ..format.documents import METADATA_FILE
-from .inspect import (
-    MAX_BYTES,
-    diff,
-    histogram_counts,
-    histogram_edges,
-    select_keys,
-    tensor_kind,
-    tensor_stats,
-    value_range,
-)
+from .diff import diff
+from .inspect import histogram_counts, histogram_edges, select_keys, tensor_kind, tensor_stats, value_range
+from .values import MAX_BYTES
 from ..ops.steps import StepInfo, list_steps, step_store
 from ..io.factory import open_store
 

@@ -239,7 +239,7 @@ class Checkpoint:
     def read_numpy(self, key: str, box: Box | None = None, rank: int | None = None) -> np.ndarray:
         """Read ``box`` (default: all) of tensor ``key`` as a numpy array of the stored values,
         without torch: bf16 and float8 tensors come back as their raw bits (``uint16`` /
-        ``uint8``; :func:`ucp_zarr.browse.inspect.widen` turns them into float32)."""
+        ``uint8``; :func:`ucp_zarr.browse.values.widen` turns them into float32)."""
         meta, box = self._check_box(key, box, rank)
         out = np.empty(box.shape, dtype=meta.dtype.numpy_dtype)
         self._read_into(key, box, out, rank)
