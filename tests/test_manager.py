@@ -37,7 +37,8 @@ from ucp_zarr.ops.steps import DELETING, READER, ReadLease, scan, step_store
 from ucp_zarr.protocol.owned import Owned
 from ucp_zarr.io.factory import open_store
 from ucp_zarr.io.local import LocalStore
-from ucp_zarr.protocol.transaction import Owner, Transaction
+from ucp_zarr.protocol.liveness import Owner
+from ucp_zarr.protocol.transaction import Transaction
 
 KILL_TRIALS = int(os.environ.get("UCP_ZARR_MANAGER_KILL_TRIALS", "20"))
 

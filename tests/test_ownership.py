@@ -35,7 +35,8 @@ from ucp_zarr.ops.steps import collect_staging_copies
 from ucp_zarr.io.factory import open_store
 from ucp_zarr.io.fsspec import FsspecStore
 from ucp_zarr.io.local import LocalStore
-from ucp_zarr.protocol.transaction import MARKER, Liveness, Owner, Transaction, host_identity
+from ucp_zarr.protocol.liveness import MARKER, Liveness, Owner, host_identity
+from ucp_zarr.protocol.transaction import Transaction
 
 
 def _state(value: float) -> dict:

@@ -21,17 +21,8 @@ from ucp_zarr.errors import CheckpointExistsError, IncompleteCheckpointError, No
 from ucp_zarr.format.documents import CheckpointMeta, dump_document
 from ucp_zarr.protocol.owned import Owned, OwnedArray
 from ucp_zarr.io.local import LocalStore
-from ucp_zarr.protocol.transaction import (
-    HEARTBEAT,
-    MARKER,
-    OWNED,
-    REPLACE_RECORD,
-    TAKEOVER,
-    Fence,
-    Transaction,
-    committed_store,
-    read_owner,
-)
+from ucp_zarr.protocol.liveness import HEARTBEAT, MARKER, OWNED, REPLACE_RECORD, TAKEOVER, Fence, read_owner
+from ucp_zarr.protocol.transaction import Transaction, committed_store
 
 
 def _store(tmp_path: Path, name: str = "ck", log: Log | None = None) -> FaultyStore:

@@ -17,7 +17,7 @@ from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from .protocol.loader import load  # noqa: F401  (ucp_zarr.api.load, as ever)
 from .protocol.saver import SaveOptions, SaveResult, collect, prepare
 from .io.factory import open_store
-from .protocol.transaction import DEFAULT_LEASE_S
+from .protocol.liveness import DEFAULT_LEASE_S
 
 DEFAULT_WORKERS = 4
 

@@ -393,7 +393,7 @@ def _folder(args: argparse.Namespace, why: CheckpointError) -> int:
     is and how to convert it; else ``why``."""
     from .ops import list_steps
     from .io.factory import open_store
-    from .protocol.transaction import MARKER, REPLACE_RECORD
+    from .protocol.liveness import MARKER, REPLACE_RECORD
 
     store = open_store(args.path, args.storage_options)
     if store.exists(MARKER) or store.exists(REPLACE_RECORD):  # itself a save that did not finish
@@ -435,7 +435,7 @@ def _checkpoints_under(store: "Store", storage_options: dict[str, Any] | None) -
     from .protocol.checkpoint import open_store_checkpoint
     from .format.documents import METADATA_FILE
     from .io.factory import open_store
-    from .protocol.transaction import MARKER
+    from .protocol.liveness import MARKER
 
     folders = {k.rpartition("/")[0] for k in store.list() if k.rpartition("/")[2] in (METADATA_FILE, MARKER)}
     found: list[tuple[str, Any]] = []

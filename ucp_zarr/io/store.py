@@ -44,7 +44,7 @@ class IOStats:
 
 
 class WriteGuard(Protocol):
-    """A save's right to write into a store (:class:`~ucp_zarr.protocol.transaction.Fence`)."""
+    """A save's right to write into a store (:class:`~ucp_zarr.protocol.liveness.Fence`)."""
 
     tag: str
     """The save's id: names its temporary objects (:func:`temp_name`)."""

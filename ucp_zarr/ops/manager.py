@@ -19,7 +19,7 @@ from typing import Any, Callable, MutableMapping
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, NotACheckpointError
 from ..io.factory import open_store
 from ..io.store import Store
-from ..protocol.transaction import DEFAULT_LEASE_S, Liveness
+from ..protocol.liveness import DEFAULT_LEASE_S, Liveness
 from .interval import METHODS, _positive, optimal_interval, resolve_mtbf
 from .retention import check_policy, steps_to_delete
 from .steps import (

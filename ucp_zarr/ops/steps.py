@@ -8,7 +8,7 @@ holds an ordinary ucp_zarr checkpoint, so the save's transaction rules hold ther
 replace record names a committed staging copy), and nothing else says so.
 
 **Reader leases.** A process reading a step first creates ``.ucp_zarr_reader.<id>``
-exclusively in its folder (an :class:`~ucp_zarr.protocol.transaction.Owner` record: host, boot id,
+exclusively in its folder (an :class:`~ucp_zarr.protocol.liveness.Owner` record: host, boot id,
 process, lease, renewed by ``.ucp_zarr_heartbeat.<id>``), then checks that no live deleter is
 at work, reads, and removes its lease. Leases of dead readers (same rules as dead saves) are
 ignored and removed with the step.
@@ -42,7 +42,7 @@ from ..io.fsspec import FsspecStore
 from ..io.local import LocalStore
 from ..io.store import Store
 from ..protocol.owned import Owned
-from ..protocol.transaction import (
+from ..protocol.liveness import (
     DEFAULT_LEASE_S,
     HEARTBEAT,
     INTERNAL_PREFIX,
@@ -53,14 +53,10 @@ from ..protocol.transaction import (
     Heartbeat,
     Liveness,
     Owner,
-    Transaction,
-    collect_staging,
-    committed_store,
-    delete_owned,
     last_heartbeat,
-    read_owned,
     read_owner,
 )
+from ..protocol.transaction import Transaction, collect_staging, committed_store, delete_owned, read_owned
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@
    (:mod:`.exchange`) -> agree (error, bytes each rank will send to each peer, checked by
    every rank against the plan). An asynchronous save returns here;
 4. **exchange** boundary pieces point-to-point, with the sizes agreed;
-5. **write** shards, each rank behind a :class:`~.transaction.Fence`, and make them durable
+5. **write** shards, each rank behind a :class:`~.liveness.Fence`, and make them durable
    -> agree (error); then the array and group documents -> gather (error, shard seals) on
    the coordinator. An array's ``zarr.json`` appears only once every shard of it is
    durable, so a Zarr reader looking at a save in progress finds no array, or its final
@@ -46,15 +46,8 @@ from .ties import agree_ties, find_ties
 from ..format.statedict import Structure, iter_leaves, structure_of, to_json
 from .owned import Owned, OwnedArray
 from ..io.store import Store
-from .transaction import (
-    DEFAULT_LEASE_S,
-    FENCE_INTERVAL_S,
-    Fence,
-    Transaction,
-    is_internal,
-    require_exclusive_create,
-    target_store,
-)
+from .liveness import DEFAULT_LEASE_S, FENCE_INTERVAL_S, Fence
+from .transaction import Transaction, is_internal, require_exclusive_create, target_store
 from ..version import __version__
 
 log = logging.getLogger(__name__)
