@@ -43,7 +43,7 @@ from s3server import FaultProxy, SeaweedServer  # noqa: E402
 import ucp_zarr  # noqa: E402
 import ucp_zarr.io.obstore as O  # noqa: E402
 from ucp_zarr.api import DEFAULT_WORKERS  # noqa: E402
-from ucp_zarr.protocol.loader import LOAD_WORKERS  # noqa: E402
+from ucp_zarr.protocol.filling import LOAD_WORKERS  # noqa: E402
 
 BUCKET = "bench"
 METHODS = ("obstore", "fsspec", "raw")

@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from .converters import convert, export
     from .protocol.fragments import FlatShard, PerRank, Placed, Shard
     from .browse.diff import diff
-    from .protocol.loader import IncompatibleKeys, IncompatibleKeysWarning, load, read_state_dict
+    from .protocol.loader import IncompatibleKeys, IncompatibleKeysWarning, load
+    from .protocol.read_state import read_state_dict
     from .ops import CheckpointManager, optimal_interval
     from .rules.place import place
     from .rules.language import Rules
@@ -52,7 +53,7 @@ _LAZY = {
     "IncompatibleKeys": ".protocol.loader",
     "IncompatibleKeysWarning": ".protocol.loader",
     "load": ".protocol.loader",
-    "read_state_dict": ".protocol.loader",
+    "read_state_dict": ".protocol.read_state",
     "save": ".api",
     "wait_for_pending_save": ".api",
     "Checkpoint": ".protocol.checkpoint",

@@ -52,7 +52,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from ..protocol.distributed import Comm
 from ..errors import CheckpointError
 from ..protocol.fragments import PerRank
-from ..protocol.loader import load, read_state_dict
+from ..protocol.loader import load
+from ..protocol.read_state import read_state_dict
 from ..ops import CheckpointManager
 from ..ops.steps import step_name
 

@@ -11,12 +11,10 @@ for its key, or the load raises naming both keys.
 from __future__ import annotations
 
 import functools
-import io
 import os
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, MutableMapping, NamedTuple
+from typing import Any, Mapping, MutableMapping, NamedTuple
 
 import torch
 
@@ -24,40 +22,13 @@ from .checkpoint import Checkpoint, check_destination, open_store_checkpoint
 from .distributed import Comm
 from ..format.dtypes import is_lossless_cast, stored_dtype_by_name
 from ..errors import DtypeMismatchError, KeyMismatchError, LayoutError, PerRankStateError, ShapeMismatchError
-from .fragments import FlatShard, Fragment, PerRank, Placed, Shard, is_dtensor, is_fragment_value, to_fragment
+from .fragments import FlatShard, PerRank, Placed, Shard, is_dtensor, is_fragment_value, to_fragment
 from ..rules.place import check_used
 from ..rules.language import Rules
 from ..rules.params import same_meaning
-from ..format.documents import CheckpointMeta
-from ..format.statedict import (
-    STRUCTURE_FORMAT,
-    ListIndex,
-    Path,
-    Structure,
-    from_json,
-    hashable,
-    iter_leaves,
-    key_of,
-    put_path,
-    typed_path,
-)
+from ..format.statedict import ListIndex, Path, from_json, hashable, iter_leaves, key_of, put_path, typed_path
 from ..io.factory import open_store
-from .ties import memory_of
-
-LOAD_WORKERS = 4
-"""Threads a load reads with."""
-
-
-@dataclass
-class _Read:
-    """One target tensor to fill: ``frag`` (on this rank) from the stored tensor ``key``."""
-
-    key: str
-    leaf: str
-    """The target's own key (differs from ``key`` for a placed tensor)."""
-    frag: Fragment
-    per_rank: bool
-
+from .filling import LOAD_WORKERS, _Read, fill
 
 def load(
     state_dict: MutableMapping[str, Any],
@@ -557,213 +528,3 @@ def _empty_like(param: Any, shape: tuple[int, ...], dtype: torch.dtype, key: str
     if isinstance(param, FlatShard) and param.global_shape == shape:
         return FlatShard(fresh, shape, param.flat_offset, param.replica_id, param.slab_offset, param.slab_shape)
     return torch.empty(shape, dtype=dtype, device=local.device)
-
-
-# --- filling the targets ---------------------------------------------------------------------
-
-
-def fill(ck: Checkpoint, reads: list[_Read], rank: int, lossy: bool, max_workers: int) -> None:
-    """Fill every target of ``reads``, ``max_workers`` at a time; targets that share memory
-    one after the other, then checked (see :func:`_fill_shared`)."""
-    shared = shared_memory(reads)
-    alone = [r for i, r in enumerate(reads) if not any(i in group for group in shared)]
-    jobs: list[Any] = [lambda r=r: _read_fragment(ck, r, rank, lossy) for r in alone]
-    jobs += [lambda g=group: _fill_shared(ck, [reads[i] for i in g], rank, lossy) for group in shared]
-    with ThreadPoolExecutor(max_workers) as pool:
-        list(pool.map(lambda job: job(), jobs))
-
-
-def _read_fragment(ck: Checkpoint, r: _Read, rank: int, lossy: bool) -> None:
-    with torch.no_grad():
-        for box, view in r.frag.pieces:
-            ck.read(r.key, box, out=view, rank=rank if r.per_rank else None, allow_lossy_cast=lossy)
-        for pad in r.frag.pad:  # padding (of a padded vocabulary) has no saved counterpart
-            pad.zero_()
-
-
-def _fill_shared(ck: Checkpoint, reads: list[_Read], rank: int, lossy: bool) -> None:
-    """Fill targets that share memory in turn (the same tensor under several keys, such as
-    tied weights, once); then every one but the last (whose values were written last) must
-    still show what the checkpoint holds for its key."""
-    reads = _once(reads)
-    for r in reads:
-        _read_fragment(ck, r, rank, lossy)
-    for r in reads[:-1]:
-        for box, view in r.frag.pieces:
-            want = ck.read(r.key, box, rank=rank if r.per_rank else None).to(view.dtype)
-            if not same_bits(view, want):
-                others = ", ".join(repr(o.leaf) for o in reads if o is not r)
-                raise LayoutError(
-                    f"tensor {r.leaf!r} shares memory with {others}, and the checkpoint holds other values for "
-                    f"them: one cannot show both; pass tensors that do not share memory (or load them separately)"
-                )
-
-
-def _once(reads: list[_Read]) -> list[_Read]:
-    """``reads`` without those filling exactly what an earlier one fills: the same stored
-    tensor into the same views of the same memory."""
-    seen: set[tuple[Any, ...]] = set()
-    out = []
-    for r in reads:
-        views = tuple((box.offset, box.shape, memory_of(view)) for box, view in r.frag.pieces)
-        if any(m is None for *_, m in views) or (r.key, r.per_rank, views) not in seen:
-            out.append(r)
-        seen.add((r.key, r.per_rank, views))
-    return out
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` show the same values, bit for bit (NaN payloads, signed zeros)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    a, b = (t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1) for t in (a, b))
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
-def shared_memory(reads: list[_Read]) -> list[list[int]]:
-    """Groups of ``reads`` (by index, in order) whose targets may share memory: their byte
-    spans overlap in one storage (a superset of sharing for strided views, so that a group
-    may only cost a check)."""
-    spans: list[tuple[tuple[str, int], int, int, int]] = []
-    for i, r in enumerate(reads):
-        for _, view in r.frag.pieces:
-            span = _byte_span(view)
-            if span is not None:
-                spans.append((span[0], span[1], span[2], i))
-    spans.sort()
-    groups: list[set[int]] = []
-    current: set[int] = set()
-    where, end = None, -1
-    for storage, start, stop, i in spans:
-        if storage != where or start >= end:
-            if len(current) > 1:
-                groups.append(current)
-            current, where, end = set(), storage, stop
-        current.add(i)
-        end = max(end, stop)
-    if len(current) > 1:
-        groups.append(current)
-    return [sorted(g) for g in _merge_groups(groups)]
-
-
-def _merge_groups(groups: list[set[int]]) -> list[set[int]]:
-    """Unite groups that share a member (a read whose pieces lie in several storages)."""
-    out: list[set[int]] = []
-    for g in groups:
-        touching = [o for o in out if o & g]
-        for o in touching:
-            out.remove(o)
-            g = g | o
-        out.append(g)
-    return out
-
-
-def _byte_span(t: torch.Tensor) -> tuple[tuple[str, int], int, int] | None:
-    """``(storage, first byte, end byte)`` of the memory a view may touch; None when empty."""
-    if not t.numel():
-        return None
-    try:
-        storage = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # a subclass without plain storage
-        return None
-    start = t.storage_offset() * t.element_size()
-    extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1
-    return (str(t.device), storage), start, start + extent * t.element_size()
-
-
-# --- the whole state dict ----------------------------------------------------------------------
-
-
-def read_state_dict(
-    path: str | os.PathLike[str],
-    *,
-    keys: Iterable[str] | None = None,
-    device: str | torch.device = "cpu",
-    storage_options: dict[str, Any] | None = None,
-    hmac_key: bytes | None = None,
-) -> dict[Any, Any]:
-    """The state dict saved at ``path``, as ``torch.load`` would give it back: nested
-    mappings and lists, integer (and other non-string) keys, tuples and every other value
-    as saved, tensors materialised on ``device`` in their saved dtype. What a trainer's
-    loader needs, as DCP's ``dcp_to_torch_save`` gives it; no unpickling, nothing to
-    fill in advance (:func:`load` fills a state dict of any layout in place instead).
-
-    ``keys`` selects flattened keys (``ck.keys()``'s spelling) or prefixes of them at a
-    dot (``"model"``, ``"optim.state"``); one that selects nothing raises
-    :class:`~ucp_zarr.KeyMismatchError`. Per-rank state (:class:`~ucp_zarr.PerRank`) comes
-    back as the lowest saving rank's copy, unwrapped (``ucp_zarr.open(path).read(key,
-    rank=r)`` reads another). ``BytesIO`` values saved through DCP come back as
-    ``BytesIO``. A checkpoint that does not record its nesting (saved by an older
-    ucp_zarr, converted from another format, or through DCP without ``planner_data``) comes
-    back flat: ``{flattened key: value}``.
-    """
-    ck = open_store_checkpoint(open_store(path, storage_options), hmac_key)
-    meta = ck.meta
-    stored = [*meta.tensors, *meta.values, *meta.rank_values, *meta.ties]
-    wanted = _selected(stored, keys)
-    device = torch.device(device)
-    needed = wanted | {meta.ties[a] for a in wanted & set(meta.ties)}
-    to_read = [k for k in meta.tensors if k in needed]
-    with ThreadPoolExecutor(LOAD_WORKERS) as pool:
-        tensors = dict(zip(to_read, pool.map(lambda k: _materialise(ck, k, device), to_read)))
-    where = f"{ck.store.url}/zarr.json"
-    structure, blobs = meta.structure, _dcp_blobs(meta)
-    if structure is None:
-        structure = _dcp_structure(meta, where)
-    values: dict[str, Any] = {}
-    for key in stored:
-        if key not in wanted:
-            continue
-        if meta.canonical(key) in tensors:  # (tied tensors: one tensor under each of their keys)
-            values[key] = tensors[meta.canonical(key)]
-        else:
-            raw = meta.values[key] if key in meta.values else meta.rank_values[key][min(meta.rank_values[key])]
-            value = from_json(raw, key)
-            values[key] = io.BytesIO(value) if key in blobs and isinstance(value, bytes) else value
-    if structure is None:
-        return values
-    return structure.select(wanted.__contains__, lambda k: _selects(k, keys)).nest(values, f"{where}: structure")
-
-
-def _selected(stored: list[str], keys: Iterable[str] | None) -> set[str]:
-    if keys is None:
-        return set(stored)
-    asked = [keys] if isinstance(keys, str) else list(keys)
-    out = {k for k in stored if _selects(k, asked)}
-    unmatched = [a for a in asked if not any(_selects(k, [a]) for k in stored)]
-    if unmatched:
-        raise KeyMismatchError(unmatched, [])
-    return out
-
-
-def _selects(key: str, asked: Iterable[str] | None) -> bool:
-    """Whether ``key`` is one of ``asked`` or lies below one (all keys: ``asked`` None)."""
-    if asked is None:
-        return True
-    asked = [asked] if isinstance(asked, str) else asked
-    return any(key == a or key.startswith(a + ".") for a in asked)
-
-
-def _materialise(ck: Checkpoint, key: str, device: torch.device) -> torch.Tensor:
-    entry = ck.meta.tensors[key]
-    out = torch.empty(tuple(entry.shape), dtype=stored_dtype_by_name(entry.dtype).torch_dtype, device=device)
-    return ck.read(key, out=out)
-
-
-def _dcp_structure(meta: CheckpointMeta, where: str) -> Structure | None:
-    """The nesting a save through torch DCP recorded (``layout.dcp.planner_data``: names
-    and list positions, as this format's structure spells them), if any."""
-    dcp = meta.layout.get("dcp")
-    planner = dcp.get("planner_data") if isinstance(dcp, dict) else None
-    if not isinstance(planner, dict):
-        return None
-    keys = {*meta.tensors, *meta.values, *meta.rank_values}
-    doc = {"format": STRUCTURE_FORMAT, "paths": {k: p for k, p in planner.items() if k in keys}}
-    return Structure.from_json(doc, keys, f"{where}: layout.dcp.planner_data")
-
-
-def _dcp_blobs(meta: CheckpointMeta) -> set[str]:
-    """Keys of values a save through torch DCP was given as ``io.BytesIO``."""
-    dcp = meta.layout.get("dcp")
-    blobs = dcp.get("bytes_io") if isinstance(dcp, dict) else None
-    return {k for k in blobs if isinstance(k, str)} if isinstance(blobs, list) else set()
