@@ -41,9 +41,9 @@ from bench_limits import MiB, bit_equal, model_state, nbytes  # noqa: E402
 from s3server import FaultProxy, SeaweedServer  # noqa: E402
 
 import ucp_zarr  # noqa: E402
-import ucp_zarr.obstore_store as O  # noqa: E402
+import ucp_zarr.io.obstore as O  # noqa: E402
 from ucp_zarr.api import DEFAULT_WORKERS  # noqa: E402
-from ucp_zarr.loader import LOAD_WORKERS  # noqa: E402
+from ucp_zarr.protocol.filling import LOAD_WORKERS  # noqa: E402
 
 BUCKET = "bench"
 METHODS = ("obstore", "fsspec", "raw")

@@ -1,10 +1,10 @@
 """Planning at scale: a Llama-405B-like layout (``sim_layout.py``: TP 8 x PP 16 x DP n with a
 distributed optimizer) planned for 64 ... 32768 ranks, without data, on one core.
 
-A save plans in two levels (:meth:`ucp_zarr.distributed.Comm.coordinate`): each rank sends its
+A save plans in two levels (:meth:`ucp_zarr.protocol.distributed.Comm.coordinate`): each rank sends its
 fragment list to its group leader (about sqrt(world) consecutive ranks), which merges equal
-fragments (:func:`~ucp_zarr.planner.shared_infos`) into one message to rank 0; rank 0 plans
-and sends each leader its group's part (:meth:`~ucp_zarr.planner.SavePlan.parts`), which the
+fragments (:func:`~ucp_zarr.protocol.planner.shared_infos`) into one message to rank 0; rank 0 plans
+and sends each leader its group's part (:meth:`~ucp_zarr.protocol.planner.SavePlan.parts`), which the
 leader cuts into its ranks' parts. Each step runs here, one after another, with every
 message pickled and unpickled as in a job; leaders work in parallel in a job, so the slowest
 leader counts. For each world size:
@@ -46,13 +46,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import sim_layout as S  # noqa: E402
 
-from ucp_zarr.format import ArrayMeta, CheckpointMeta, TensorEntry, consolidated_nodes, dump_document  # noqa: E402
-from ucp_zarr.integrity import document_digest  # noqa: E402
-from ucp_zarr.distributed import gc_paused, leader_groups  # noqa: E402
+from ucp_zarr.format.documents import ArrayMeta, CheckpointMeta, TensorEntry, consolidated_nodes, dump_document  # noqa: E402
+from ucp_zarr.format.integrity import document_digest  # noqa: E402
+from ucp_zarr.protocol.distributed import gc_paused, leader_groups  # noqa: E402
 from ucp_zarr.layout import Box  # noqa: E402
-from ucp_zarr.planner import SavePlan, plan_save, shared_infos  # noqa: E402
-from ucp_zarr.replicas import check_replicas  # noqa: E402
-from ucp_zarr.saver import document_dicts  # noqa: E402
+from ucp_zarr.protocol.planner import SavePlan, plan_save, shared_infos  # noqa: E402
+from ucp_zarr.protocol.replicas import check_replicas  # noqa: E402
+from ucp_zarr.protocol.saver import document_dicts  # noqa: E402
 
 WORLDS = (64, 256, 1024, 4096, 8192, 16384, 32768)
 DIGEST = "sha256:" + "0" * 64

@@ -35,8 +35,8 @@ def _rank(rank: int, world: int, port: int, mib: int, repeat: int, base: str, ou
     import torch.distributed as dist
 
     import ucp_zarr
-    import ucp_zarr.saver as saver
-    from ucp_zarr.replicas import fingerprint
+    import ucp_zarr.protocol.saver as saver
+    from ucp_zarr.protocol.replicas import fingerprint
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

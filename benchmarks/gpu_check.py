@@ -89,7 +89,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def benchmark(mib: int, repeat: int, workdir: str, device: str) -> dict[str, Any]:
     import ucp_zarr
     from pagecache import evict
-    from ucp_zarr import staging
+    from ucp_zarr.protocol import staging
 
     pools: list[staging.HostPool] = []
     original_init = staging.HostPool.__init__

@@ -1,5 +1,5 @@
 """A simulated Llama-405B-like training layout, without data: what every rank would hand
-the save planner (:class:`ucp_zarr.planner.FragmentInfo` lists).
+the save planner (:class:`ucp_zarr.protocol.planner.FragmentInfo` lists).
 
 * Model: hidden 16384, 126 layers, GQA attention (128 query heads, 8 KV heads of 128: a
   fused QKV of 18432 rows), SwiGLU MLP (fused gate+up of 2 x 53248 rows), vocabulary 128256,
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ucp_zarr.layout import Box
 from ucp_zarr.layout.flat import flat_range_boxes
-from ucp_zarr.planner import FragmentInfo
+from ucp_zarr.protocol.planner import FragmentInfo
 
 HIDDEN, LAYERS, FFN, VOCAB = 16384, 126, 53248, 128256
 QKV_ROWS = (128 + 2 * 8) * 128

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import ucp_zarr
-from ucp_zarr.storage import LocalStore
+from ucp_zarr.io.local import LocalStore
 
 WORLD = 4
 ROWS, COLS = 64, 1024  # 256 KiB, 16 rows per rank

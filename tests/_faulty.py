@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ucp_zarr.storage import Store
-from ucp_zarr.transaction import Liveness, Owner
+from ucp_zarr.io.store import Store
+from ucp_zarr.protocol.liveness import Liveness, Owner
 
 MUTATING = {"write", "write_atomic", "create_exclusive", "delete", "remove", "adopt"}
 

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from _faulty import Crash, FaultyStore, Log
 
-import ucp_zarr.saver
+import ucp_zarr.protocol.saver
 from ucp_zarr.ops import CheckpointManager
 from ucp_zarr.ops.steps import ReadLease, delete_step
-from ucp_zarr.storage import LocalStore
+from ucp_zarr.io.local import LocalStore
 
 CHUNK_BYTES, SHARD_BYTES = 4096, 16384
 
@@ -72,7 +72,7 @@ def interrupted_save(root: str, step: int) -> None:
     def die(*args: Any, **kwargs: Any) -> None:
         os._exit(0)
 
-    ucp_zarr.saver.write_shard = die
+    ucp_zarr.protocol.saver.write_shard = die
     CheckpointManager(root).save(step, crash_state(step), chunk_bytes=CHUNK_BYTES, shard_bytes=SHARD_BYTES)
 
 

@@ -20,7 +20,7 @@ def main(spec: dict) -> None:
     import torch
 
     import ucp_zarr
-    import ucp_zarr.saver as saver
+    import ucp_zarr.protocol.saver as saver
 
     if spec.get("pause"):
         pause = Path(spec["pause"])

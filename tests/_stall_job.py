@@ -22,7 +22,7 @@ def main(lease_s: float) -> None:
     import torch
 
     import ucp_zarr
-    import ucp_zarr.saver as saver
+    import ucp_zarr.protocol.saver as saver
 
     torch.set_num_threads(1)
     original = saver.write_shard

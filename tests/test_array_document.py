@@ -14,7 +14,7 @@ import torch
 
 import ucp_zarr
 from ucp_zarr.errors import FormatError
-from ucp_zarr.format import ArrayMeta
+from ucp_zarr.format.documents import ArrayMeta
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch
 
 import ucp_zarr
 import ucp_zarr.api as api
-from ucp_zarr.staging import PARALLEL_FILL_BYTES
+from ucp_zarr.protocol.staging import PARALLEL_FILL_BYTES
 
 
 def _state() -> dict:
@@ -66,7 +66,7 @@ def test_background_save_yields_the_cpu(tmp_path, monkeypatch) -> None:
     """The background save's threads (the one that writes included) run ``BACKGROUND_NICE``
     below the priority of the thread that called ``save``, whatever that is (the whole job
     may run under ``nice``): the caller's own is unchanged."""
-    from ucp_zarr.storage import LocalStore
+    from ucp_zarr.io.local import LocalStore
 
     writers: list[int] = []
     real = LocalStore.write
@@ -107,7 +107,7 @@ def test_background_save_yields_the_cpu(tmp_path, monkeypatch) -> None:
 def test_background_save_writes_on_one_thread(tmp_path, monkeypatch) -> None:
     """Every writer thread competes with training for the GIL: a background save writes its
     objects from ``BACKGROUND_WRITERS`` (1) thread, however many ``max_workers`` copy."""
-    from ucp_zarr.storage import LocalStore
+    from ucp_zarr.io.local import LocalStore
 
     threads: set[int] = set()
     real = LocalStore.write

@@ -66,7 +66,7 @@ from hypothesis.control import currently_in_test_context
 
 import ucp_zarr
 from ucp_zarr import CheckpointError
-from ucp_zarr.statedict import iter_leaves
+from ucp_zarr.format.statedict import iter_leaves
 
 pytestmark = [
     pytest.mark.skipif(
@@ -294,7 +294,7 @@ def _warm_up(b: Base) -> None:
         (ck / "zarr.json").write_bytes(b"{")
         exercise_reader(ck, [])
         exercise_reader(box / "nothing", [])
-    from ucp_zarr.format import ArrayMeta
+    from ucp_zarr.format.documents import ArrayMeta
 
     for name in ("not a document", {"zarr_format": 3, "node_type": "array"}):
         with contextlib.suppress(CheckpointError):
@@ -1351,7 +1351,7 @@ def test_root_dtypes(key: str, dtype: str) -> None:
         report = read_in_child(ck, box)
         check(report, box=box, ck=ck)
         if dtype != entry["dtype"]:
-            from ucp_zarr.dtypes import supported_dtypes
+            from ucp_zarr.format.dtypes import supported_dtypes
 
             known = dtype in {str(d).removeprefix("torch.") for d in supported_dtypes()}
             if not known:
@@ -1577,7 +1577,7 @@ def test_signed_root_non_finite_numbers(m: Mutation) -> None:
 
 def _signed_root_mutation(m: Mutation) -> None:
     __tracebackhide__ = True  # (pytest reports the caller's line)
-    from ucp_zarr.integrity import canonical
+    from ucp_zarr.format.integrity import canonical
 
     with sandbox(base().signed) as (box, ck):
         mutated = mutate_root(ck, m, doc="signed_root")
@@ -1922,8 +1922,8 @@ SHARD_DAMAGE = st.one_of(
 
 
 def _shard_regions(doc: dict[str, Any], size: int) -> dict[str, tuple[int, int]]:
-    """Byte ranges of a shard object: chunks, trailer, index (see ucp_zarr.codec)."""
-    from ucp_zarr.codec import trailer_nbytes
+    """Byte ranges of a shard object: chunks, trailer, index (see ucp_zarr.format.codec)."""
+    from ucp_zarr.format.codec import trailer_nbytes
 
     shard = doc["chunk_grid"]["configuration"]["chunk_shape"]
     chunk = doc["codecs"][0]["configuration"]["chunk_shape"]

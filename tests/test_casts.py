@@ -30,7 +30,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ucp_zarr.dtypes import is_lossless_cast, supported_dtypes
+from ucp_zarr.format.dtypes import is_lossless_cast, supported_dtypes
 
 DTYPES = supported_dtypes()
 PAIRS = [(s, d) for s in DTYPES for d in DTYPES]

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import ucp_zarr
-from ucp_zarr import inspect as I
+from ucp_zarr.browse import inspect as I
+from ucp_zarr.browse import diff as D
 from ucp_zarr.cli import COMMANDS, build_parser, main
 
 SMALL = dict(chunk_bytes=1 << 9, shard_bytes=1 << 11)
@@ -94,15 +95,13 @@ def test_every_option_has_help() -> None:
 
 @pytest.mark.parametrize("cmd, option, table", [("export", "--to", "TARGETS"), ("convert", "--from", "SOURCES")])
 def test_help_lists_the_formats_of_the_code(capsys, cmd: str, option: str, table: str) -> None:
-    import importlib
-
-    convert = importlib.import_module("ucp_zarr.convert")  # (the package: ucp_zarr.convert is the function)
+    from ucp_zarr import converters
     with pytest.raises(SystemExit):
         main([cmd, "--help"])
     out = capsys.readouterr().out
     listed = out.split(f"({option}):\n")[1].splitlines()
     kinds = [line.split()[0] for line in listed if line.startswith("  ") and not line.startswith("   ")]
-    assert kinds == list(getattr(convert, table)) and all(len(line) <= 100 for line in listed)
+    assert kinds == list(getattr(converters, table)) and all(len(line) <= 100 for line in listed)
 
 
 def test_info(capsys, paths) -> None:
@@ -126,7 +125,7 @@ def test_ls(capsys, paths) -> None:
     w = next(line.split() for line in lines if line.startswith("model.layers.0.weight "))
     row = next(r for r in I.list_tensors(ucp_zarr.open(paths["a"])) if r.key == "model.layers.0.weight")
     assert w == ["model.layers.0.weight", "40x30", "float32", "4.7", "KiB", "x".join(map(str, row.chunks)), str(row.shards)]
-    assert lines[-1] == f"5 tensors, {ucp_zarr.checkpoint._human(ucp_zarr.open(paths['a']).nbytes())}"
+    assert lines[-1] == f"5 tensors, {ucp_zarr.protocol.checkpoint._human(ucp_zarr.open(paths['a']).nbytes())}"
     rc, data = run_json(capsys, "ls", paths["a"], "model.layers.*")
     assert rc == 0 and [d["key"] for d in data] == ["model.layers.0.weight", "model.layers.0.bias", "model.layers.1.weight"]
     assert data[1] == next(r for r in I.list_tensors(ucp_zarr.open(paths["a"])) if r.key == "model.layers.0.bias").to_dict()
@@ -257,7 +256,7 @@ def test_diff(capsys, paths) -> None:
     rc, out, _ = run(capsys, "diff", paths["a"], paths["b"], "--all")
     assert rc == 1 and "model.layers.0.bias" in out and "equal" in out
     rc, data = run_json(capsys, "diff", paths["a"], paths["b"])
-    assert rc == 1 and data == json.loads(json.dumps(I.diff(paths["a"], paths["b"]).to_dict()))
+    assert rc == 1 and data == json.loads(json.dumps(D.diff(paths["a"], paths["b"]).to_dict()))
     assert data["counts"]["differs"] == 1 and data["values"] == [{"key": "step", "status": "differs", "a": 5, "b": 6}]
     rc, data = run_json(capsys, "diff", paths["a"], paths["b"], "--keys", "model.layers.1", "--keys", "model.layers.0.b*")
     assert rc == 0 and [r["key"] for r in data["rows"]] == ["model.layers.0.bias", "model.layers.1.weight"]
@@ -499,7 +498,7 @@ def test_a_manager_root_lists_its_steps_in_info_too(capsys, paths) -> None:
 
 def test_an_unfinished_save_is_still_called_incomplete(capsys, tmp_path, monkeypatch) -> None:
     """A folder holding a save that never committed is not a folder of checkpoints."""
-    from ucp_zarr import saver
+    from ucp_zarr.protocol import saver
 
     ucp_zarr.save({"w": torch.ones(3)}, tmp_path / "run" / "a")
 

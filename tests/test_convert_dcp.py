@@ -26,11 +26,11 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import ucp_zarr
-from ucp_zarr.convert import dcp as dcp_convert
-from ucp_zarr.convert import read_source
+from ucp_zarr.converters import dcp as dcp_convert
+from ucp_zarr.converters import read_source
 from ucp_zarr.errors import ConversionError, UntrustedInputError
 from ucp_zarr.layout import Box
-from ucp_zarr.statedict import iter_leaves
+from ucp_zarr.format.statedict import iter_leaves
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save/load in one process
 

@@ -63,7 +63,7 @@ def test_unsupported_features_are_named_before_any_work(tmp_path: Path, name: st
     folder = _copy(SOURCES["zero1"](), tmp_path, "src")
     shutil.copy(folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt", folder / name)
     loads: list[Path] = []
-    monkeypatch.setattr(importlib.import_module("ucp_zarr.convert.deepspeed"), "torch_load_mapped",
+    monkeypatch.setattr(importlib.import_module("ucp_zarr.converters.deepspeed_files"), "torch_load_mapped",
                         lambda path, **kw: loads.append(path))
     with pytest.raises(CheckpointError, match=match):
         ucp_zarr.convert(folder, tmp_path / "out")

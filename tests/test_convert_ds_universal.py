@@ -28,7 +28,7 @@ if importlib.util.find_spec("deepspeed") is None:
 import ds_checkpoints as D  # noqa: E402
 
 import ucp_zarr  # noqa: E402
-from ucp_zarr.convert import read_source  # noqa: E402
+from ucp_zarr.converters import read_source  # noqa: E402
 from ucp_zarr.errors import ConversionError, UntrustedInputError  # noqa: E402
 
 VARIANTS = {

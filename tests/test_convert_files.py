@@ -138,7 +138,7 @@ def test_unknown_kinds_and_existing_outputs(tmp_path: Path) -> None:
 def test_an_interrupted_export_leaves_no_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     save_file({"a": torch.ones(2), "b": torch.ones(3)}, tmp_path / "m.safetensors")
     ucp_zarr.convert(tmp_path / "m.safetensors", tmp_path / "ck")
-    from ucp_zarr.convert import safetensors as st
+    from ucp_zarr.converters import safetensors as st
 
     def broken(*args: object) -> None:
         raise OSError("disk full")

@@ -173,7 +173,7 @@ def test_durability_order_every_file_and_directory_is_fsynced_before_the_commit(
     every object and every directory entry of the checkpoint is durable (fsynced, or covered
     by a syncfs of the file system after it was written), and its own directory entry is
     fsynced after."""
-    from ucp_zarr import storage
+    from ucp_zarr.io import local as storage
 
     events: list[tuple[str, str]] = []
     fds: dict[int, str] = {}

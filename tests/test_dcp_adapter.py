@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 import ucp_zarr
-from ucp_zarr.statedict import from_json, iter_leaves
+from ucp_zarr.format.statedict import from_json, iter_leaves
 
 CHUNKS = dict(chunk_bytes=4096, shard_bytes=16384)
 """Small chunks and shards, so the larger tensors span many of them."""

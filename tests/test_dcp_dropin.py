@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 
 import ucp_zarr
 import ucp_zarr.adapters.dcp as dcp_adapter
-from ucp_zarr import transaction
-from ucp_zarr.storage import LocalStore
-from ucp_zarr.transaction import Liveness, host_identity
+from ucp_zarr.protocol import liveness
+from ucp_zarr.io.local import LocalStore
+from ucp_zarr.protocol.liveness import Liveness, host_identity
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -289,7 +289,7 @@ def test_overwrite_interrupted_at_every_operation_leaves_old_or_new_and_other_fi
         seen[which] += 1
         # the next save onto the path, once the crashed one is known dead
         with monkeypatch.context() as m:
-            m.setattr(transaction.Liveness, "here", lambda: dead_everywhere)
+            m.setattr(liveness.Liveness, "here", lambda: dead_everywhere)
             dcp.save(third, storage_writer=ucp_zarr.ZarrStorageWriter(path, **small))
         _assert_same(_load_state_dict_from_keys(storage_reader=ucp_zarr.ZarrStorageReader(path)), third)
         assert _snapshot(path, before) == before, k
@@ -329,7 +329,7 @@ def test_first_save_interrupted_at_every_operation_then_taken_over_beside_other_
             with pytest.raises(ucp_zarr.IncompleteCheckpointError):
                 ucp_zarr.ZarrStorageReader(path).read_metadata()
         with monkeypatch.context() as m:
-            m.setattr(transaction.Liveness, "here", lambda: dead_everywhere)
+            m.setattr(liveness.Liveness, "here", lambda: dead_everywhere)
             dcp.save(sd, storage_writer=ucp_zarr.ZarrStorageWriter(path, **small))
         _assert_same(_load_state_dict_from_keys(storage_reader=ucp_zarr.ZarrStorageReader(path)), sd)
         assert _snapshot(path, before) == before, k

@@ -229,7 +229,7 @@ def _engine(task: dict[str, Any], world: int) -> tuple[Any, Any]:
 
 
 def _train(task: dict[str, Any], rank: int, world: int) -> None:
-    import ucp_zarr.saver as saver
+    import ucp_zarr.protocol.saver as saver
     from ucp_zarr.adapters import deepspeed as ucp_ds
 
     engine, _ = _engine(task, world)

@@ -1,5 +1,5 @@
 """The documentation site builds with warnings as errors (what `make docs` and CI run), and
-its rules reference cannot go stale: every rule kind and field of ucp_zarr/rules.py is
+its rules reference cannot go stale: every rule kind and field of ucp_zarr/rules/ (params.py, language.py) is
 described, every JSON example is a valid rules document, and its example runs."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 
 from _doc_blocks import DOCS, python_blocks, run_page
 
-from ucp_zarr.rules import PRECEDENCE, ParamRule, Renumber, Rules
+from ucp_zarr.rules.language import Rules
+from ucp_zarr.rules.params import PRECEDENCE, ParamRule, Renumber
 
 ROOT = DOCS.parent
 REFERENCE = (DOCS / "rules-reference.md").read_text()

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from test_other_readers import BLOCK_UCP_ZARR
 
 import ucp_zarr
-from ucp_zarr.format import dimension_names
-from ucp_zarr.storage import LocalStore
+from ucp_zarr.format.documents import dimension_names
+from ucp_zarr.io.local import LocalStore
 
 pytest.importorskip("xarray")
 pytest.importorskip("dask")
@@ -114,7 +114,7 @@ def test_unknowable_names_keep_numbered_groups(tmp_path: Path, caplog: pytest.Lo
     assert _groups(tmp_path / "plain")["optim.state.0.exp_avg"] == "0/optim.exp_avg"
     # a model whose parameters do not match the optimizer's (another model) is not used
     other = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
-    with caplog.at_level(logging.WARNING, logger="ucp_zarr.optimizer_names"):
+    with caplog.at_level(logging.WARNING, logger="ucp_zarr.format.optimizer_names"):
         ucp_zarr.save(sd, tmp_path / "other", model=other)
     assert _groups(tmp_path / "other")["optim.state.0.exp_avg"] == "0/optim.exp_avg"
     assert "does not have the shape" in caplog.text

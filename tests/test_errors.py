@@ -29,17 +29,17 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
 
 
 def test_crashed_save_leaves_invisible_checkpoint_and_can_be_redone(tmp_path, monkeypatch):
-    from ucp_zarr import arrayio
+    from ucp_zarr.io import arrayio
 
     def boom(*a, **k):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr("ucp_zarr.saver.write_shard", boom)
+    monkeypatch.setattr("ucp_zarr.protocol.saver.write_shard", boom)
     with pytest.raises(OSError, match="disk on fire"):
         ucp_zarr.save({"w": torch.ones(3)}, tmp_path / "ck")
     with pytest.raises(ucp_zarr.IncompleteCheckpointError):
         ucp_zarr.open(tmp_path / "ck")
-    monkeypatch.setattr("ucp_zarr.saver.write_shard", arrayio.write_shard)
+    monkeypatch.setattr("ucp_zarr.protocol.saver.write_shard", arrayio.write_shard)
     ucp_zarr.save({"w": torch.ones(3)}, tmp_path / "ck")  # replaces the failed attempt
     assert torch.equal(ucp_zarr.open(tmp_path / "ck")["w"][:], torch.ones(3))
 

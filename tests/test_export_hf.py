@@ -21,7 +21,7 @@ from transformers.utils import logging as hf_logging
 
 import ucp_zarr
 from ucp_zarr.cli import main as cli
-from ucp_zarr.convert import base, hf
+from ucp_zarr.converters import base, hf
 from ucp_zarr.errors import ConversionError
 
 hf_logging.set_verbosity_error()

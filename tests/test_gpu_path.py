@@ -17,9 +17,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ucp_zarr
-from ucp_zarr import checkpoint, staging
+from ucp_zarr.protocol import checkpoint, staging
 from ucp_zarr.layout import Box
-from ucp_zarr.replicas import device_fingerprint
+from ucp_zarr.protocol.replicas import device_fingerprint
 
 CUDA = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -131,7 +131,7 @@ def test_device_tensors_are_staged_through_a_bounded_pool(
 def test_a_failing_store_fails_a_save_of_device_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every shard write fails (a full disk) while the pool is full: the save raises instead
     of waiting forever for the pooled copies its failed writers did not give back."""
-    from ucp_zarr.storage import LocalStore
+    from ucp_zarr.io.local import LocalStore
 
     real = LocalStore.write
 

@@ -1,4 +1,4 @@
-"""ucp_zarr.inspect and the torch-free read path: values, selections, statistics, listings and
+"""ucp_zarr.browse.inspect and the torch-free read path: values, selections, statistics, listings and
 diffs on real checkpoints, checked against numpy and torch."""
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import ucp_zarr
-from ucp_zarr import inspect as I
+from ucp_zarr.browse import inspect as I
+from ucp_zarr.browse import diff as D
+from ucp_zarr.browse import values as V
 from ucp_zarr.layout import Box
 
 FP8 = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]
@@ -68,7 +70,7 @@ def _reference(t: torch.Tensor) -> np.ndarray:
 
 def test_widen_bfloat16_every_bit_pattern() -> None:
     bits = np.arange(1 << 16, dtype=np.uint16)
-    got = I.widen(bits, "bfloat16")
+    got = V.widen(bits, "bfloat16")
     want = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().numpy()
     assert got.dtype == np.float32
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))  # NaN payloads too
@@ -77,7 +79,7 @@ def test_widen_bfloat16_every_bit_pattern() -> None:
 @pytest.mark.parametrize("name", FP8)
 def test_widen_float8_every_bit_pattern(name: str) -> None:
     bits = np.arange(256, dtype=np.uint8)
-    got = I.widen(bits, name)
+    got = V.widen(bits, name)
     want = torch.from_numpy(bits).view(getattr(torch, name)).float().numpy()
     assert np.array_equal(np.isnan(got), np.isnan(want))
     ok = ~np.isnan(want)
@@ -89,7 +91,7 @@ def test_read_numpy_is_torch_read(ck: ucp_zarr.Checkpoint) -> None:
     for name, t in state.items():
         raw = ck.read_numpy(f"model.{name}")
         assert raw.shape == tuple(t.shape) and raw.dtype == np.dtype(ck.array_meta(f"model.{name}").dtype.zarr_dtype)
-        assert np.array_equal(I.widen(raw, str(t.dtype).removeprefix("torch.")), _reference(t), equal_nan=True), name
+        assert np.array_equal(V.widen(raw, str(t.dtype).removeprefix("torch.")), _reference(t), equal_nan=True), name
     assert ck.read_numpy("model.scalar").shape == () and ck.read_numpy("model.scalar")[()] == -2.5
     with pytest.raises(IndexError, match="outside its shape"):
         ck.read_numpy("model.w", Box((30, 0), (10, 29)))
@@ -102,10 +104,10 @@ def test_read_numpy_is_torch_read(ck: ucp_zarr.Checkpoint) -> None:
 def test_iter_blocks_tile_the_tensor(ck: ucp_zarr.Checkpoint, max_bytes: int) -> None:
     for key in ("model.w", "model.bf", "model.h", "model.c", "model.scalar", "model.empty"):
         meta = ck.array_meta(key)
-        full = I.widen(ck.read_numpy(key), meta.dtype.name)
+        full = V.widen(ck.read_numpy(key), meta.dtype.name)
         seen = np.zeros(meta.shape, dtype=np.int64)
         chunk_bytes = math.prod(meta.grid.chunk_shape) * full.dtype.itemsize
-        for box, values in I.iter_blocks(ck, key, max_bytes=max_bytes):
+        for box, values in V.iter_blocks(ck, key, max_bytes=max_bytes):
             assert values.shape == box.shape and values.dtype == full.dtype
             assert np.array_equal(values, full[box.slices()], equal_nan=True)
             assert values.nbytes <= max(max_bytes, chunk_bytes)
@@ -115,18 +117,18 @@ def test_iter_blocks_tile_the_tensor(ck: ucp_zarr.Checkpoint, max_bytes: int) ->
 
 
 def test_block_shape() -> None:
-    assert I.block_shape((100, 10), (8, 10), 4, 1 << 20) == (100, 10)  # all fits
-    assert I.block_shape((100, 10), (8, 10), 4, 40 * 17) == (16, 10)  # whole rows, chunk multiples
-    assert I.block_shape((100, 10), (8, 5), 4, 8) == (8, 5)  # at least one chunk
+    assert V.block_shape((100, 10), (8, 10), 4, 1 << 20) == (100, 10)  # all fits
+    assert V.block_shape((100, 10), (8, 10), 4, 40 * 17) == (16, 10)  # whole rows, chunk multiples
+    assert V.block_shape((100, 10), (8, 5), 4, 8) == (8, 5)  # at least one chunk
     # strips of whole chunks along dim 0 (read without a copy), when big enough
-    assert I.block_shape((8192, 16384), (512, 2048), 4, 64 << 20) == (8192, 2048)
-    assert I.block_shape((8192, 16384), (512, 2048), 4, 16 << 20) == (2048, 2048)
-    assert I.block_shape((64, 64, 64), (4, 8, 16), 1, 64 * 8 * 16) == (64, 8, 16)
+    assert V.block_shape((8192, 16384), (512, 2048), 4, 64 << 20) == (8192, 2048)
+    assert V.block_shape((8192, 16384), (512, 2048), 4, 16 << 20) == (2048, 2048)
+    assert V.block_shape((64, 64, 64), (4, 8, 16), 1, 64 * 8 * 16) == (64, 8, 16)
     # ...else the largest block cut from the leading dims
-    assert I.block_shape((64, 64, 64), (4, 8, 16), 1, 4 * 64 * 64) == (4, 64, 64)
-    assert I.block_shape((64, 64, 64), (4, 8, 16), 1, 4 * 64 * 32 + 1) == (4, 32, 64)
-    assert I.block_shape((3, 10**6), (3, 4096), 4, 64 << 20) == (3, 10**6)
-    assert I.block_shape((), (), 8, 1) == ()
+    assert V.block_shape((64, 64, 64), (4, 8, 16), 1, 4 * 64 * 64) == (4, 64, 64)
+    assert V.block_shape((64, 64, 64), (4, 8, 16), 1, 4 * 64 * 32 + 1) == (4, 32, 64)
+    assert V.block_shape((3, 10**6), (3, 4096), 4, 64 << 20) == (3, 10**6)
+    assert V.block_shape((), (), 8, 1) == ()
 
 
 # --- selections -------------------------------------------------------------------------------
@@ -159,11 +161,11 @@ def test_selections_match_numpy(ck: ucp_zarr.Checkpoint) -> None:
         view = ck[f"model.{key}"]
         for _ in range(40):
             index = _random_index(rng, ref.shape)
-            parsed = I.parse_index(I.format_index(index))
+            parsed = V.parse_index(V.format_index(index))
             assert parsed == index
             want = ref[index]
-            assert I.selection_shape(ref.shape, index) == want.shape
-            got = I.widen(ck.select_numpy(f"model.{key}", parsed), view.dtype_name)
+            assert V.selection_shape(ref.shape, index) == want.shape
+            got = V.widen(ck.select_numpy(f"model.{key}", parsed), view.dtype_name)
             assert got.shape == want.shape and np.array_equal(got, want, equal_nan=True), (key, index)
             t = view[index]
             assert np.array_equal(_reference(t) if t.dim() else _reference(t.reshape(1))[0], want, equal_nan=True)
@@ -176,20 +178,20 @@ def test_selections_match_numpy(ck: ucp_zarr.Checkpoint) -> None:
      ("2,", (2,)), (" +1 : 9 : 3 ", (slice(1, 9, 3),))],
 )
 def test_parse_index(text: str, index: tuple) -> None:
-    assert I.parse_index(text) == index
+    assert V.parse_index(text) == index
 
 
 @pytest.mark.parametrize("text", ["a", "1.5", "1:2:3:4", "..., ...", "1,,2", "::0", "__import__('os')", "None", "[1]]"])
 def test_parse_index_refuses(text: str) -> None:
     with pytest.raises(ValueError, match="bad selection"):
-        I.parse_index(text)
+        V.parse_index(text)
 
 
 def test_selection_out_of_bounds(ck: ucp_zarr.Checkpoint) -> None:
     with pytest.raises(IndexError, match="out of bounds"):
-        I.selection_shape((37, 29), (37,))
+        V.selection_shape((37, 29), (37,))
     with pytest.raises(IndexError, match="too many"):
-        I.selection_shape((37,), (1, 2))
+        V.selection_shape((37,), (1, 2))
     with pytest.raises(IndexError, match="out of bounds"):
         ck.select_numpy("model.w", (0, -30))
 
@@ -308,7 +310,7 @@ def variants(tmp_path_factory, ck_path: Path) -> dict[str, Path]:
 
 
 def test_diff_equal(ck_path: Path, variants: dict[str, Path]) -> None:
-    d = I.diff(ck_path, variants["same"], max_bytes=256)
+    d = D.diff(ck_path, variants["same"], max_bytes=256)
     assert d.equal and not d.values and {r.status for r in d.rows} == {"equal"}
     assert len(d.rows) == len(ucp_zarr.open(ck_path))
     assert all(r.ndiff == 0 and r.max_abs == 0.0 for r in d.rows)
@@ -317,7 +319,7 @@ def test_diff_equal(ck_path: Path, variants: dict[str, Path]) -> None:
 
 def test_diff_changes(ck_path: Path, variants: dict[str, Path]) -> None:
     state, changed = _state()["model"], ucp_zarr.open(variants["changed"])
-    d = I.diff(ck_path, variants["changed"], max_bytes=256)
+    d = D.diff(ck_path, variants["changed"], max_bytes=256)
     rows = {r.key: r for r in d.rows}
     assert not d.equal
     w = rows["model.w"]
@@ -345,8 +347,8 @@ def test_diff_changes(ck_path: Path, variants: dict[str, Path]) -> None:
     assert "<" in d._repr_html_() and "CheckpointDiff" in repr(d)
     # keys: only those compared; progress reported
     seen = []
-    d2 = I.diff(ck_path, variants["changed"], keys=["model.w", "model.[uz]*", "step"], progress=lambda a, b: seen.append((a, b)))
-    assert [r.key for r in I.diff(ck_path, variants["changed"], keys="model.w").rows] == ["model.w"]
+    d2 = D.diff(ck_path, variants["changed"], keys=["model.w", "model.[uz]*", "step"], progress=lambda a, b: seen.append((a, b)))
+    assert [r.key for r in D.diff(ck_path, variants["changed"], keys="model.w").rows] == ["model.w"]
     assert [r.key for r in d2.rows] == ["model.w", "model.u8"] and [v.key for v in d2.values] == ["step"]
     assert seen and seen[-1][0] == seen[-1][1]
 
@@ -356,25 +358,25 @@ def test_diff_relative_to_largest_b(tmp_path: Path) -> None:
     b = torch.tensor([1000.5, 2e-6, 0.0, 3.0, 5.0])
     ucp_zarr.save({"x": a, "z": torch.zeros(3)}, tmp_path / "a")
     ucp_zarr.save({"x": b, "z": torch.tensor([0.0, 1.0, 0.0]) * 0 + torch.tensor([0.0, 0.0, 2.0])}, tmp_path / "b")
-    d = I.diff(tmp_path / "a", tmp_path / "b")
+    d = D.diff(tmp_path / "a", tmp_path / "b")
     x = next(r for r in d.rows if r.key == "x")
     assert x.ndiff == 3 and x.max_abs == float("inf")  # an Inf meets a finite value
     ucp_zarr.save({"x": a[:3], "z": torch.zeros(3)}, tmp_path / "a2")
     ucp_zarr.save({"x": b[:3], "z": torch.zeros(3)}, tmp_path / "b2")
-    x = I.diff(tmp_path / "a2", tmp_path / "b2").rows[0]
+    x = D.diff(tmp_path / "a2", tmp_path / "b2").rows[0]
     assert x.max_abs == pytest.approx(0.5) and x.max_rel == pytest.approx(0.5 / 1000.5)  # not 1e-6 / 2e-6
     z = next(r for r in d.rows if r.key == "z")
     assert (z.max_abs, z.max_rel) == (2.0, 1.0)
     ucp_zarr.save({"z": torch.ones(3)}, tmp_path / "c")
     ucp_zarr.save({"z": torch.zeros(3)}, tmp_path / "d")
-    z = I.diff(tmp_path / "c", tmp_path / "d").rows[0]
+    z = D.diff(tmp_path / "c", tmp_path / "d").rows[0]
     assert (z.max_abs, z.max_rel) == (1.0, math.inf) and z.to_dict()["max_rel"] == "inf"
 
 
 def test_diff_per_rank_state(tmp_path: Path) -> None:
     ucp_zarr.save({"rng": ucp_zarr.PerRank(torch.arange(4)), "x": torch.ones(2)}, tmp_path / "a")
     ucp_zarr.save({"rng": ucp_zarr.PerRank(torch.arange(4) * 2), "x": torch.ones(2)}, tmp_path / "b")
-    d = I.diff(tmp_path / "a", tmp_path / "b")
+    d = D.diff(tmp_path / "a", tmp_path / "b")
     rng = next(r for r in d.rows if r.key == "rng")
     assert (rng.status, rng.rank, rng.ndiff, rng.max_abs) == ("differs", 0, 3, 3.0)
 
@@ -385,10 +387,10 @@ def test_diff_per_rank_state(tmp_path: Path) -> None:
 def test_lazy_package_names() -> None:
     for name in ucp_zarr.__all__:
         assert getattr(ucp_zarr, name) is not None, name
-    importlib.import_module("ucp_zarr.convert.base")  # binds the subpackage ucp_zarr.convert: the function stays
+    importlib.import_module("ucp_zarr.converters.base")  # binds the subpackage ucp_zarr.converters, another name
 
     assert callable(ucp_zarr.convert) and ucp_zarr.convert.__name__ == "convert"
-    assert ucp_zarr.diff is I.diff and "diff" in dir(ucp_zarr)
+    assert ucp_zarr.diff is D.diff and "diff" in dir(ucp_zarr)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         ucp_zarr.nope  # noqa: B018
 

@@ -23,7 +23,7 @@ import torch
 import ucp_zarr
 from ucp_zarr import errors
 from ucp_zarr.cli import main as cli
-from ucp_zarr.codec import CRC_BYTES, crc_bytes, trailer_nbytes
+from ucp_zarr.format.codec import CRC_BYTES, crc_bytes, trailer_nbytes
 
 KEY = b"0123456789abcdef-secret"
 

@@ -30,13 +30,15 @@ from _manager_jobs import (
     vanish,
 )
 
-import ucp_zarr.saver
+import ucp_zarr.protocol.saver
 from ucp_zarr.errors import CheckpointError
 from ucp_zarr.ops import CheckpointManager, StepGoneError, list_steps, optimal_interval, parse_step, step_name, steps_to_delete
 from ucp_zarr.ops.steps import DELETING, READER, ReadLease, scan, step_store
-from ucp_zarr.owned import Owned
-from ucp_zarr.storage import LocalStore, open_store
-from ucp_zarr.transaction import Owner, Transaction
+from ucp_zarr.protocol.owned import Owned
+from ucp_zarr.io.factory import open_store
+from ucp_zarr.io.local import LocalStore
+from ucp_zarr.protocol.liveness import Owner
+from ucp_zarr.protocol.transaction import Transaction
 
 KILL_TRIALS = int(os.environ.get("UCP_ZARR_MANAGER_KILL_TRIALS", "20"))
 
@@ -263,13 +265,13 @@ def test_latest_under_sigkill_at_random_points(tmp_path):
 
 def test_async_saves_pipeline(tmp_path, monkeypatch):
     go = threading.Event()
-    finish = ucp_zarr.saver.PreparedSave.finish
+    finish = ucp_zarr.protocol.saver.PreparedSave.finish
 
     def gated(self: Any, comm: Any = None) -> Any:
         assert go.wait(30)
         return finish(self, comm)
 
-    monkeypatch.setattr(ucp_zarr.saver.PreparedSave, "finish", gated)
+    monkeypatch.setattr(ucp_zarr.protocol.saver.PreparedSave, "finish", gated)
     m = CheckpointManager(tmp_path, keep_last=1)
     state = crash_state(1)
     fut = m.save(1, state, async_save=True)
@@ -293,7 +295,7 @@ def test_async_error_surfaces_on_the_next_call(tmp_path, monkeypatch, surface):
     def fail(*args: Any, **kwargs: Any) -> None:
         raise OSError("disk full (injected)")
 
-    monkeypatch.setattr(ucp_zarr.saver, "write_shard", fail)
+    monkeypatch.setattr(ucp_zarr.protocol.saver, "write_shard", fail)
     fut = _save(m, 2, async_save=True)
     fut.exception(timeout=30)  # failed in the background ...
     monkeypatch.undo()

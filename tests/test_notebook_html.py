@@ -1,4 +1,4 @@
-"""The Jupyter face (ucp_zarr.notebook): checkpoint and tensor HTML, statistics, diffs, plots.
+"""The Jupyter face (ucp_zarr.browse.notebook): checkpoint and tensor HTML, statistics, diffs, plots.
 
 The HTML is parsed (html.parser) and checked for what a reader sees: the tree with each
 parameter's moments in its group, escaped keys and values, values and bytes by module and
@@ -26,11 +26,11 @@ import torch
 from _dist import run
 
 import ucp_zarr
-from ucp_zarr import notebook
-from ucp_zarr.checkpoint import Checkpoint
-from ucp_zarr.format import CheckpointMeta, TensorEntry
-from ucp_zarr.inspect import diff
-from ucp_zarr.storage import open_store
+from ucp_zarr.browse import changes, notebook, plots
+from ucp_zarr.protocol.checkpoint import Checkpoint
+from ucp_zarr.format.documents import CheckpointMeta, TensorEntry
+from ucp_zarr.browse.diff import diff
+from ucp_zarr.io.factory import open_store
 
 matplotlib.use("Agg")
 
@@ -428,7 +428,7 @@ def test_diff_table(tmp_path: Path) -> None:
     del changed["gone"]
     ucp_zarr.save({"model": changed, "step": 2}, tmp_path / "b")
     d = diff(ucp_zarr.open(tmp_path / "a"), ucp_zarr.open(tmp_path / "b"))
-    html = notebook.diff_html(d)
+    html = changes.diff_html(d)
     assert d._repr_html_() == html
     dom = Dom(html)
     rows = {dom.inside(tr, "code")[0]["text"]: tr for tr in dom.find("tr") if tr["attrs"].get("data-status")}
@@ -494,7 +494,7 @@ def test_plot_norms_per_layer(tmp_path: Path) -> None:
     net, opt = _trained(named=False)
     ucp_zarr.save({"model": net.state_dict(), "optim": opt.state_dict()}, tmp_path / "ck")
     ck = ucp_zarr.open(tmp_path / "ck")
-    ax = notebook.plot_norms(ck, "model.*")
+    ax = plots.plot_norms(ck, "model.*")
     assert isinstance(ax, matplotlib.axes.Axes)
     lines = {line.get_label(): line for line in ax.get_lines()}
     assert set(lines) == {"model.blocks.*.weight", "model.blocks.*.bias"}
@@ -503,10 +503,10 @@ def test_plot_norms_per_layer(tmp_path: Path) -> None:
         assert list(lines[f"model.blocks.*.{kind}"].get_xdata()) == [0, 1, 2]
         want = [sd[f"blocks.{i}.{kind}"].double().norm().item() for i in range(3)]
         np.testing.assert_allclose(lines[f"model.blocks.*.{kind}"].get_ydata(), want, rtol=1e-6)
-    bars = notebook.plot_norms(ck, "model.head.*")  # no numbered layers: one bar per tensor
+    bars = plots.plot_norms(ck, "model.head.*")  # no numbered layers: one bar per tensor
     assert [p.get_width() for p in bars.patches] == pytest.approx([sd["head.weight"].double().norm().item()], rel=1e-6)
     with pytest.raises(KeyError, match="nothing"):
-        notebook.plot_norms(ck, "nothing*")
+        plots.plot_norms(ck, "nothing*")
 
 
 def test_plot_histogram_streams_blocks(tmp_path: Path) -> None:
@@ -516,7 +516,7 @@ def test_plot_histogram_streams_blocks(tmp_path: Path) -> None:
     ucp_zarr.save({"x": t}, tmp_path / "ck", chunk_bytes=2048)
     ck = ucp_zarr.open(tmp_path / "ck")
     fig, ax = matplotlib.pyplot.subplots()
-    out = notebook.plot_histogram(ck["x"], bins=40, ax=ax, max_bytes=4096)  # many blocks
+    out = plots.plot_histogram(ck["x"], bins=40, ax=ax, max_bytes=4096)  # many blocks
     assert out is ax
     counts, edges = ax.patches[0].get_data().values, ax.patches[0].get_data().edges
     finite = t.float().numpy().ravel()
@@ -525,7 +525,7 @@ def test_plot_histogram_streams_blocks(tmp_path: Path) -> None:
     np.testing.assert_array_equal(edges, want_edges)
     np.testing.assert_array_equal(counts, want)
     assert "2 NaN/Inf left out" in ax.get_title()
-    same = notebook.plot_histogram(ck, "x", bins=40)
+    same = plots.plot_histogram(ck, "x", bins=40)
     np.testing.assert_array_equal(same.patches[0].get_data().values, want)
 
 
@@ -555,9 +555,9 @@ def test_memory_url_renders_and_plots(tmp_path: Path) -> None:
     html = ck._repr_html_() + ck["model.blocks.0.weight"]._repr_html_()
     assert url in html and "model.blocks.2.bias" in html
     assert keys == []  # everything from the commit record and its consolidated metadata
-    hist = notebook.plot_histogram(ck["model.blocks.0.weight"], bins=8)
+    hist = plots.plot_histogram(ck["model.blocks.0.weight"], bins=8)
     assert hist.patches[0].get_data().values.sum() == 64
-    norms = notebook.plot_norms(ck, "model.blocks.*.bias")
+    norms = plots.plot_norms(ck, "model.blocks.*.bias")
     assert [len(line.get_xdata()) for line in norms.get_lines()] == [3]
 
 
@@ -584,7 +584,7 @@ def test_s3_renders_from_metadata_only(seaweed: Any) -> None:
 def test_import_is_torch_free(tmp_path: Path) -> None:
     ucp_zarr.save({"model": {"w": torch.ones(4, 4)}, "step": 1}, tmp_path / "ck")
     code = (
-        "import sys, ucp_zarr, ucp_zarr.notebook as nb\n"
+        "import sys, ucp_zarr, ucp_zarr.browse.notebook as nb\n"
         f"html = nb.checkpoint_html(ucp_zarr.open({str(tmp_path / 'ck')!r}))\n"
         "assert 'model.w' in html\n"
         "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))\n"

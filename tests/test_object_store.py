@@ -90,7 +90,7 @@ def _save_pausing(rank: int, world: int, url: str, options: dict[str, Any], paus
     this rank raised and how long the failure took after going on."""
     import json
 
-    import ucp_zarr.saver as saver
+    import ucp_zarr.protocol.saver as saver
 
     original = saver.PreparedSave._write_data
     went: list[float] = []
@@ -175,7 +175,7 @@ def test_transient_errors_are_retried_with_backoff(seaweed, caplog, backend):
         options = _options(seaweed, backend, proxy.endpoint)
         options["config_kwargs"].update(retries={"total_max_attempts": 1}, connect_timeout=2, read_timeout=5)
         url = _url("flaky")
-        caplog.set_level(logging.WARNING, logger="ucp_zarr.storage")
+        caplog.set_level(logging.WARNING, logger="ucp_zarr.io.fsspec")
         proxy.http_503_next(2)  # three faults in a row: within the bound of 4 attempts
         proxy.fail_next(1)
         ucp_zarr.save(sd, url, storage_options=options, chunk_bytes=8192, shard_bytes=32768)

@@ -1,4 +1,4 @@
-"""The obstore backend of object-store URLs (``ucp_zarr/obstore_store.py``) against a real
+"""The obstore backend of object-store URLs (``ucp_zarr/io/obstore.py``) against a real
 S3 server (SeaweedFS on loopback): every Store method with FsspecStore's semantics, the
 requests it makes, and the storage_options it takes from s3fs/gcsfs/adlfs users.
 
@@ -17,8 +17,9 @@ import torch
 
 import ucp_zarr
 
-import ucp_zarr.obstore_store as O
-from ucp_zarr.storage import FsspecStore, open_store
+import ucp_zarr.io.obstore as O
+from ucp_zarr.io.factory import open_store
+from ucp_zarr.io.fsspec import FsspecStore
 
 BUCKET = "objstore"
 

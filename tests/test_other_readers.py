@@ -32,7 +32,7 @@ CHUNK_BYTES = 16384
 BIG_KEY = "extra.big"
 EDGE_KEY = "extra.edge"
 
-# dtypes whose Zarr array holds the raw bits (documented in ucp_zarr/dtypes.py)
+# dtypes whose Zarr array holds the raw bits (documented in ucp_zarr/format/dtypes.py)
 _BITS = {torch.bfloat16: np.uint16, torch.float8_e4m3fn: np.uint8}
 
 

@@ -32,8 +32,11 @@ from test_concurrent_saves import Backend, Save
 import ucp_zarr
 from ucp_zarr.errors import CheckpointExistsError, OwnershipError
 from ucp_zarr.ops.steps import collect_staging_copies
-from ucp_zarr.storage import FsspecStore, LocalStore, open_store
-from ucp_zarr.transaction import MARKER, Liveness, Owner, Transaction, host_identity
+from ucp_zarr.io.factory import open_store
+from ucp_zarr.io.fsspec import FsspecStore
+from ucp_zarr.io.local import LocalStore
+from ucp_zarr.protocol.liveness import MARKER, Liveness, Owner, host_identity
+from ucp_zarr.protocol.transaction import Transaction
 
 
 def _state(value: float) -> dict:
@@ -85,7 +88,7 @@ def test_an_overwrite_keeps_checkpoints_nested_inside_it(tmp_path):
 
 
 def test_a_failed_overwrite_keeps_checkpoints_nested_inside_it(tmp_path, monkeypatch):
-    import ucp_zarr.saver as saver
+    import ucp_zarr.protocol.saver as saver
 
     run = tmp_path / "run"
     ucp_zarr.save(_state(3.0), run)
@@ -106,7 +109,7 @@ def test_a_failed_overwrite_keeps_checkpoints_nested_inside_it(tmp_path, monkeyp
 def test_an_abort_and_a_takeover_keep_what_the_dead_save_did_not_write(tmp_path, monkeypatch):
     """A save that fails (or dies) deletes only its own objects, even when a checkpoint
     appeared in a subfolder of its path meanwhile."""
-    import ucp_zarr.saver as saver
+    import ucp_zarr.protocol.saver as saver
 
     run = tmp_path / "run"
     original = saver.PreparedSave._write_documents
@@ -369,8 +372,8 @@ def test_a_zarr_reader_never_reads_fill_values_for_data_not_yet_written(tmp_path
     import numpy as np
     import zarr
 
-    import ucp_zarr.arrayio as arrayio
-    import ucp_zarr.saver as saver
+    import ucp_zarr.io.arrayio as arrayio
+    import ucp_zarr.protocol.saver as saver
 
     original = arrayio.write_shard
 

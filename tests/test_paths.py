@@ -1,6 +1,6 @@
 """Paths built from input data never leave their folder (issue 18, section 3).
 
-The pure helper (:mod:`ucp_zarr.safe_paths`) is fuzzed with hostile names and checked
+The pure helper (:mod:`ucp_zarr.format.safe_paths`) is fuzzed with hostile names and checked
 against independent oracles: ``posixpath`` and ``ntpath`` (Windows) resolving the joined
 path, after Unicode look-alikes are read as what they imitate. Then end to end: real
 checkpoints and foreign inputs with hostile names (a ds-universal export, a universal
@@ -30,11 +30,11 @@ from hypothesis import strategies as st
 import ucp_zarr
 from ucp_zarr.cli import main as cli
 from ucp_zarr.errors import FormatError, UnsafePathError
-from ucp_zarr.format import check_array_path, check_document_path
-from ucp_zarr.safe_paths import check_no_links, inside, inside_relative, name_problem
-from ucp_zarr.statedict import assign_array_paths
-from ucp_zarr.storage import open_store
-from ucp_zarr.writer import InMemory, write_checkpoint
+from ucp_zarr.format.documents import check_array_path, check_document_path
+from ucp_zarr.format.safe_paths import check_no_links, inside, inside_relative, name_problem
+from ucp_zarr.format.statedict import assign_array_paths
+from ucp_zarr.io.factory import open_store
+from ucp_zarr.protocol.writer import InMemory, write_checkpoint
 
 # --- hostile names -----------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import torch
 
 import ucp_zarr
 from ucp_zarr import LayoutError, RuleError, Rules, place
-from ucp_zarr.place import PlacementError, check_used
+from ucp_zarr.rules.place import PlacementError, check_used
 
 LAYERS = r"layers\.(\d+)\."
 

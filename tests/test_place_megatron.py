@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import ucp_zarr
 from ucp_zarr import Rules, place
 from ucp_zarr.layout.groups import sub_ranges
-from ucp_zarr.rules import RuleError
+from ucp_zarr.rules.params import RuleError
 
 SEED = 5
 SAVES = [(2, 2), (4, 1)]
@@ -317,7 +317,7 @@ def test_load_gives_megatrons_tensors_of_the_same_seed(megatron: Path, variant: 
 def test_from_megatron_rules(megatron: Path) -> None:
     gqa = Rules.from_dict(_ref(megatron, "gqa", 2, 2)[0, 0]["rules"])
     assert gqa.default == "error" and gqa.strict and not gqa.rename and not gqa.pipeline_replicated
-    assert isinstance(gqa.pipeline, ucp_zarr.rules.Renumber) and gqa.pipeline.count == MC.NUM_LAYERS
+    assert isinstance(gqa.pipeline, ucp_zarr.rules.params.Renumber) and gqa.pipeline.count == MC.NUM_LAYERS
     assert gqa.match(QKV.format(1))[0].kind == "grouped"
     assert gqa.match("decoder.layers.1.self_attention.q_layernorm.weight")[0].kind == "replicated"
     assert gqa == Rules.from_dict(_ref(megatron, "gqa", 2, 2)[1, 1]["rules"])  # the same on every rank

@@ -28,14 +28,14 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 import sim_layout as S  # noqa: E402
 
 import ucp_zarr  # noqa: E402
-from ucp_zarr.distributed import leader_groups  # noqa: E402
+from ucp_zarr.protocol.distributed import leader_groups  # noqa: E402
 from ucp_zarr.errors import LayoutError  # noqa: E402
-from ucp_zarr.format import dump_document  # noqa: E402
+from ucp_zarr.format.documents import dump_document  # noqa: E402
 from ucp_zarr.layout import Box  # noqa: E402
 from ucp_zarr.layout.flat import flat_range_boxes  # noqa: E402
-from ucp_zarr.planner import FragmentInfo, SavePlan, plan_save, shared_infos  # noqa: E402
-from ucp_zarr.replicas import check_replicas  # noqa: E402
-from ucp_zarr.saver import document_dicts  # noqa: E402
+from ucp_zarr.protocol.planner import FragmentInfo, SavePlan, plan_save, shared_infos  # noqa: E402
+from ucp_zarr.protocol.replicas import check_replicas  # noqa: E402
+from ucp_zarr.protocol.saver import document_dicts  # noqa: E402
 
 WORLD = 512
 
@@ -149,7 +149,7 @@ def layouts(draw) -> list[list[FragmentInfo]]:
 
 
 def two_level(infos: list[list[FragmentInfo]], groups: list[range], **sizes: int) -> tuple[SavePlan, list[SavePlan]]:
-    """What a job does (:meth:`ucp_zarr.distributed.Comm.coordinate`): leaders merge equal
+    """What a job does (:meth:`ucp_zarr.protocol.distributed.Comm.coordinate`): leaders merge equal
     fragments, rank 0 plans and cuts the groups' parts, leaders cut their ranks' parts."""
     merged = [f for g in groups for f in shared_infos([infos[r] for r in g])]
     plan = plan_save(merged, **sizes)
@@ -195,7 +195,7 @@ def test_the_405b_layout_plans_the_same_in_two_levels(planned) -> None:
 
 
 def _two_level_job(rank: int, world: int, root: str) -> None:
-    import ucp_zarr.distributed as D
+    import ucp_zarr.protocol.distributed as D
 
     D.FLAT_MAX_WORLD = 2  # (this process only: 6 ranks in three groups of two)
     assert [list(g) for g in D.leader_groups(world)] == [[0, 1], [2, 3], [4, 5]]

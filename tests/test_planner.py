@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from ucp_zarr.layout import Box
 from ucp_zarr.layout.flat import flat_range_boxes
-from ucp_zarr.replicas import check_replicas
-from ucp_zarr.planner import FragmentInfo, LayoutError, plan_save
+from ucp_zarr.protocol.replicas import check_replicas
+from ucp_zarr.protocol.planner import FragmentInfo, LayoutError, plan_save
 
 
 def _cells(box: Box) -> set[tuple[int, ...]]:

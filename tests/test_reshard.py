@@ -146,7 +146,7 @@ def _save_trained(model: nn.Module, opt: torch.optim.Optimizer, path: Path, ref_
     sd = {"model": msd, "optim": osd}
     full = full_copy(sd)  # collective, before the save: the reference
     result = ucp_zarr.save(sd, path)
-    assert isinstance(result, ucp_zarr.saver.SaveResult)
+    assert isinstance(result, ucp_zarr.protocol.saver.SaveResult)
     if rank == 0:
         torch.save(full, ref_file)
     return sd
@@ -435,7 +435,7 @@ def _save_one_writer(root: Path, rank: int, world: int) -> None:
         "rep": ref_tensor("rep", (128, 80), seed=8),  # 40 KiB on every rank
     }
     result = ucp_zarr.save(sd, root / "ck_one_writer", chunk_bytes=4096)
-    assert isinstance(result, ucp_zarr.saver.SaveResult) and result.rank == rank
+    assert isinstance(result, ucp_zarr.protocol.saver.SaveResult) and result.rank == rank
     (root / f"objects.{rank}.json").write_text(json.dumps(list(result.objects)))
 
 
@@ -492,7 +492,7 @@ def _failures(root: Path, rank: int, world: int) -> None:
 
     # (b) rank 2's writes fail after the others have written theirs
     path = root / "fail_write"
-    import ucp_zarr.saver as saver
+    import ucp_zarr.protocol.saver as saver
 
     original = saver.write_shard
     if rank == 2:
@@ -630,8 +630,8 @@ def _async_save(root: Path, rank: int, world: int) -> None:
     # a second async save of the mutated state waits for the first
     fut2 = ucp_zarr.save(sd, root / "ck_async2", async_save=True)
     result = fut.result(timeout=300)
-    assert isinstance(result, ucp_zarr.saver.SaveResult) and result.rank == rank and result.objects
-    assert isinstance(fut2.result(timeout=300), ucp_zarr.saver.SaveResult)
+    assert isinstance(result, ucp_zarr.protocol.saver.SaveResult) and result.rank == rank and result.objects
+    assert isinstance(fut2.result(timeout=300), ucp_zarr.protocol.saver.SaveResult)
     dist.barrier()
     ck = ucp_zarr.open(root / "ck_async")
     for k, t in refs.items():

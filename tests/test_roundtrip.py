@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import ucp_zarr
-from ucp_zarr.dtypes import supported_dtypes
+from ucp_zarr.format.dtypes import supported_dtypes
 
 
 def _random(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -16,7 +16,7 @@ import ucp_zarr
 from ucp_zarr import FlatShard, Placed, RuleError, Rules, place
 from ucp_zarr.layout import Box
 from ucp_zarr.layout.pieces import Piece
-from ucp_zarr.rules import ParamRule, Renumber, same_meaning
+from ucp_zarr.rules.params import ParamRule, Renumber, same_meaning
 
 # --- an independent reference ------------------------------------------------------------
 

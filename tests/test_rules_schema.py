@@ -1,4 +1,4 @@
-"""Every field of the rules is checked for type and range (``ucp_zarr.rules_schema``).
+"""Every field of the rules is checked for type and range (``ucp_zarr.rules.schema``).
 
 The mutation tests take valid rules of every kind and field and change one field at a time
 into a value of another type (a string for a number, a boolean, a non-integral float, a list
@@ -22,8 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ucp_zarr import RuleError, Rules
-from ucp_zarr.rules import PRECEDENCE, ParamRule, Renumber
-from ucp_zarr.rules_schema import KIND_FIELDS
+from ucp_zarr.rules.params import PRECEDENCE, ParamRule, Renumber
+from ucp_zarr.rules.schema import KIND_FIELDS
 
 
 def _piece(dst: list[int], src: list[int], n: list[int], **src_extra: Any) -> dict[str, Any]:

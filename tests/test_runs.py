@@ -1,4 +1,4 @@
-"""A training run in a notebook (ucp_zarr.runs, the relative update of ucp_zarr.diff): the steps
+"""A training run in a notebook (ucp_zarr.browse.runs, the relative update of ucp_zarr.diff): the steps
 of a manager root, norms, updates and histograms over steps against numbers computed here
 with torch, on a local path, an in-memory URL and a real S3 server, and bounded memory
 without torch on a checkpoint run larger than the bound."""
@@ -22,8 +22,8 @@ import torch
 from test_notebook_html import Dom
 
 import ucp_zarr
-from ucp_zarr import notebook
-from ucp_zarr.inspect import diff
+from ucp_zarr.browse import changes, notebook, plots
+from ucp_zarr.browse.diff import diff
 
 matplotlib.use("Agg")
 
@@ -160,7 +160,7 @@ def test_series_plot_and_table(local_run: tuple[str, dict[int, dict[str, Any]]])
     np.testing.assert_array_equal(ax.get_lines()[0].get_xdata(), STEPS)
     many = run.norms(["model.*", "optim.*"])  # over MAX_LINES: grey lines and their median
     ax = many.plot()
-    assert len(many.values) > notebook.MAX_LINES and ax.get_lines()[-1].get_label() == f"median of {len(many.values)} tensors"
+    assert len(many.values) > changes.MAX_LINES and ax.get_lines()[-1].get_label() == f"median of {len(many.values)} tensors"
     ys = np.array([[np.nan if v is None else v for v in vs] for vs in many.values.values()])
     np.testing.assert_allclose(ax.get_lines()[-1].get_ydata(), np.nanmedian(ys, axis=0))
     assert run.updates().plot().get_yscale() == "log"
@@ -199,7 +199,7 @@ def test_plot_updates_by_layer(local_run: tuple[str, dict[int, dict[str, Any]]])
     root, states = local_run
     run = ucp_zarr.open_run(root)
     d = ucp_zarr.diff(run[0], run[3])
-    ax = notebook.plot_updates(d)
+    ax = plots.plot_updates(d)
     lines = {line.get_label(): line for line in ax.get_lines()}
     assert set(lines) == {"model.layers.*.attn.weight", "model.layers.*.mlp.weight"}  # the model's only
     rel = {r.key: r.rel_update for r in d.rows}
@@ -207,7 +207,7 @@ def test_plot_updates_by_layer(local_run: tuple[str, dict[int, dict[str, Any]]])
         assert list(line.get_xdata()) == [0, 1, 2]
         np.testing.assert_allclose(line.get_ydata(), [rel[name.replace("*", str(i))] for i in range(3)])
     assert ax.get_yscale() == "log" and "step_00000000 \u2192 step_00000003" in ax.get_title()
-    bars = notebook.plot_updates(d, "model.head.*", log=False)  # no layer number: one bar per tensor
+    bars = plots.plot_updates(d, "model.head.*", log=False)  # no layer number: one bar per tensor
     assert [p.get_width() for p in bars.patches] == [pytest.approx(rel["model.head.weight"])]
 
 
@@ -273,7 +273,7 @@ def test_run_views_stream_in_bounded_memory(tmp_path: Path) -> None:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot
-        import ucp_zarr, ucp_zarr.notebook, ucp_zarr.runs
+        import ucp_zarr, ucp_zarr.browse.notebook, ucp_zarr.browse.runs
 
         def peak():
             return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")) << 10

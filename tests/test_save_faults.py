@@ -54,7 +54,7 @@ def case_stage_fails(root: Path, rank: int) -> None:
     original = torch.empty
 
     def failing_empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-        if sys._getframe(1).f_globals.get("__name__") == "ucp_zarr.staging":
+        if sys._getframe(1).f_globals.get("__name__") == "ucp_zarr.protocol.staging":
             raise RuntimeError("injected: no host memory for the staging buffer")
         return original(*args, **kwargs)
 
@@ -84,7 +84,7 @@ def case_exchange_fails(root: Path, rank: int) -> None:
 
 
 def case_write_fails(root: Path, rank: int) -> None:
-    import ucp_zarr.saver as saver
+    import ucp_zarr.protocol.saver as saver
 
     original = saver.write_shard
 
@@ -100,7 +100,7 @@ def case_write_fails(root: Path, rank: int) -> None:
 
 
 def case_commit_fails(root: Path, rank: int) -> None:
-    from ucp_zarr.storage import LocalStore
+    from ucp_zarr.io.local import LocalStore
 
     original = LocalStore.create_exclusive
 

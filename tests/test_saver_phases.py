@@ -19,11 +19,11 @@ import torch
 from _faulty import FaultyStore, Log
 
 import ucp_zarr
-from ucp_zarr.distributed import Comm
+from ucp_zarr.protocol.distributed import Comm
 from ucp_zarr.errors import LayoutError
-from ucp_zarr.exchange import check_sizes, planned_sizes
-from ucp_zarr.saver import SaveOptions, collect, prepare
-from ucp_zarr.storage import LocalStore
+from ucp_zarr.protocol.exchange import check_sizes, planned_sizes
+from ucp_zarr.protocol.saver import SaveOptions, collect, prepare
+from ucp_zarr.io.local import LocalStore
 
 
 class World:
@@ -138,9 +138,9 @@ def test_the_commit_follows_every_write_of_every_rank_and_no_object_has_two_writ
 
 
 def _saver() -> Any:
-    import ucp_zarr.saver
+    import ucp_zarr.protocol.saver
 
-    return ucp_zarr.saver
+    return ucp_zarr.protocol.saver
 
 
 @pytest.mark.parametrize(
@@ -176,9 +176,9 @@ def test_a_failure_on_one_rank_in_any_phase_fails_every_rank(tmp_path, monkeypat
 
 
 def test_exchange_sizes_are_checked_against_the_plan_before_any_transfer():
-    from ucp_zarr.exchange import Exchange
+    from ucp_zarr.protocol.exchange import Exchange
     from ucp_zarr.layout.flat import flat_range_boxes
-    from ucp_zarr.planner import FragmentInfo, plan_save
+    from ucp_zarr.protocol.planner import FragmentInfo, plan_save
 
     infos = [[FragmentInfo("f", (30, 7), "float32", tuple(flat_range_boxes((30, 7), 70 * r, 70 * (r + 1))), (70 * r, 70 * (r + 1)))] for r in range(3)]
     plan = plan_save(infos, chunk_bytes=2048)

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import ucp_zarr
-from ucp_zarr.dtypes import _BITS, _NATIVE, stored_dtype, supported_dtypes
-from ucp_zarr.format import ArrayMeta, Region
+from ucp_zarr.format.dtypes import _BITS, _NATIVE, stored_dtype, supported_dtypes
+from ucp_zarr.format.documents import ArrayMeta, Region
 from ucp_zarr.layout import choose_grid
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schema"

@@ -3,7 +3,7 @@ of their file system at ``Store.sync()`` instead of one fsync each, never later 
 commit record is created, and a failed ``syncfs`` fails the save.
 
 The system calls are recorded by monkeypatching ``os.open``/``os.fsync``/``os.link``/
-``os.close`` and ``ucp_zarr.storage._syncfs``; the batching file systems are set to the
+``os.close`` and ``ucp_zarr.io.local._syncfs``; the batching file systems are set to the
 type of ``tmp_path``'s, so the tests run wherever the temporary directory lives.
 """
 
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import ucp_zarr
-from ucp_zarr import storage
-from ucp_zarr.storage import LocalStore, file_system_type, syncfs_reports_errors
+from ucp_zarr.io import local as storage
+from ucp_zarr.io.local import LocalStore, file_system_type, syncfs_reports_errors
 
 needs_syncfs = pytest.mark.skipif(not syncfs_reports_errors(), reason="syncfs(2) reporting writeback errors (Linux >= 5.8)")
 

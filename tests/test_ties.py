@@ -18,7 +18,7 @@ import torch
 from _dist import run
 
 import ucp_zarr
-from ucp_zarr.checkpoint import Checkpoint
+from ucp_zarr.protocol.checkpoint import Checkpoint
 
 
 class TiedLM(torch.nn.Module):

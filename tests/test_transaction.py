@@ -1,4 +1,4 @@
-"""The save transaction (ucp_zarr.transaction), unit-tested on a real local store wrapped in
+"""The save transaction (ucp_zarr.protocol.transaction), unit-tested on a real local store wrapped in
 a recording, crash-injecting store, with a liveness judge that declares chosen saves dead.
 
 The claims under test:
@@ -18,20 +18,11 @@ import pytest
 from _faulty import Crash, FaultyStore, Judge, Log
 
 from ucp_zarr.errors import CheckpointExistsError, IncompleteCheckpointError, NotACheckpointError, OwnershipError
-from ucp_zarr.format import CheckpointMeta, dump_document
-from ucp_zarr.owned import Owned, OwnedArray
-from ucp_zarr.storage import LocalStore
-from ucp_zarr.transaction import (
-    HEARTBEAT,
-    MARKER,
-    OWNED,
-    REPLACE_RECORD,
-    TAKEOVER,
-    Fence,
-    Transaction,
-    committed_store,
-    read_owner,
-)
+from ucp_zarr.format.documents import CheckpointMeta, dump_document
+from ucp_zarr.protocol.owned import Owned, OwnedArray
+from ucp_zarr.io.local import LocalStore
+from ucp_zarr.protocol.liveness import HEARTBEAT, MARKER, OWNED, REPLACE_RECORD, TAKEOVER, Fence, read_owner
+from ucp_zarr.protocol.transaction import Transaction, committed_store
 
 
 def _store(tmp_path: Path, name: str = "ck", log: Log | None = None) -> FaultyStore:

@@ -14,9 +14,9 @@ import torch
 import ucp_zarr
 from ucp_zarr.errors import LayoutError
 from ucp_zarr.layout import Box
-from ucp_zarr.saver import SaveOptions
-from ucp_zarr.storage import open_store
-from ucp_zarr.writer import InMemory, write_checkpoint
+from ucp_zarr.protocol.saver import SaveOptions
+from ucp_zarr.io.factory import open_store
+from ucp_zarr.protocol.writer import InMemory, write_checkpoint
 
 
 @dataclass(frozen=True)

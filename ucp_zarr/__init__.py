@@ -1,14 +1,12 @@
 """ucp_zarr: universal checkpointing for PyTorch training, stored as plain Zarr v3.
 
 The package imports lazily (PEP 562): ``import ucp_zarr`` loads neither torch nor zarr, so
-read-only tools (``ucp-zarr info``, :mod:`ucp_zarr.inspect`) start fast; each public name is
+read-only tools (``ucp-zarr info``, :mod:`ucp_zarr.browse.inspect`) start fast; each public name is
 imported from its module on first use."""
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
@@ -38,41 +36,43 @@ from .version import __version__
 if TYPE_CHECKING:
     from .adapters.dcp import ZarrStorageReader, ZarrStorageWriter
     from .api import save, wait_for_pending_save
-    from .checkpoint import Checkpoint, TensorView, open
-    from .convert import convert, export
-    from .fragments import FlatShard, PerRank, Placed, Shard
-    from .inspect import diff
-    from .loader import IncompatibleKeys, IncompatibleKeysWarning, load, read_state_dict
+    from .protocol.checkpoint import Checkpoint, TensorView, open
+    from .converters import convert, export
+    from .protocol.fragments import FlatShard, PerRank, Placed, Shard
+    from .browse.diff import diff
+    from .protocol.loader import IncompatibleKeys, IncompatibleKeysWarning, load
+    from .protocol.read_state import read_state_dict
     from .ops import CheckpointManager, optimal_interval
-    from .place import place
-    from .rules import RuleError, Rules
-    from .runs import open_run
-    from .saver import SaveResult
+    from .rules.place import place
+    from .rules.language import Rules
+    from .rules.params import RuleError
+    from .browse.runs import open_run
+    from .protocol.saver import SaveResult
 
 _LAZY = {
-    "IncompatibleKeys": ".loader",
-    "IncompatibleKeysWarning": ".loader",
-    "load": ".loader",
-    "read_state_dict": ".loader",
+    "IncompatibleKeys": ".protocol.loader",
+    "IncompatibleKeysWarning": ".protocol.loader",
+    "load": ".protocol.loader",
+    "read_state_dict": ".protocol.read_state",
     "save": ".api",
     "wait_for_pending_save": ".api",
-    "Checkpoint": ".checkpoint",
-    "TensorView": ".checkpoint",
-    "open": ".checkpoint",
-    "convert": ".convert",
-    "export": ".convert",
-    "FlatShard": ".fragments",
-    "PerRank": ".fragments",
-    "Placed": ".fragments",
-    "Shard": ".fragments",
-    "diff": ".inspect",
+    "Checkpoint": ".protocol.checkpoint",
+    "TensorView": ".protocol.checkpoint",
+    "open": ".protocol.checkpoint",
+    "convert": ".converters",
+    "export": ".converters",
+    "FlatShard": ".protocol.fragments",
+    "PerRank": ".protocol.fragments",
+    "Placed": ".protocol.fragments",
+    "Shard": ".protocol.fragments",
+    "diff": ".browse.diff",
     "CheckpointManager": ".ops",
     "optimal_interval": ".ops",
-    "place": ".place",
-    "RuleError": ".rules",
-    "Rules": ".rules",
-    "open_run": ".runs",
-    "SaveResult": ".saver",
+    "place": ".rules.place",
+    "RuleError": ".rules.params",
+    "Rules": ".rules.language",
+    "open_run": ".browse.runs",
+    "SaveResult": ".protocol.saver",
     "ZarrStorageReader": ".adapters.dcp",
     "ZarrStorageWriter": ".adapters.dcp",
 }
@@ -141,16 +141,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
-
-class _Package(types.ModuleType):
-    """The package's module type: ``ucp_zarr.convert`` stays the function when the import
-    system binds the subpackage of the same name (as the eager ``from .convert import
-    convert`` used to leave it)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _LAZY.get(name) == f".{name}":
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

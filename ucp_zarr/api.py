@@ -1,5 +1,5 @@
-"""The Python face: :func:`save` and :func:`load` (``load`` lives in :mod:`.loader`, ``open`` in
-:mod:`.checkpoint`)."""
+"""The Python face: :func:`save` and :func:`load` (``load`` lives in :mod:`.protocol.loader`, ``open`` in
+:mod:`.protocol.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from typing import Any, Mapping
 
 import torch
 
-from .distributed import Comm
+from .protocol.distributed import Comm
 from .errors import CheckpointError
 from .layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
-from .loader import load  # noqa: F401  (ucp_zarr.api.load, as ever)
-from .saver import SaveOptions, SaveResult, collect, prepare
-from .storage import open_store
-from .transaction import DEFAULT_LEASE_S
+from .protocol.loader import load  # noqa: F401  (ucp_zarr.api.load, as ever)
+from .protocol.saver import SaveOptions, SaveResult, collect, prepare
+from .io.factory import open_store
+from .protocol.liveness import DEFAULT_LEASE_S
 
 DEFAULT_WORKERS = 4
 
@@ -55,7 +55,7 @@ def save(
     own shards, no two ranks write the same object, and the commit record is written last,
     after every rank's data is durable. A failure on any rank fails the save on every rank.
 
-    The save is a transaction on ``path`` (see :mod:`ucp_zarr.transaction`):
+    The save is a transaction on ``path`` (see :mod:`ucp_zarr.protocol.transaction`):
 
     * a committed checkpoint is never replaced, unless ``overwrite``: then the new one is
       staged beside it and put in place so that a crash at any point leaves the old or the
@@ -85,7 +85,7 @@ def save(
     carry ``param_names``), or ``model`` is given and the optimizer was built from
     ``model.parameters()``. Keys do not change (``optim.state.0.exp_avg``).
 
-    Returns (or resolves to) this rank's :class:`~ucp_zarr.saver.SaveResult`.
+    Returns (or resolves to) this rank's :class:`~ucp_zarr.protocol.saver.SaveResult`.
     """
     wait_for_pending_save()
     comm = Comm(process_group)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -22,9 +21,9 @@ import re
 import sys
 import textwrap
 import time
-from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
-from .checkpoint import _human
+from .protocol.checkpoint import _human
 from .errors import (
     CheckpointError,
     FormatError,
@@ -34,10 +33,11 @@ from .errors import (
     did_you_mean,
     render,
 )
+from .cli_output import UsageError, _emit, _num, _open, _progress, _table
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
-    from .storage import Store
+    from .protocol.checkpoint import Checkpoint
+    from .io.store import Store
 
 EXAMPLES = """\
 examples:
@@ -60,10 +60,6 @@ FIND_DEPTH = 3
 """How many folder levels below a path ``info``/``ls`` look for checkpoints when the path is none."""
 KEYWORD_OPTIONS = {"hmac_key": "key_file", "to": "target"}
 """Keyword arguments of the Python API whose option here has another ``dest``."""
-
-
-class UsageError(Exception):
-    """Bad input on the command line (a key, a selection): reported as ``error: ...``."""
 
 
 # --- parser ---------------------------------------------------------------------------------
@@ -181,9 +177,9 @@ def build_parser() -> _Parser:
 
 
 def _kinds(title: str, table: str) -> str:
-    """The kinds of a table of :mod:`ucp_zarr.convert` (``SOURCES``, ``TARGETS``), each with
+    """The kinds of a table of :mod:`ucp_zarr.converters` (``SOURCES``, ``TARGETS``), each with
     the first sentence of its module's docstring (read from the source, not imported)."""
-    convert = importlib.import_module(".convert", __package__)
+    convert = importlib.import_module(".converters", __package__)
     lines = [f"{title}:"]
     for kind, module in getattr(convert, table).items():
         name = f"{convert.__name__}.{module}"
@@ -257,83 +253,11 @@ def _spelling(parser: argparse.ArgumentParser) -> Callable[[Keyword], str]:
     return spell
 
 
-# --- shared -------------------------------------------------------------------------------
-
-
-def _open(path: str, args: argparse.Namespace) -> "Checkpoint":
-    from .checkpoint import open as open_checkpoint
-
-    return open_checkpoint(path, storage_options=args.storage_options, hmac_key=_key(args))
-
-
-def _key(args: argparse.Namespace) -> bytes | None:
-    if args.key_file is None:
-        return None
-    try:
-        with open(args.key_file, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise UsageError(f"cannot read the key file {args.key_file}: {e.strerror}") from None
-
-
-def _emit(data: Any) -> None:
-    json.dump(data, sys.stdout, default=str, allow_nan=False)
-    sys.stdout.write("\n")
-
-
-class _Bar:
-    """``progress(done, total)`` in bytes, drawn by tqdm on stderr from its first call."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.bar: Any = None
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.bar is None:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc=self.what, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
-        self.bar.total = total
-        self.bar.update(done - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-@contextlib.contextmanager
-def _progress(args: argparse.Namespace, what: str) -> Iterator[_Bar | None]:
-    """A progress bar when stderr is a terminal (or with ``--progress``), else None."""
-    if not (args.progress if args.progress is not None else sys.stderr.isatty()):
-        yield None
-        return
-    bar = _Bar(what)
-    try:
-        yield bar
-    finally:
-        bar.close()
-
-
-def _table(header: list[str], rows: list[list[str]], right: Collection[int] = ()) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    fmt = [(str.rjust if i in right else str.ljust) for i in range(len(header))]
-    lines = ["  ".join(f(c, w) for f, c, w in zip(fmt, r, widths)).rstrip() for r in [header, *rows]]
-    return "\n".join(lines)
-
-
-def _num(x: Any) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.6g}"
-    return str(x)
-
-
 # --- read-only commands -----------------------------------------------------------------
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .inspect import checkpoint_info
+    from .browse.inspect import checkpoint_info
 
     try:
         ck = _open(args.path, args)
@@ -362,7 +286,7 @@ def _clip(text: str, n: int) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .inspect import list_tensors
+    from .browse.inspect import list_tensors
 
     try:
         ck = _open(args.path, args)
@@ -392,8 +316,8 @@ def _folder(args: argparse.Namespace, why: CheckpointError) -> int:
     manager's root, or the checkpoints below it, or, for another system's checkpoint, what it
     is and how to convert it; else ``why``."""
     from .ops import list_steps
-    from .storage import open_store
-    from .transaction import MARKER, REPLACE_RECORD
+    from .io.factory import open_store
+    from .protocol.liveness import MARKER, REPLACE_RECORD
 
     store = open_store(args.path, args.storage_options)
     if store.exists(MARKER) or store.exists(REPLACE_RECORD):  # itself a save that did not finish
@@ -432,10 +356,10 @@ def _checkpoints_under(store: "Store", storage_options: dict[str, Any] | None) -
     """The checkpoints in the folders below ``store`` (at most ``FIND_DEPTH`` levels, hidden
     ones skipped, none inside another): (relative path, :class:`Checkpoint` or the
     :class:`IncompleteCheckpointError` of one that was never committed), by path."""
-    from .checkpoint import open_store_checkpoint
-    from .format import METADATA_FILE
-    from .storage import open_store
-    from .transaction import MARKER
+    from .protocol.checkpoint import open_store_checkpoint
+    from .format.documents import METADATA_FILE
+    from .io.factory import open_store
+    from .protocol.liveness import MARKER
 
     folders = {k.rpartition("/")[0] for k in store.list() if k.rpartition("/")[2] in (METADATA_FILE, MARKER)}
     found: list[tuple[str, Any]] = []
@@ -481,7 +405,7 @@ def _foreign_kind(path: str) -> str | None:
     --from``), or None."""
     if "://" in path and not path.startswith("file://"):
         return None
-    from .convert import detect
+    from .converters import detect
     from .errors import ConversionError
 
     try:
@@ -493,8 +417,8 @@ def _foreign_kind(path: str) -> str | None:
 def cmd_show(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from .dtypes import stored_dtype_by_name
-    from .inspect import format_index, parse_index, selection_shape, widen
+    from .format.dtypes import stored_dtype_by_name
+    from .browse.values import format_index, parse_index, selection_shape, widen
 
     ck = _open(args.path, args)
     entry = ck._entry(args.key)  # (an unknown key: the checkpoint's error, with close keys)
@@ -542,7 +466,7 @@ def _json_values(x: Any) -> Any:
 
 
 def _selected(ck: "Checkpoint", patterns: list[str]) -> list[str]:
-    from .inspect import select_keys
+    from .browse.inspect import select_keys
 
     keys: list[str] = []
     for p in patterns:
@@ -554,7 +478,7 @@ def _selected(ck: "Checkpoint", patterns: list[str]) -> list[str]:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from .inspect import tensor_stats
+    from .browse.inspect import tensor_stats
 
     ck = _open(args.path, args)
     keys = _selected(ck, args.keys)
@@ -600,7 +524,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from .inspect import diff, select_keys
+    from .browse.diff import diff
+    from .browse.inspect import select_keys
 
     a, b = _open(args.a, args), _open(args.b, args)
     if args.keys is not None:
@@ -643,7 +568,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import convert, export
+    from .converters import convert, export
 
     t0 = time.perf_counter()
     with _progress(args, args.cmd) as bar:

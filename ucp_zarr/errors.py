@@ -174,7 +174,7 @@ class UnsafePathError(ConversionError, FormatError):
     belongs in, or one that means something else on another system (``..``, a separator,
     a drive letter, a control character, a Unicode look-alike, over 255 bytes), or a path
     written would pass through a symbolic link; the message names the name, where it came
-    from and the folder (see :mod:`ucp_zarr.safe_paths`)."""
+    from and the folder (see :mod:`ucp_zarr.format.safe_paths`)."""
 
 
 class UntrustedInputError(ConversionError):

@@ -28,9 +28,9 @@ pipeline stages, Transformer Engine's fused layers) is refused by name.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, TypeVar
 
-from ..rules import ParamRule, Renumber, RuleError, Rules
+from ..rules.params import ParamRule, Renumber, RuleError
 
 _LAYER = r"decoder\.layers\.\d+\."
 _EMBEDDING = r"embedding\.word_embeddings\.weight$"
@@ -44,9 +44,12 @@ _REFUSED = {  # config member -> what it is (its parameters are laid out in ways
     "mtp_num_layers": "multi-token prediction",
 }
 
+R = TypeVar("R")
 
-def rules_from_megatron(model: Any, *, vocab_size: int) -> Rules:
-    """The rules of a megatron-core ``GPTModel`` (or a wrapper of it with ``.module``, such as
+
+def rules_from_megatron(rules_type: Callable[..., R], model: Any, *, vocab_size: int) -> R:
+    """The rules (built by ``rules_type``: :class:`~ucp_zarr.Rules`, whose ``from_megatron``
+    calls this; this adapter does not import the rule language) of a megatron-core ``GPTModel`` (or a wrapper of it with ``.module``, such as
     Megatron's ``DistributedDataParallel`` or ``Float16Module``) on its rank; ``vocab_size`` is
     the tokenizer's vocabulary before Megatron pads it. The same on every rank of a layout."""
     try:
@@ -90,7 +93,7 @@ def rules_from_megatron(model: Any, *, vocab_size: int) -> Rules:
         ParamRule("split", vocab),
     )
     tied = gpt.share_embeddings_and_output_weights and has_output
-    rules = Rules(
+    rules = rules_type(
         params=params, vocab_patterns=vocab, vocab_size=vocab_size,
         rename=((_OUTPUT_NAME, "embedding.word_embeddings.weight"),) if tied else (),
         pipeline=_pipeline(gpt, get_transformer_layer_offset), pipeline_replicated=(_OUTPUT,) if tied else (),
@@ -116,7 +119,7 @@ def _pipeline(gpt: Any, layer_offset: Any) -> Renumber:
     return Renumber(pattern, offsets=offsets)
 
 
-def _check_against_megatron(gpt: Any, rules: Rules) -> None:
+def _check_against_megatron(gpt: Any, rules: Any) -> None:
     """Every parameter has a rule, and one Megatron marks as split (``tensor_model_parallel``,
     ``partition_dim``, ``partition_stride``) a rule that splits it so. (Megatron-LM marks the rest
     as not split, also parameters it did not initialise: no mark is no evidence.)"""

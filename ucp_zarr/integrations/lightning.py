@@ -51,10 +51,10 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.io import CheckpointIO
 
 from ..api import save
-from ..loader import read_state_dict
+from ..protocol.read_state import read_state_dict
 from ..errors import CheckpointError, NotJSONableError
 from ..ops.steps import delete_step, is_committed
-from ..storage import open_store
+from ..io.factory import open_store
 
 log = logging.getLogger(__name__)
 

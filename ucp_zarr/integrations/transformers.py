@@ -49,10 +49,11 @@ import torch
 from safetensors.torch import save_file
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..distributed import Comm
+from ..protocol.distributed import Comm
 from ..errors import CheckpointError
-from ..fragments import PerRank
-from ..loader import load, read_state_dict
+from ..protocol.fragments import PerRank
+from ..protocol.loader import load
+from ..protocol.read_state import read_state_dict
 from ..ops import CheckpointManager
 from ..ops.steps import step_name
 

@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, MutableMapping
 
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, NotACheckpointError
-from ..storage import Store, open_store
-from ..transaction import DEFAULT_LEASE_S, Liveness
+from ..io.factory import open_store
+from ..io.store import Store
+from ..protocol.liveness import DEFAULT_LEASE_S, Liveness
 from .interval import METHODS, _positive, optimal_interval, resolve_mtbf
 from .retention import check_policy, steps_to_delete
 from .steps import (
@@ -105,7 +106,7 @@ class CheckpointManager:
         on_saved: Callable[[SaveMetrics], None] | None = None,
         lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
-        from ..distributed import Comm  # (imports torch)
+        from ..protocol.distributed import Comm  # (imports torch)
 
         check_policy(keep_last, keep_every)
         if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1):
@@ -282,7 +283,7 @@ class CheckpointManager:
         Raises :class:`~ucp_zarr.ops.steps.StepGoneError` on every rank when the step is not
         committed or is being deleted."""
         from ..api import load as load_checkpoint
-        from ..distributed import describe, raise_failures
+        from ..protocol.distributed import describe, raise_failures
 
         self._check_open()
         self._raise_failed()
@@ -312,7 +313,7 @@ class CheckpointManager:
     def load_latest(self, state_dict: MutableMapping[str, Any], **load_kwargs: Any) -> int | None:
         """Fill ``state_dict`` from the newest committed step (rank 0's choice, on every
         rank) and return that step; None (``state_dict`` untouched) when there is none."""
-        from ..distributed import describe, raise_failures
+        from ..protocol.distributed import describe, raise_failures
 
         self._check_open()
         for _ in range(LOAD_ATTEMPTS):

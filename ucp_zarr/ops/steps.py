@@ -4,11 +4,11 @@
 steps past 10**8 take more digits). Only canonical names count: ``step_100``,
 ``step_000000100`` and anything else in the root are foreign and ignored. Each step folder
 holds an ordinary ucp_zarr checkpoint, so the save's transaction rules hold there
-(:mod:`ucp_zarr.transaction`): it is **committed** once its root ``zarr.json`` exists (or a
+(:mod:`ucp_zarr.protocol.transaction`): it is **committed** once its root ``zarr.json`` exists (or a
 replace record names a committed staging copy), and nothing else says so.
 
 **Reader leases.** A process reading a step first creates ``.ucp_zarr_reader.<id>``
-exclusively in its folder (an :class:`~ucp_zarr.transaction.Owner` record: host, boot id,
+exclusively in its folder (an :class:`~ucp_zarr.protocol.liveness.Owner` record: host, boot id,
 process, lease, renewed by ``.ucp_zarr_heartbeat.<id>``), then checks that no live deleter is
 at work, reads, and removes its lease. Leases of dead readers (same rules as dead saves) are
 ignored and removed with the step.
@@ -20,7 +20,7 @@ write their lease before looking for the record, deleters their record before lo
 leases, so one of the two always sees the other. A crash at any point leaves either a
 complete committed step or an uncommitted folder that the next retention removes: the
 deletion of a dead deleter is resumed, an interrupted save of a dead owner is taken over by
-a :class:`~ucp_zarr.transaction.Transaction` and dropped. :func:`latest` can therefore never
+a :class:`~ucp_zarr.protocol.transaction.Transaction` and dropped. :func:`latest` can therefore never
 name a partial checkpoint.
 """
 
@@ -35,11 +35,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, NotACheckpointError
-from ..format import METADATA_FILE, CheckpointMeta, parse_document
-from ..obstore_store import ObstoreStore
-from ..storage import FsspecStore, LocalStore, Store, open_store
-from ..owned import Owned
-from ..transaction import (
+from ..format.documents import METADATA_FILE, CheckpointMeta, parse_document
+from ..io.obstore import ObstoreStore
+from ..io.factory import open_store
+from ..io.fsspec import FsspecStore
+from ..io.local import LocalStore
+from ..io.store import Store
+from ..protocol.owned import Owned
+from ..protocol.liveness import (
     DEFAULT_LEASE_S,
     HEARTBEAT,
     INTERNAL_PREFIX,
@@ -50,14 +53,10 @@ from ..transaction import (
     Heartbeat,
     Liveness,
     Owner,
-    Transaction,
-    collect_staging,
-    committed_store,
-    delete_owned,
     last_heartbeat,
-    read_owned,
     read_owner,
 )
+from ..protocol.transaction import Transaction, collect_staging, committed_store, delete_owned, read_owned
 
 log = logging.getLogger(__name__)
 
@@ -342,7 +341,7 @@ def _withdraw(store: Store, me: Owner) -> None:
 
 def drop_interrupted(store: Store, *, lease_s: float = DEFAULT_LEASE_S) -> bool:
     """Remove the step folder ``store`` of an interrupted save whose owner is dead: take it
-    over as a save would (:class:`~ucp_zarr.transaction.Transaction`, which removes a dead
+    over as a save would (:class:`~ucp_zarr.protocol.transaction.Transaction`, which removes a dead
     owner's leftovers and refuses a live one), give it up, remove the folder. False when a
     live save holds it or it was committed meanwhile."""
     txn = Transaction(store, lease_s=lease_s)
@@ -365,7 +364,7 @@ _STAGING_COPY = re.compile(rf"\.(step_[0-9]{{8,}}){re.escape(STAGING_INFIX)}[0-9
 def collect_staging_copies(root: Store, liveness: Liveness | None = None) -> list[str]:
     """Remove the staging copies (``.step_XXXXXXXX.ucp_zarr-<save id>``) that crashed
     overwrites of steps under ``root`` left, where no live save works on them and no
-    replace record names them (see :func:`~ucp_zarr.transaction.collect_staging`)."""
+    replace record names them (see :func:`~ucp_zarr.protocol.transaction.collect_staging`)."""
     liveness = liveness or Liveness.here()
     steps = {parse_step(m.group(1)) for n in root.child_names() if (m := _STAGING_COPY.fullmatch(n))}
     return [name for s in sorted(x for x in steps if x is not None) for name in collect_staging(step_store(root, s), liveness)]

@@ -1,0 +1,90 @@
+"""What the ucp-zarr commands share: their usage error, opening a checkpoint with the options given,
+JSON output, progress bars and text tables."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from typing import Any, Collection, Iterator, TYPE_CHECKING
+
+
+if TYPE_CHECKING:
+    from .protocol.checkpoint import Checkpoint
+
+
+class UsageError(Exception):
+    """Bad input on the command line (a key, a selection): reported as ``error: ...``."""
+
+
+# --- shared -------------------------------------------------------------------------------
+
+
+def _open(path: str, args: argparse.Namespace) -> "Checkpoint":
+    from .protocol.checkpoint import open as open_checkpoint
+
+    return open_checkpoint(path, storage_options=args.storage_options, hmac_key=_key(args))
+
+
+def _key(args: argparse.Namespace) -> bytes | None:
+    if args.key_file is None:
+        return None
+    try:
+        with open(args.key_file, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise UsageError(f"cannot read the key file {args.key_file}: {e.strerror}") from None
+
+
+def _emit(data: Any) -> None:
+    json.dump(data, sys.stdout, default=str, allow_nan=False)
+    sys.stdout.write("\n")
+
+
+class _Bar:
+    """``progress(done, total)`` in bytes, drawn by tqdm on stderr from its first call."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.bar: Any = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=self.what, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr)
+        self.bar.total = total
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@contextlib.contextmanager
+def _progress(args: argparse.Namespace, what: str) -> Iterator[_Bar | None]:
+    """A progress bar when stderr is a terminal (or with ``--progress``), else None."""
+    if not (args.progress if args.progress is not None else sys.stderr.isatty()):
+        yield None
+        return
+    bar = _Bar(what)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def _table(header: list[str], rows: list[list[str]], right: Collection[int] = ()) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = [(str.rjust if i in right else str.ljust) for i in range(len(header))]
+    lines = ["  ".join(f(c, w) for f, c, w in zip(fmt, r, widths)).rstrip() for r in [header, *rows]]
+    return "\n".join(lines)
+
+
+def _num(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.6g}"
+    return str(x)

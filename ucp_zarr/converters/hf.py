@@ -1,0 +1,265 @@
+"""Hugging Face folders out: the model's weights under its own names, which ``transformers``'
+``from_pretrained`` loads with no missing or unexpected keys. :func:`write` is
+``ucp_zarr.export(src, dst, to="hf")`` and ``ucp-zarr export SRC DST --to hf``.
+
+What goes in: the model's weights only (no optimizer state, no values), under the model's own
+names: the training prefix (``model.`` of ``{"model": model.state_dict(), "optim": ...}``,
+``module.`` of DDP, ``model.module.``, ``state_dict.`` of Lightning) is removed, detected from
+the keys (:func:`detect_prefix`) or given as ``prefix``. A tie is written once: an alias whose
+canonical tensor is written is left out, as ``save_pretrained`` leaves out
+``lm_head.weight`` of a model with tied embeddings. ``dtype`` casts floating tensors
+(``"bf16"``, ``"fp16"``, ``"fp32"``; default: as stored); ``masters=True`` writes each
+weight's fp32 master (``optim.state.<name>.fp32``, as the DeepSpeed converter and adapter
+store it) where the checkpoint holds one.
+
+``names`` renames (a dict, a callable, or ``"megatron_to_llama"``): each weight's name (prefix
+removed) maps to its Hugging Face name, or to None to leave it out. A tensor whose rule has
+named sub-parameters (``fused``/``grouped`` with ``names``: Megatron-core's ``linear_qkv``
+``q, k, v``, ``linear_fc1`` ``gate, up``) is offered first as ``<name>:<sub>`` for each
+sub-parameter: when every one maps to a name, the tensor is split and each sub-parameter
+written under its name (sub-parameter ``j`` of a grouped tensor is the ``j``-th block of every
+group, in group order: ``ucp_zarr.layout.groups.sub_ranges``). A dict leaves names it lacks
+unchanged (and does not split); a callable decides every name.
+
+The files are named as Hugging Face names them (``model.safetensors``, or
+``model-00001-of-0000n.safetensors`` shards of at most ``max_shard_size`` and
+``model.safetensors.index.json``), with ``{"format": "pt"}`` metadata. They are written into a
+temporary sibling folder; the other files already in ``dst`` (``config.json``, the tokenizer)
+join them and the two folders are exchanged atomically (:func:`~.base.atomic_update`).
+Weight files already in ``dst`` (a previous export, ``pytorch_model.bin``) are refused unless
+``overwrite``, and then none of them stays (a stale ``model.safetensors`` beside a new index
+would be what ``from_pretrained`` loads).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+from ..protocol.checkpoint import Checkpoint
+from ..errors import ConversionError
+from ..layout import Box
+from ..layout.groups import sub_ranges
+from .base import atomic_update
+from .safetensors import BLOCK_BYTES, OutTensor, blocks, write_shards
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+SUB = ":"
+"""Between a fused tensor's name and a sub-parameter's name (``...linear_qkv.weight:q``)."""
+PREFIXES = ("model.module.", "model._orig_mod.", "module.", "_orig_mod.", "model.", "state_dict.", "")
+"""Training prefixes tried, in order, when none is given."""
+NOT_MODEL = frozenset({
+    "optim", "optimizer", "optimizers", "optimizer_states", "lr_scheduler", "lr_schedulers", "scheduler", "rng",
+    "client_state", "deepspeed", "trainer_state", "scaler", "loops", "callbacks",
+})
+"""First key components that never hold the model's weights (a trainer's other state)."""
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+WEIGHT_FILE = re.compile(
+    r"(model|pytorch_model|tf_model|flax_model)(-\d{5}-of-\d{5})?\.(safetensors|bin|h5|msgpack)(\.index\.json)?"
+)
+"""The weight files ``from_pretrained`` looks for: a folder holds one set."""
+_SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+
+Names = Mapping[str, "str | None"] | Callable[[str], "str | None"] | str | None
+
+
+def write(
+    ck: Checkpoint,
+    dst: Path,
+    *,
+    overwrite: bool = False,
+    prefix: str | None = None,
+    dtype: str | None = None,
+    masters: bool = False,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    names: Names = None,
+    progress: Callable[[int], None] | None = None,
+    **_: Any,
+) -> Path:
+    """Export the model weights of ``ck`` into the folder ``dst`` for ``from_pretrained``
+    (see the module docstring). Raises :class:`~ucp_zarr.errors.ConversionError` naming
+    what it cannot do: no weights under ``prefix``, a name mapped twice, a fused tensor
+    mapped in part, no fp32 masters, an unknown dtype."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ConversionError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    limit = shard_size(max_shard_size)
+    keys = [k for k, e in ck.meta.tensors.items() if e.ranks is None] + list(ck.meta.ties)
+    prefix = detect_prefix(keys) if prefix is None else prefix
+    weights = [k for k in keys if k.startswith(prefix) and (prefix or k.split(".", 1)[0] not in NOT_MODEL)]
+    if not weights:
+        raise ConversionError(f"checkpoint {ck.store.url} holds no tensor under the prefix {prefix!r}")
+    written = {ck.meta.canonical(k) for k in weights if k not in ck.meta.ties}
+    weights = [k for k in weights if k not in ck.meta.ties or ck.meta.ties[k] not in written]  # (a tie once)
+    sources = {k: _master(ck, k, prefix, keys) if masters else k for k in weights}
+    if masters and all(s == k for k, s in sources.items()) and any(ck[k].dtype != torch.float32 for k in weights):
+        raise ConversionError(f"checkpoint {ck.store.url} holds no fp32 masters (optim.state.<name>.fp32) of its "
+                              "low-precision weights; export without masters=True")
+    lookup = _lookup(names)
+    items: list[OutTensor] = []
+    for key, source in sources.items():
+        cast = DTYPES[dtype] if dtype is not None else ck[source].dtype
+        items += _items(ck, key, key[len(prefix):], source, cast, lookup)
+    twice = sorted(n for n, c in Counter(t.name for t in items).items() if c > 1)
+    if twice:
+        raise ConversionError(f"several tensors of checkpoint {ck.store.url} are mapped to the names {twice[:5]}")
+    index = {"total_parameters": sum(math.prod(t.shape) for t in items)}
+    with atomic_update(Path(dst), replaced=lambda n: WEIGHT_FILE.fullmatch(n) is not None, overwrite=overwrite) as tmp:
+        write_shards(tmp, items, limit, {"format": "pt"}, progress, index)
+    return Path(dst)
+
+
+def detect_prefix(keys: list[str]) -> str:
+    """The training prefix of the model's weights among ``keys``: the first of
+    :data:`PREFIXES` such that every key outside it belongs to a trainer's other state
+    (:data:`NOT_MODEL`) and some key inside it does not."""
+    for p in PREFIXES:
+        inside = [k for k in keys if k.startswith(p) and (p or k.split(".", 1)[0] not in NOT_MODEL)]
+        if inside and all(k.split(".", 1)[0] in NOT_MODEL for k in keys if k not in inside):
+            return p
+    tops = sorted({k.split(".", 1)[0] for k in keys} - NOT_MODEL)
+    raise ConversionError(f"cannot tell which keys are the model's weights (top-level keys {tops[:10]}); give prefix=")
+
+
+def shard_size(size: int | str) -> int:
+    """Bytes per shard from an integer or a string as Hugging Face spells it (``"5GB"``:
+    5 * 10**9 bytes; units TB, GB, MB, KB)."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    text = str(size).strip()
+    try:
+        value = int(float(text[:-2]) * _SIZE_UNITS[text[-2:].upper()])
+    except (KeyError, ValueError):
+        value = 0
+    if value <= 0:
+        raise ConversionError(f"max_shard_size {size!r} is not a positive size (an integer, or '5GB', '500MB', ...)")
+    return value
+
+
+def _master(ck: Checkpoint, key: str, prefix: str, keys: list[str]) -> str:
+    """The fp32 master of weight ``key`` (``<optimizer>.state.<name>.fp32``), else ``key``."""
+    tail = f".state.{key[len(prefix):]}.fp32"
+    found = [k for k in keys if k.endswith(tail) and k.split(".", 1)[0] in NOT_MODEL and k[: -len(tail)].count(".") == 0]
+    if len(found) > 1:
+        raise ConversionError(f"weight {key!r} has several fp32 masters: {found}")
+    return found[0] if found else key
+
+
+def _items(ck: Checkpoint, key: str, name: str, source: str, dtype: torch.dtype, lookup: "_Lookup") -> list[OutTensor]:
+    """The tensors weight ``key`` (called ``name``, read from ``source``) is written as."""
+    if not ck[source].dtype.is_floating_point:
+        dtype = ck[source].dtype
+    rule = ck.meta.tensors[ck.meta.canonical(key)].rule or {}
+    subs = rule.get("names") if rule.get("kind") in ("fused", "grouped") else None
+    if subs:
+        mapped = {sub: lookup(f"{name}{SUB}{sub}", True) for sub in subs}
+        if all(m is not None for m in mapped.values()):
+            return [_sub_tensor(ck, source, rule, j, out, dtype) for j, out in enumerate(mapped.values())]
+        if any(m is not None for m in mapped.values()):
+            raise ConversionError(f"weight {name!r}: names map its sub-parameters {[s for s, m in mapped.items() if m]} but "
+                                  f"not {[s for s, m in mapped.items() if not m]}; map all of them or none")
+    out = lookup(name, False)
+    if out is None:
+        return []
+    shape = tuple(ck[source].shape)
+    return [OutTensor(out, shape, dtype, lambda: (b.to(dtype) for b in blocks(ck, source)))]
+
+
+def _sub_tensor(ck: Checkpoint, key: str, rule: dict[str, Any], index: int, name: str, dtype: torch.dtype) -> OutTensor:
+    """Sub-parameter ``index`` of the fused or grouped tensor ``key``, as ``name``."""
+    shape, dim = tuple(ck[key].shape), int(rule["dim"])
+    ranges = sub_ranges(int(rule.get("groups", 1)), [int(s) for s in rule["sizes"]], index)
+    out_shape = shape[:dim] + (sum(b - a for a, b in ranges),) + shape[dim + 1:]
+    return OutTensor(name, out_shape, dtype, lambda: (b.to(dtype) for b in _sub_blocks(ck, key, shape, dim, ranges)))
+
+
+def _sub_blocks(ck: Checkpoint, key: str, shape: tuple[int, ...], dim: int, ranges: list[tuple[int, int]]) -> Iterator[torch.Tensor]:
+    """The ranges ``[a, b)`` along ``dim`` of tensor ``key``, concatenated, as flat row-major blocks."""
+    if dim == 0:
+        for a, b in ranges:
+            yield from blocks(ck, key, (a, b))
+        return
+    row = math.prod(shape[1:]) * ck[key].dtype.itemsize
+    step = max(1, BLOCK_BYTES // max(row, 1))
+    for r in range(0, shape[0], step):
+        n = min(step, shape[0] - r)
+        parts = []
+        for a, b in ranges:
+            offset = (r,) + tuple(a if d == dim else 0 for d in range(1, len(shape)))
+            size = (n,) + tuple(b - a if d == dim else shape[d] for d in range(1, len(shape)))
+            parts.append(ck.read(key, Box(offset, size)))
+        yield torch.cat(parts, dim).reshape(-1)
+
+
+# --- names ------------------------------------------------------------------------------------
+
+
+_Lookup = Callable[[str, bool], "str | None"]
+
+
+def _lookup(names: Names) -> _Lookup:
+    """``lookup(name, sub)``: the Hugging Face name of a weight (``sub``: of a sub-parameter
+    ``<name>:<sub>``), None to leave it out (a sub-parameter: not to split its tensor)."""
+    if names is None:
+        return lambda name, sub: None if sub else name
+    if isinstance(names, str):
+        if names not in NAME_MAPS:
+            raise ConversionError(f"unknown name mapping {names!r} (known: {sorted(NAME_MAPS)}; or a dict or a callable)")
+        names = NAME_MAPS[names]
+    if isinstance(names, Mapping):
+        table = names
+        return lambda name, sub: table.get(name) if sub else table.get(name, name)
+    if callable(names):
+        fn = names
+        return lambda name, sub: fn(name)
+    raise ConversionError(f"names must be a dict, a callable or one of {sorted(NAME_MAPS)}, not {type(names).__name__}")
+
+
+@dataclass(frozen=True)
+class _Rename:
+    pattern: re.Pattern[str]
+    to: str | None
+
+
+_LAYER = r"decoder\.layers\.(\d+)\."
+_HF_LAYER = r"model.layers.\1."
+MEGATRON_TO_LLAMA = tuple(_Rename(re.compile(p), t) for p, t in (
+    (r"embedding\.word_embeddings\.weight", "model.embed_tokens.weight"),
+    (r"decoder\.final_layernorm\.weight", "model.norm.weight"),
+    (r"output_layer\.weight", "lm_head.weight"),
+    (_LAYER + r"(input_layernorm\.weight|self_attention\.linear_qkv\.layer_norm_weight)", _HF_LAYER + "input_layernorm.weight"),
+    (_LAYER + r"self_attention\.linear_qkv\.(weight|bias):([qkv])", _HF_LAYER + r"self_attn.\3_proj.\2"),
+    (_LAYER + r"self_attention\.linear_proj\.weight", _HF_LAYER + "self_attn.o_proj.weight"),
+    (_LAYER + r"self_attention\.([qk])_layernorm\.weight", _HF_LAYER + r"self_attn.\2_norm.weight"),
+    (_LAYER + r"(pre_mlp_layernorm\.weight|mlp\.linear_fc1\.layer_norm_weight)", _HF_LAYER + "post_attention_layernorm.weight"),
+    (_LAYER + r"mlp\.linear_fc1\.weight:(gate|up)", _HF_LAYER + r"mlp.\2_proj.weight"),
+    (_LAYER + r"mlp\.linear_fc2\.weight", _HF_LAYER + "mlp.down_proj.weight"),
+    (r".*\._extra_state", None),
+))
+"""Megatron-core ``GPTModel`` names (local and Transformer Engine layer specs) -> Llama's
+(Qwen's ``q_norm``/``k_norm`` and ``q/k/v_proj`` biases too)."""
+
+
+def megatron_to_llama(name: str) -> str | None:
+    """The Llama (``LlamaForCausalLM``) name of a Megatron-core ``GPTModel`` weight, or of a
+    sub-parameter ``<name>:<sub>`` (``...linear_qkv.weight:q`` -> ``...self_attn.q_proj.weight``);
+    None for Transformer Engine's ``_extra_state`` and for sub-parameters it does not split.
+    Raises :class:`ConversionError` for a weight Llama has no place for."""
+    for r in MEGATRON_TO_LLAMA:
+        m = r.pattern.fullmatch(name)
+        if m is not None:
+            return None if r.to is None else m.expand(r.to)
+    if SUB in name:
+        return None
+    raise ConversionError(f"megatron_to_llama: Llama has no place for Megatron-core weight {name!r} (give names= "
+                          "a mapping that knows it)")
+
+
+NAME_MAPS: dict[str, Callable[[str], str | None]] = {"megatron_to_llama": megatron_to_llama}
+"""Built-in ``names=`` mappings, by name."""

@@ -1,0 +1,273 @@
+"""safetensors in and out: one file, or shards with a ``*.safetensors.index.json``.
+
+In: every tensor under its own name (with ``prefix`` prepended), read lazily box by box
+through ``safe_open`` (memory-mapped); the header's ``__metadata__`` (str -> str) becomes
+the value ``__metadata__`` (ties an export recorded there become ties again). Out: a
+streaming writer of the format (an 8-byte header length, the JSON header, the raw
+little-endian bytes), one tensor block at a time, into one file (a destination named
+``*.safetensors``) or shards of at most ``max_shard_bytes`` with a Hugging Face style index;
+every tensor under its checkpoint key (a tie once), the checkpoint's values as JSON in
+``__metadata__["ucp_zarr.values"]``. (A folder ``from_pretrained`` loads: :mod:`.hf`.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..protocol.checkpoint import Checkpoint
+from ..errors import ConversionError
+from ..layout import Box
+from ..format.safe_paths import inside_relative
+from .base import Imported, atomic_file, atomic_folder
+
+INDEX_SUFFIX = ".safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 4 << 30
+TIES_METADATA = "ucp_zarr.ties"
+"""The ``__metadata__`` entry where an export records tied names (JSON: alias -> the name it reads)."""
+BLOCK_BYTES = 64 << 20
+"""Tensors are copied out in row blocks of about this size."""
+
+_CODES = {
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.uint16: "U16",
+    torch.int32: "I32", torch.uint32: "U32", torch.int64: "I64", torch.uint64: "U64", torch.float16: "F16",
+    torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64", torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+_DTYPES = {code: dtype for dtype, code in _CODES.items()}
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of a safetensors file, read lazily."""
+
+    file: Path
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def read(self, box: Box) -> tuple[torch.Tensor, Box]:
+        from safetensors import safe_open
+
+        with safe_open(str(self.file), framework="pt") as f:
+            if not self.shape:
+                return f.get_tensor(self.name), box
+            return f.get_slice(self.name)[box.slices()], box
+
+
+def read(src: Path, *, prefix: str = "", **_: Any) -> Imported:
+    """The tensors of a safetensors file, or of every shard an index names (``src`` is the
+    file, the index, or a folder holding exactly one of either)."""
+    files = _files(Path(src))
+    out = Imported(layout={"source": {"format": "safetensors", "files": [f.name for f in files]}})
+    for file in files:
+        header, _ = _header(file)
+        for name, info in header.items():
+            if name == "__metadata__":
+                out.values.setdefault("__metadata__", {}).update(info or {})
+                continue
+            dtype = _DTYPES.get(info.get("dtype"))
+            if dtype is None:
+                raise ConversionError(f"{file}: tensor {name!r} has dtype {info.get('dtype')!r}, which ucp_zarr cannot store")
+            key = prefix + name
+            if key in out.tensors:
+                raise ConversionError(f"{file}: tensor {name!r} is also in another shard")
+            out.tensors[key] = _Entry(file, name, tuple(info["shape"]), dtype)
+    out.ties = _ties(out, prefix, files)
+    return out
+
+
+def _ties(out: Imported, prefix: str, files: list[Path]) -> dict[str, str]:
+    """The ties an export of this module recorded (``__metadata__["ucp_zarr.ties"]``), of tensors the files hold."""
+    raw = out.values.get("__metadata__", {}).get(TIES_METADATA)
+    if raw is None:
+        return {}
+    try:
+        ties = json.loads(raw)
+        if not (isinstance(ties, dict) and all(isinstance(a, str) and isinstance(c, str) for a, c in ties.items())):
+            raise ValueError("not an object of names")
+    except ValueError as e:
+        raise ConversionError(f"{files[0]}: __metadata__[{TIES_METADATA!r}] is not a map of tied names ({e})") from None
+    return {prefix + a: prefix + c for a, c in ties.items() if prefix + c in out.tensors and prefix + a not in out.tensors}
+
+
+def _files(src: Path) -> list[Path]:
+    if src.is_dir():
+        found = sorted(src.glob("*" + INDEX_SUFFIX)) or sorted(src.glob("*.safetensors"))
+        if len(found) != 1:
+            raise ConversionError(
+                f"{src}: expected one safetensors file or one index in the folder, found {[f.name for f in found]}"
+            )
+        src = found[0]
+    if src.name.endswith(INDEX_SUFFIX):
+        try:
+            weight_map = json.loads(src.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConversionError(f"{src}: not a safetensors index ({e})") from None
+        if not isinstance(weight_map, dict):
+            raise ConversionError(f"{src}: not a safetensors index (its weight_map is a {type(weight_map).__name__})")
+        files = sorted({inside_relative(src.parent, f, f"{src}: the weight_map of {k!r} names the file")
+                        for k, f in weight_map.items()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ConversionError(f"{src}: names shard files that do not exist: {missing}")
+        return files
+    if not src.is_file():
+        raise ConversionError(f"{src}: no such file")
+    return [src]
+
+
+def _header(file: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and the offset where its data starts."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ConversionError(f"{file}: truncated safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(size - 8, 100 << 20):
+            raise ConversionError(f"{file}: header of {n} bytes in a file of {size}: truncated or not safetensors")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise ConversionError(f"{file}: malformed safetensors header ({e})") from None
+    end = max((info["data_offsets"][1] for k, info in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise ConversionError(f"{file}: truncated: its header needs {8 + n + end} bytes, it has {size}")
+    return header, 8 + n
+
+
+def write(
+    ck: Checkpoint,
+    dst: Path,
+    *,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    keys: list[str] | None = None,
+    progress: Callable[[int], None] | None = None,
+    **_: Any,
+) -> Path:
+    """Export the tensors of ``ck`` (or only ``keys``) under their keys: into the file
+    ``dst`` when its name ends in ``.safetensors``, else into the folder ``dst`` as
+    ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards and
+    ``model.safetensors.index.json`` when they exceed ``max_shard_bytes``. A tie is written
+    once (its alias recorded in ``__metadata__["ucp_zarr.ties"]``, which an import reads back)."""
+    keys = list(ck) if keys is None else list(keys)
+    keys = [k for k in keys if ck.meta.ties.get(k) not in keys]  # (a tie once)
+    for k in keys:
+        if ck.meta.tensors[ck.meta.canonical(ck[k].key)].ranks is not None:
+            raise ConversionError(f"tensor {k!r} is per-rank state (one copy per rank); safetensors holds one tensor per name")
+    items = [OutTensor(k, tuple(ck[k].shape), ck[k].dtype, lambda k=k: blocks(ck, k)) for k in keys]
+    ties = {a: c for a, c in ck.meta.ties.items() if c in keys and a not in keys}
+    metadata = {"format": "pt", "ucp_zarr.values": json.dumps(ck.meta.values, sort_keys=True)}
+    if ties:
+        metadata[TIES_METADATA] = json.dumps(ties, sort_keys=True)
+    if Path(dst).name.endswith(".safetensors"):
+        with atomic_file(Path(dst), overwrite=overwrite) as tmp:
+            write_file(tmp, items, metadata, progress)
+        return Path(dst)
+    with atomic_folder(Path(dst), overwrite=overwrite) as tmp:
+        write_shards(tmp, items, max_shard_bytes, metadata, progress)
+    return Path(dst)
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """One tensor of a safetensors file being written: its name, shape, dtype and data, as
+    flat blocks in row-major order (``blocks()``, each of ``dtype``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    blocks: Callable[[], Iterator[torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def write_shards(
+    folder: Path, items: list[OutTensor], max_shard_bytes: int, metadata: dict[str, str],
+    progress: Callable[[int], None] | None, index_metadata: dict[str, Any] | None = None,
+) -> list[str]:
+    """``items`` into ``folder`` as Hugging Face names them: ``model.safetensors``, or shards
+    ``model-00001-of-0000n.safetensors`` of at most ``max_shard_bytes`` each (split as
+    ``huggingface_hub.split_torch_state_dict_into_shards`` splits: in order, a tensor larger
+    than the limit alone) and ``model.safetensors.index.json`` (``total_size``, with
+    ``index_metadata``, and the weight map). Returns the file names written."""
+    bad = sorted({str(t.dtype) for t in items if t.dtype not in _CODES})
+    if bad:
+        raise ConversionError(f"safetensors cannot hold the dtypes {bad} (of {[t.name for t in items if t.dtype not in _CODES][:5]})")
+    shards: list[list[OutTensor]] = []
+    current: list[OutTensor] = []
+    size = 0
+    for t in items:
+        if t.nbytes > max_shard_bytes:
+            shards.append([t])
+            continue
+        if size + t.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += t.nbytes
+    if current or not shards:
+        shards.append(current)
+    if len(shards) == 1:
+        write_file(folder / "model.safetensors", shards[0], metadata, progress)
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        write_file(folder / name, shard, metadata, progress)
+    index = {"metadata": (index_metadata or {}) | {"total_size": sum(t.nbytes for t in items)},
+             "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard}}
+    (folder / ("model" + INDEX_SUFFIX)).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return [*names, "model" + INDEX_SUFFIX]
+
+
+def write_file(file: Path, items: list[OutTensor], metadata: dict[str, str], progress: Callable[[int], None] | None) -> None:
+    """One safetensors file of ``items``, streamed block by block."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    at = 0
+    for t in items:
+        if t.name in header:
+            raise ConversionError(f"{file.name}: two tensors are named {t.name!r}")
+        header[t.name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}
+        at += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in items:
+            written = 0
+            for block in t.blocks():
+                if block.dtype != t.dtype:
+                    raise ConversionError(f"tensor {t.name!r}: a block of {block.dtype}, announced {t.dtype}")
+                f.write(memoryview(block.contiguous().view(torch.uint8).numpy()))
+                written += block.numel() * block.element_size()
+                if progress is not None:
+                    progress(block.numel() * block.element_size())
+            if written != t.nbytes:
+                raise ConversionError(f"tensor {t.name!r}: wrote {written} bytes, announced {t.nbytes}")
+
+
+def blocks(ck: Checkpoint, key: str, rows: tuple[int, int] | None = None) -> Iterator[torch.Tensor]:
+    """Tensor ``key`` (rows ``[start, stop)`` of it along dim 0, when given) as flat blocks
+    of about :data:`BLOCK_BYTES`, in row-major order."""
+    view = ck[key]
+    shape = tuple(view.shape)
+    if not shape or math.prod(shape) == 0:
+        yield ck.read(key).reshape(-1)
+        return
+    start, stop = rows or (0, shape[0])
+    row = math.prod(shape[1:]) * view.dtype.itemsize
+    step = max(1, BLOCK_BYTES // max(row, 1))
+    for a in range(start, stop, step):
+        box = Box((a,) + (0,) * (len(shape) - 1), (min(step, stop - a),) + tuple(shape[1:]))
+        yield ck.read(key, box).reshape(-1)

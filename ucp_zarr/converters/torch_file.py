@@ -1,0 +1,36 @@
+"""Plain ``torch.save`` state dicts in: tensors under their flattened keys (as ``save``
+flattens a nested state dict), other leaves as JSON values.
+
+The file is loaded ``weights_only`` (no code runs) and memory-mapped where its format
+allows, so tensors are read from disk as their shards are written; a file that needs full
+unpickling is refused unless the caller trusts it (:func:`.base.torch_load`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConversionError
+from ..format.statedict import iter_leaves, to_json
+from ..protocol.writer import InMemory
+from .base import Imported, torch_load
+
+
+def read(src: Path, *, trust: bool = False, prefix: str = "", **_: Any) -> Imported:
+    obj = torch_load(Path(src), trust=trust)
+    if isinstance(obj, torch.Tensor):
+        obj = {"tensor": obj}
+    if not isinstance(obj, dict):
+        raise ConversionError(f"{src}: holds a {type(obj).__name__}, not a state dict (a dict)")
+    out = Imported(layout={"source": {"format": "torch", "file": Path(src).name}})
+    for leaf in iter_leaves(obj):
+        key = prefix + leaf.key
+        if isinstance(leaf.value, torch.Tensor):
+            out.tensors[key] = InMemory(leaf.value)
+        else:
+            to_json(leaf.value, f"{src}: {key}")  # refused here, naming the file, if not JSON-able
+            out.values[key] = leaf.value
+    return out

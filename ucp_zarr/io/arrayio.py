@@ -1,0 +1,572 @@
+"""Moving one array's bytes: encode shards from tensor memory, decode boxes into tensors.
+
+This is the only module that knows the byte layout of stored chunks (via :mod:`..format.codec`).
+Writes stream chunk by chunk straight from tensor memory (a copy only for non-contiguous
+or edge chunks, bounded by one chunk). Reads fetch only the chunks that overlap the
+requested box, coalesce neighbouring chunks into one request, and land whole chunks
+directly in the destination array when its memory allows. The read side is numpy only
+(a torch destination is read through its ``.numpy()`` view), so readers need no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
+import numpy as np
+
+from ..format.codec import (
+    CRC_BYTES,
+    MISSING,
+    Trailer,
+    checksum,
+    chunk_key,
+    decode_index,
+    decode_trailer,
+    empty_index,
+    encode_index,
+    encode_trailer,
+    index_nbytes,
+    trailer_nbytes,
+    verify_chunk,
+)
+from ..errors import CorruptChunkError, FormatError
+from ..format.documents import ArrayMeta
+from ..layout import Box, ChunkGrid
+from .store import Store, WriteGuard
+
+if TYPE_CHECKING:
+    import torch
+
+MAX_REQUEST_BYTES = 64 << 20
+"""Neighbouring chunks are fetched in one request up to this size."""
+MAX_STAGED_BYTES = 16 << 20
+"""...or up to this size when some of them land in the staging buffer (see :func:`_stage`)."""
+
+_local = threading.local()
+
+
+def _stage(nbytes: int) -> np.ndarray:
+    """This thread's reusable uint8 staging buffer (64-byte aligned), of at least ``nbytes``.
+
+    Chunks that cannot land directly in the destination are read here and copied out, so a
+    load touches no fresh memory per chunk; the buffer dies with its (worker) thread.
+    """
+    buf = getattr(_local, "stage", None)
+    if buf is None or buf.size < nbytes:
+        n = max(nbytes, 1 << 20)
+        raw = np.empty(n + 64, dtype=np.uint8)
+        start = -raw.ctypes.data % 64
+        buf = _local.stage = raw[start : start + n]
+    return buf
+
+
+def as_storage(t: "torch.Tensor", meta: ArrayMeta) -> "torch.Tensor":
+    """``t`` (CPU) reinterpreted as the Zarr data type's torch dtype (bits for bf16/fp8)."""
+    t = t.detach()
+    if t.dtype != meta.dtype.torch_dtype:
+        raise TypeError(f"tensor {meta.key!r} has dtype {t.dtype}, the array holds {meta.dtype.torch_dtype}")
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    target = meta.dtype.storage_torch_dtype
+    return t if t.dtype == target else t.view(target)
+
+
+def writable_view(t: "torch.Tensor", meta: ArrayMeta) -> np.ndarray | None:
+    """A numpy array in the storage dtype over exactly the memory of ``t``, element for
+    element, so that filling it fills ``t``; None when there is none: ``t`` is off the CPU,
+    of another dtype, empty, a conjugate or negative view (whose memory holds other values
+    than it shows), or a tensor subclass without plain memory. A read then fills ``t``
+    through a temporary and ``copy_``, which handles every such view."""
+    if t.device.type != "cpu" or t.dtype != meta.dtype.torch_dtype or t.is_conj() or t.is_neg() or not t.numel():
+        return None
+    try:
+        raw = as_storage(t, meta).numpy()
+        ptr, strides = t.data_ptr(), tuple(s * t.element_size() for s in t.stride())
+    except (RuntimeError, TypeError):  # a subclass without plain memory
+        return None
+    if raw.__array_interface__["data"][0] != ptr or raw.strides != strides or not raw.flags.writeable:
+        return None
+    return raw
+
+
+def _bytes_of(t: "torch.Tensor") -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.numpy()).cast("B") if t.dim() else memoryview(t.reshape(1).numpy()).cast("B")
+
+
+def _array_bytes(a: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, without a copy."""
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+# --- write ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Seal:
+    """What binds a shard to its checkpoint (see :mod:`..format.codec`): the save id, whether the
+    checkpoint is authenticated, and the key (writers: always when authenticated; readers:
+    when they have it)."""
+
+    save_id: str
+    authenticated: bool = False
+    hmac_key: bytes | None = None
+
+
+def _chunk_buffers(
+    chunk_shape: tuple[int, ...], part: "torch.Tensor", stage: Callable[[], "torch.Tensor"]
+) -> tuple[memoryview, int]:
+    """The stored form of a chunk whose part inside the array is ``part`` (padded with zeros
+    to ``chunk_shape`` at the array's edge) and its crc32c.
+
+    A chunk that is a contiguous block of its source is returned as a view of it (no copy);
+    any other chunk is copied into ``stage()`` (valid until the next call with it)."""
+    edge = tuple(part.shape) != chunk_shape
+    if not edge and part.is_contiguous():
+        data = _bytes_of(part)
+        return data, checksum(data)
+    nbytes = math.prod(chunk_shape) * part.element_size()
+    buf = stage()
+    full = buf[:nbytes].view(part.dtype).view(chunk_shape)
+    if edge:
+        full.zero_()
+        full[tuple(slice(0, n) for n in part.shape)] = part
+    else:
+        full.copy_(part)
+    data = memoryview(buf.numpy())[:nbytes]
+    return data, checksum(data)
+
+
+def _shard_chunks(grid: "ChunkGrid", shard: Sequence[int], src_box: Box) -> Iterator[tuple[slice, ...] | None]:
+    """Every chunk of ``shard`` in C order (its row in the index): the part of the source
+    (holding ``src_box``) that it covers, or None for a chunk wholly beyond the array's edge.
+    Per dim first, then combined (a shard may hold thousands of chunks)."""
+    per_dim: list[list[slice | None]] = []
+    for si, ss, cs, n, so in zip(shard, grid.shard_shape, grid.chunk_shape, grid.shape, src_box.offset):
+        dim: list[slice | None] = []
+        for o in range(si * ss, si * ss + ss, cs):
+            dim.append(slice(o - so, min(o + cs, n) - so) if o < n else None)
+        per_dim.append(dim)
+    for combo in itertools.product(*per_dim):
+        yield None if None in combo else combo  # type: ignore[misc]
+
+
+class _Replayable:
+    """An iterable that starts ``make()`` afresh each time it is iterated (a store may
+    replay a failed write)."""
+
+    def __init__(self, make: Callable[[], Iterator[memoryview | bytes]]) -> None:
+        self._make = make
+
+    def __iter__(self) -> Iterator[memoryview | bytes]:
+        return self._make()
+
+
+def write_shard(
+    store: Store,
+    path: str,
+    meta: ArrayMeta,
+    shard: Sequence[int],
+    src: "torch.Tensor",
+    src_box: Box,
+    seal: Seal,
+    guard: WriteGuard | None = None,
+) -> bytes:
+    """Write shard ``shard`` of the array at ``path`` from ``src``, which holds ``src_box``
+    of the global tensor (in the storage dtype, see :func:`as_storage`) and must contain the
+    shard's part of the array, behind ``guard`` (see :meth:`.store.Store.write`). Returns
+    the shard's seal (see :func:`..format.codec.array_digest`)."""
+    import torch
+
+    grid = meta.grid
+    sbox = grid.shard_box(shard)
+    if not src_box.contains(sbox):
+        raise ValueError(f"tensor {meta.key!r}: source {src_box} does not cover shard {sbox}")
+    key = f"{path}/{chunk_key(shard)}"
+    cps = grid.chunks_per_shard
+    # One staging buffer per shard, made when a chunk is no contiguous block of ``src``:
+    # Store.write consumes each buffer before pulling the next.
+    made: list[torch.Tensor] = []
+
+    def stage() -> torch.Tensor:
+        if not made:
+            made.append(torch.empty(math.prod(grid.chunk_shape) * meta.dtype.itemsize, dtype=torch.uint8))
+        return made[0]
+
+    sealed: list[bytes] = []
+
+    def buffers() -> Iterator[memoryview | bytes]:
+        index = empty_index(cps)
+        crcs: list[int] = []
+        shas: list[bytes] | None = [] if seal.authenticated else None
+        offset = 0
+        for n, where in enumerate(_shard_chunks(grid, shard, src_box)):
+            if where is None:  # beyond the array's edge: absent from the index, zero in the trailer
+                crcs.append(0)
+                if shas is not None:
+                    shas.append(bytes(32))
+                continue
+            data, crc = _chunk_buffers(grid.chunk_shape, src[where], stage)
+            if shas is not None:
+                shas.append(hashlib.sha256(data).digest())
+            crcs.append(crc)
+            index[n] = (offset, data.nbytes + CRC_BYTES)
+            offset += data.nbytes + CRC_BYTES
+            yield data
+            yield crc.to_bytes(CRC_BYTES, "little")
+        trailer = encode_trailer(seal.save_id, key, crcs, shas, seal.hmac_key)
+        sealed[:] = [trailer[-32:]]
+        yield trailer
+        yield encode_index(index)
+
+    store.write(key, _Replayable(buffers), guard)
+    return sealed[0]
+
+
+# --- read ----------------------------------------------------------------------------------
+
+
+class _Piece:
+    """One stored chunk to fetch: where it lands, and how."""
+
+    __slots__ = ("offset", "nbytes", "row", "origin", "src", "dst", "direct", "scratch", "crc")
+
+    def __init__(
+        self, offset: int, nbytes: int, row: int, origin: tuple[int, ...] = (),
+        src: tuple[slice, ...] = (), dst: tuple[slice, ...] = (), direct: np.ndarray | None = None,
+    ) -> None:
+        self.offset = offset
+        self.nbytes = nbytes
+        self.row = row  # the chunk's row in the shard index (and trailer)
+        self.origin = origin  # the chunk's first element in the array (for messages)
+        self.src = src  # the part of the chunk that is read...
+        self.dst = dst  # ...and where it lands in the destination
+        self.direct = direct  # the destination view, when the chunk lands there whole
+        self.scratch: np.ndarray | None = None
+        self.crc: bytearray | None = None
+
+    def buffers(self) -> list[memoryview]:
+        self.crc = bytearray(CRC_BYTES)
+        target = self.direct if self.direct is not None else self.scratch
+        assert target is not None
+        return [_array_bytes(target), memoryview(self.crc)]
+
+
+def _chunk_pieces(meta: ArrayMeta, box: Box, out: np.ndarray, shard: Sequence[int], index: np.ndarray) -> list[_Piece]:
+    """The chunks of ``shard`` that overlap ``box``, each with the part of it to read and
+    where that lands in ``out`` (which holds ``box``). Per dim first, then combined: a
+    shard of thousands of chunks costs a few microseconds per chunk."""
+    grid = meta.grid
+    per_dim: list[list[tuple[int, int, slice, slice, bool]]] = []
+    for si, ss, cs, n, bo, bn in zip(shard, grid.shard_shape, grid.chunk_shape, grid.shape, box.offset, box.stop):
+        s0 = si * ss
+        lo, hi = max(bo, s0), min(bn, s0 + ss, n)
+        if hi <= lo:
+            return []
+        dim = []
+        for g in range(lo // cs, -(-hi // cs)):
+            o = g * cs
+            i0, i1 = max(o, lo), min(o + cs, hi)
+            dim.append((g - s0 // cs, o, slice(i0 - o, i1 - o), slice(i0 - bo, i1 - bo), i0 == o and i1 == o + cs))
+        per_dim.append(dim)
+    cps = grid.chunks_per_shard
+    strides = [math.prod(cps[d + 1 :]) for d in range(len(per_dim))]
+    rows = index.tolist()
+    pieces = []
+    for combo in itertools.product(*per_dim):
+        row = sum(c[0] * st for c, st in zip(combo, strides))
+        dst = tuple(c[3] for c in combo)
+        direct = None
+        if out.ndim and all(c[4] for c in combo):
+            view = out[dst]
+            direct = view if view.flags.c_contiguous else None
+        off, nbytes = rows[row]
+        pieces.append(_Piece(off, nbytes, row, tuple(c[1] for c in combo), tuple(c[2] for c in combo), dst, direct))
+    return pieces
+
+
+@dataclass(frozen=True)
+class ShardHead:
+    """A shard's index and trailer, read together from its end and checked."""
+
+    index: np.ndarray
+    trailer: Trailer
+
+
+def _shard_where(store: Store, path: str, shard: Sequence[int]) -> tuple[str, str]:
+    key = f"{path}/{chunk_key(shard)}"
+    return key, f"{store.url}/{key}"
+
+
+def _inside_rows(meta: ArrayMeta, shard: Sequence[int]) -> np.ndarray:
+    """Which index rows of ``shard`` are chunks inside the array (the others lie wholly
+    beyond its edge and are absent)."""
+    grid = meta.grid
+    counts = [
+        -(-(min((s + 1) * ss, n) - s * ss) // cs)
+        for s, ss, n, cs in zip(shard, grid.shard_shape, grid.shape, grid.chunk_shape)
+    ]
+    mask = np.zeros(grid.chunks_per_shard, dtype=bool)
+    mask[tuple(slice(0, c) for c in counts)] = True
+    return mask.reshape(-1)
+
+
+def read_shard_head(store: Store, path: str, meta: ArrayMeta, shard: Sequence[int], seal: Seal) -> ShardHead:
+    """Read and check the trailer and index of a shard (one request from its end).
+
+    Raises :class:`CorruptChunkError` when the shard is missing, damaged, marks a chunk
+    inside the array absent, or belongs to another array or another save."""
+    key, where = _shard_where(store, path, shard)
+    try:
+        raw = store.read_tail(key, _head_nbytes(meta, seal))
+    except FileNotFoundError:
+        raise CorruptChunkError(f"{where} (tensor {meta.key!r}) is missing") from None
+    except FormatError as e:  # a directory or special file where the shard belongs
+        raise CorruptChunkError(f"{where} (tensor {meta.key!r}): {e}") from None
+    except OSError as e:
+        raise CorruptChunkError(f"{where} (tensor {meta.key!r}) is truncated: {e}") from None
+    return decode_shard_head(store, path, meta, shard, seal, raw)
+
+
+def _head_nbytes(meta: ArrayMeta, seal: Seal) -> int:
+    cps = meta.grid.chunks_per_shard
+    return trailer_nbytes(math.prod(cps), seal.authenticated) + index_nbytes(cps)
+
+
+def decode_shard_head(
+    store: Store, path: str, meta: ArrayMeta, shard: Sequence[int], seal: Seal, raw: bytes | memoryview
+) -> ShardHead:
+    """Check the trailer and index at the end of ``raw`` (the shard's tail, or all of it)."""
+    grid = meta.grid
+    cps = grid.chunks_per_shard
+    n = math.prod(cps)
+    key, where = _shard_where(store, path, shard)
+    where = f"{where} (tensor {meta.key!r})"
+    tn = trailer_nbytes(n, seal.authenticated)
+    tail = memoryview(raw)[len(raw) - _head_nbytes(meta, seal) :]
+    index = decode_index(tail[tn:], cps, where)
+    trailer = decode_trailer(
+        tail[:tn], n, seal.save_id, key, where, authenticated=seal.authenticated, hmac_key=seal.hmac_key
+    )
+    inside = _inside_rows(meta, shard)
+    absent = index[:, 0] == MISSING
+    wrong = np.flatnonzero(absent == inside)
+    if wrong.size:
+        row = int(wrong[0])
+        what = "marked absent" if inside[row] else "present beyond the array's edge"
+        raise CorruptChunkError(f"{where}: chunk {row} of the shard is {what}: the shard is corrupt")
+    chunk_nbytes = math.prod(grid.chunk_shape) * meta.dtype.itemsize + CRC_BYTES
+    if (index[inside, 1] != chunk_nbytes).any():
+        raise CorruptChunkError(f"{where}: the shard index records chunks of a size other than {chunk_nbytes} bytes")
+    return ShardHead(index, trailer)
+
+
+def read_small_shard(
+    store: Store, path: str, meta: ArrayMeta, shard: Sequence[int], seal: Seal, limit: int
+) -> memoryview | None:
+    """The whole object of ``shard`` in one request, when it is at most ``limit`` bytes (its
+    size follows from the grid: every chunk inside the array is stored). None when larger,
+    when the store cannot read a small object whole, or when the object is not exactly that
+    size: the two-request path then names what is wrong."""
+    chunk_nbytes = math.prod(meta.grid.chunk_shape) * meta.dtype.itemsize + CRC_BYTES
+    size = int(_inside_rows(meta, shard).sum()) * chunk_nbytes + _head_nbytes(meta, seal)
+    if size > limit:
+        return None
+    key, _ = _shard_where(store, path, shard)
+    try:
+        raw = store.read_small(key, size)
+    except (OSError, FormatError):
+        return None
+    return memoryview(raw) if raw is not None and len(raw) == size else None
+
+
+def read_box(
+    store: Store,
+    path: str,
+    meta: ArrayMeta,
+    box: Box,
+    out: np.ndarray,
+    shard: Sequence[int],
+    head: ShardHead,
+    whole: memoryview | None = None,
+) -> None:
+    """Fill the part of ``out`` (a numpy array of any strides that holds ``box``, in the
+    storage dtype: :attr:`.StoredDtype.numpy_dtype`) that shard
+    ``shard`` covers, reading only the chunks that overlap ``box``; ``head`` is the shard's
+    checked index and trailer (:func:`read_shard_head`); ``whole``, when given, the shard's
+    object already read (:func:`read_small_shard`), which the chunks are copied from."""
+    key, where = _shard_where(store, path, shard)
+    pieces = _chunk_pieces(meta, box, out, shard, head.index)
+    if not pieces:
+        return
+    pieces.sort(key=lambda p: p.offset)
+    for run in _runs(pieces, direct=all(p.direct is not None for p in pieces)):
+        bufs = _run_buffers(run)
+        if whole is None:
+            _readv(store, key, where, meta, [(run[0].offset, bufs)])
+        else:
+            _copy_out(whole, run[0].offset, bufs, f"{where} (tensor {meta.key!r})")
+        _land(run, out, meta, head, where)
+
+
+def read_whole_shard(
+    store: Store, path: str, meta: ArrayMeta, box: Box, out: np.ndarray, shard: Sequence[int], seal: Seal
+) -> ShardHead | None:
+    """Fill the part of ``out`` (as :func:`read_box`; ``box`` covers ``shard`` whole) that
+    ``shard`` covers in one request, its index unread: the chunks, where this library's
+    writer puts them (:func:`written_index`), straight into ``out`` where they land whole,
+    then the trailer and index from the object's end. Returns the shard's checked head; a
+    shard whose index records another layout is read again by it. None, with nothing read,
+    where the store cannot read an object of a known size in one request, the object has
+    another size, or the chunks take more than one request: the caller then reads the index
+    first (:func:`read_shard_head`)."""
+    index, size = written_index(meta, shard, seal)
+    pieces = _chunk_pieces(meta, box, out, shard, index)
+    direct = all(p.direct is not None for p in pieces)
+    if size - _head_nbytes(meta, seal) > (MAX_REQUEST_BYTES if direct else MAX_STAGED_BYTES):
+        return None
+    tail = bytearray(_head_nbytes(meta, seal))
+    key, where = _shard_where(store, path, shard)
+    try:
+        if not store.readv_whole(key, [(0, [*_run_buffers(pieces), memoryview(tail)])], size):
+            return None
+    except (OSError, FormatError):
+        return None  # (missing, short, not a file: the two-request path names what is wrong)
+    head = decode_shard_head(store, path, meta, shard, seal, tail)
+    if not np.array_equal(head.index, index):
+        read_box(store, path, meta, box, out, shard, head)
+    else:
+        _land(pieces, out, meta, head, where)
+    return head
+
+
+def written_index(meta: ArrayMeta, shard: Sequence[int], seal: Seal) -> tuple[np.ndarray, int]:
+    """The index :func:`write_shard` gives ``shard`` (every chunk inside the array, in C
+    order, back to back from the object's start) and the size of its object."""
+    inside = _inside_rows(meta, shard)
+    chunk_nbytes = math.prod(meta.grid.chunk_shape) * meta.dtype.itemsize + CRC_BYTES
+    index = empty_index(meta.grid.chunks_per_shard)
+    stored = int(inside.sum())
+    index[inside, 0] = np.arange(stored, dtype="<u8") * chunk_nbytes
+    index[inside, 1] = chunk_nbytes
+    return index, stored * chunk_nbytes + _head_nbytes(meta, seal)
+
+
+def _run_buffers(run: list[_Piece]) -> list[memoryview]:
+    """The buffers one request of ``run`` (adjacent chunks) reads into: each chunk straight
+    into the destination when it lands there whole, else into this thread's staging buffer
+    (every staged chunk 64-byte aligned), with its crc32c."""
+    staged = sum(_aligned(p.nbytes) for p in run if p.direct is None)
+    stage = _stage(staged) if staged else None
+    bufs: list[memoryview] = []
+    at = 0
+    for p in run:
+        if p.direct is not None:
+            bufs.extend(p.buffers())
+        else:
+            assert stage is not None
+            p.scratch = stage[at : at + p.nbytes]  # the stored chunk: its bytes, then its crc
+            bufs.append(memoryview(p.scratch))
+            at += _aligned(p.nbytes)
+    return bufs
+
+
+def _land(run: list[_Piece], out: np.ndarray, meta: ArrayMeta, head: ShardHead, where: str) -> None:
+    """Check every chunk of ``run`` (just read) against its crc32c and the one its shard's
+    trailer recorded; copy the staged ones into ``out``."""
+    recorded = head.trailer.crcs
+    for p in run:
+        if p.direct is not None:
+            assert p.crc is not None
+            data, crc = _array_bytes(p.direct), p.crc
+        else:
+            assert p.scratch is not None
+            n = p.nbytes - CRC_BYTES
+            stored = memoryview(p.scratch)
+            data, crc = stored[:n], stored[n:]
+        value = checksum(data)
+        if value != int.from_bytes(crc, "little") or value != recorded[p.row] or head.trailer.shas is not None:
+            chunk_where = f"{where} (tensor {meta.key!r}, chunk at {p.origin})"  # (the checks that name it)
+            verify_chunk(data, crc, chunk_where)
+            head.trailer.check_chunk(p.row, crc, data, chunk_where)
+        if p.direct is None:
+            out[p.dst] = p.scratch[:n].view(out.dtype).reshape(meta.grid.chunk_shape)[p.src]
+            p.scratch = None
+
+
+def _copy_out(whole: memoryview, offset: int, bufs: list[memoryview], where: str) -> None:
+    """Fill ``bufs`` in turn from ``whole`` at ``offset`` (as a read of that range would)."""
+    for b in bufs:
+        n = b.nbytes
+        if offset + n > len(whole):
+            raise CorruptChunkError(f"{where} is truncated: its index points beyond its {len(whole)} bytes")
+        b[:] = whole[offset : offset + n]
+        offset += n
+
+
+def _readv(store: Store, key: str, where: str, meta: ArrayMeta, requests: list[tuple[int, list[memoryview]]]) -> None:
+    try:
+        store.readv(key, requests)
+    except FileNotFoundError:
+        raise CorruptChunkError(f"tensor {meta.key!r}: {where} is missing") from None
+    except FormatError as e:
+        raise CorruptChunkError(f"tensor {meta.key!r}: {e}") from None
+    except OSError as e:
+        if "short read" in str(e):
+            raise CorruptChunkError(f"tensor {meta.key!r}: {where} is truncated ({e})") from None
+        raise
+
+
+def verify_shard(store: Store, path: str, meta: ArrayMeta, shard: Sequence[int], seal: Seal) -> bytes:
+    """Read every chunk of a shard through one bounded buffer, checking its crc32c against
+    the data and against the trailer (and its SHA-256 when authenticated); return the
+    shard's seal. Memory: at most ``MAX_STAGED_BYTES`` plus one chunk."""
+    head = read_shard_head(store, path, meta, shard, seal)
+    key, where = _shard_where(store, path, shard)
+    rows = np.flatnonzero(head.index[:, 0] != MISSING)
+    pieces = sorted(
+        (_Piece(int(head.index[r, 0]), int(head.index[r, 1]), int(r)) for r in rows),
+        key=lambda p: p.offset,
+    )
+    stage = _stage(max(MAX_STAGED_BYTES, max((p.nbytes for p in pieces), default=0)) + 64)
+    for run in _runs(pieces, direct=False):
+        at, bufs, spans = 0, [], []
+        for p in run:
+            bufs.append(memoryview(stage[at : at + p.nbytes]))
+            spans.append((p, at))
+            at += p.nbytes
+        _readv(store, key, where, meta, [(run[0].offset, bufs)])
+        raw = memoryview(stage)
+        for p, at in spans:
+            n = p.nbytes - CRC_BYTES
+            chunk_where = f"{where} (tensor {meta.key!r}, chunk {p.row} of the shard)"
+            verify_chunk(raw[at : at + n], raw[at + n : at + p.nbytes], chunk_where)
+            head.trailer.check_chunk(p.row, raw[at + n : at + p.nbytes], raw[at : at + n], chunk_where)
+    return head.trailer.seal
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def _runs(pieces: list[_Piece], direct: bool = True) -> Iterator[list[_Piece]]:
+    """Group offset-sorted pieces into runs of adjacent bytes, each at most MAX_REQUEST_BYTES
+    (MAX_STAGED_BYTES unless every piece lands directly in the destination)."""
+    limit = MAX_REQUEST_BYTES if direct else MAX_STAGED_BYTES
+    run: list[_Piece] = []
+    size = 0
+    for p in pieces:
+        if run and (run[-1].offset + run[-1].nbytes != p.offset or size + p.nbytes > limit):
+            yield run
+            run, size = [], 0
+        run.append(p)
+        size += p.nbytes
+    if run:
+        yield run

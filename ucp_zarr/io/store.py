@@ -1,0 +1,198 @@
+"""Where bytes live: the store interface every backend implements.
+
+Keys are ``/``-separated paths relative to the checkpoint root. One module per backend:
+:mod:`.local` (plain ``os`` calls, ``writev``/``preadv`` straight from and into tensor memory,
+``fsync`` or one ``syncfs`` for a batch of small objects), :mod:`.fsspec` (any fsspec URL,
+with retries of transient errors), :mod:`.obstore` (object stores); :mod:`.factory` opens
+the one a path names. Every store counts what it reads and writes in :class:`IOStats`.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Protocol, Sequence
+
+
+Buffer = memoryview
+ReadRequest = tuple[int, Sequence[memoryview]]
+
+"""Fill these writable buffers, one after another, from this byte offset of an object."""
+
+
+@dataclass
+class IOStats:
+    """Counters of one store's traffic (thread-safe)."""
+
+    bytes_read: int = 0
+    read_calls: int = 0
+    bytes_written: int = 0
+    written: list[str] = field(default_factory=list)
+    """Keys of the objects written, in order."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add_read(self, nbytes: int, calls: int = 1) -> None:
+        with self._lock:
+            self.bytes_read += nbytes
+            self.read_calls += calls
+
+    def add_write(self, key: str, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_written += nbytes
+            self.written.append(key)
+
+
+class WriteGuard(Protocol):
+    """A save's right to write into a store (:class:`~ucp_zarr.protocol.liveness.Fence`)."""
+
+    tag: str
+    """The save's id: names its temporary objects (:func:`temp_name`)."""
+
+    def check(self, force: bool = False) -> None:
+        """Raise unless the save still owns the path (``force``: ask the store now)."""
+
+
+def temp_name(key: str, tag: str) -> str:
+    """Where a guarded write of ``key`` by save ``tag`` is staged before it is moved into place."""
+    return f"{key}.tmp-{tag}"
+
+
+class Store:
+    """The operations the format needs from a storage backend.
+
+    Every method names objects by key relative to the store's root. Writes of data objects
+    are idempotent (same key, same bytes), so they may be retried; the transaction's
+    exclusive creations are not, and say so.
+
+    A store declares what it can guarantee; the transaction asks instead of switching on
+    its class:"""
+
+    url: str
+    stats: IOStats
+    exclusive_create: bool = False
+    """:meth:`create_exclusive` never lets two creators of one key both succeed (an atomic
+    create: a hard link, a conditional PUT); False where it is check-then-write."""
+    durable: bool = False
+    """An object survives a crash of the machine once :meth:`sync` returned."""
+    stages_writes: bool = False
+    """A guarded :meth:`write` stages the object under :func:`temp_name` first."""
+
+    @property
+    def name(self) -> str:
+        """The last component of the root (the checkpoint's directory name)."""
+        return posixpath.basename(self.url.rstrip("/"))
+
+    def write(self, key: str, buffers: Iterable[Buffer | bytes], guard: WriteGuard | None = None) -> int:
+        """Write an object from ``buffers`` in order, durably; return its size.
+
+        Each buffer is consumed (written, or copied) before the next is pulled from
+        ``buffers``, so a producer may reuse one buffer's memory for the next. A store may
+        iterate ``buffers`` again to retry a failed write, unless it is an iterator.
+
+        With ``guard``, nothing becomes visible at ``key`` unless ``guard.check()`` passes
+        after the bytes are written: a local store writes ``temp_name(key, guard.tag)``
+        and moves it into place only if no object is there, or if ``guard.check(force=True)``
+        passes (a stray of a dead save); an object store checks before its PUT."""
+        raise NotImplementedError
+
+    def write_atomic(self, key: str, data: bytes) -> None:
+        """Make ``data`` visible at ``key`` all at once, durably, replacing what is there."""
+        raise NotImplementedError
+
+    def create_exclusive(self, key: str, data: bytes) -> None:
+        """Make ``data`` visible at ``key`` all at once, durably, only if ``key`` does not
+        exist; else raise :class:`FileExistsError` (never replaces an object)."""
+        raise NotImplementedError
+
+    def read(self, key: str) -> bytes:
+        """A whole object; :class:`FileNotFoundError` if absent."""
+        raise NotImplementedError
+
+    def holds(self, key: str, data: bytes) -> bool:
+        """Whether ``key`` holds exactly ``data`` (after a create found the key taken: a
+        retried create whose first attempt landed made it, and it is the creator's)."""
+        try:
+            return self.read(key) == data
+        except FileNotFoundError:
+            return False
+
+    def read_tail(self, key: str, nbytes: int) -> bytes:
+        raise NotImplementedError
+
+    def read_small(self, key: str, limit: int) -> bytes | None:
+        """The whole object in one request if it has at most ``limit`` bytes, else None; None
+        also where a request costs little (a local file: reading the index, then the data
+        straight into the destination, measured as fast) or a store cannot tell cheaply.
+        :class:`FileNotFoundError` if absent."""
+        return None
+
+    def readv(self, key: str, requests: Sequence[ReadRequest]) -> None:
+        raise NotImplementedError
+
+    def readv_whole(self, key: str, requests: Sequence[ReadRequest], size: int) -> bool:
+        """:meth:`readv`, in one request, if the object has exactly ``size`` bytes (True);
+        False, reading nothing, if it has another size or the store cannot tell without a
+        request of its own (then the caller reads the object's index first)."""
+        return False
+
+    def exists(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def list(self) -> list[str]:
+        """The keys of every object under the root (recursively), sorted."""
+        raise NotImplementedError
+
+    def child_names(self) -> list[str]:
+        """The names of the root's immediate children (objects and folders), sorted."""
+        return sorted({k.split("/", 1)[0] for k in self.list()})
+
+    def sibling_names(self, prefix: str) -> list[str]:
+        """The names beside the root (in its parent) that start with ``prefix``."""
+        raise NotImplementedError
+
+    def prune(self, folders: Iterable[str]) -> None:
+        """Remove each of ``folders`` (keys of folders) that holds nothing, deepest first,
+        then the root if it holds nothing; folders with anything in them stay."""
+
+    def is_empty(self) -> bool:
+        """True when nothing is stored under the root (or the root does not exist)."""
+        return not self.list()
+
+    def delete(self, key: str) -> None:
+        """Remove an object (no error when it is absent)."""
+        raise NotImplementedError
+
+    def remove(self) -> None:
+        """Remove every object under the root, and the root itself where that means anything."""
+        raise NotImplementedError
+
+    def sibling(self, name: str) -> "Store":
+        """A store of the same kind at ``name`` beside this one (same parent)."""
+        raise NotImplementedError
+
+    def adopt(self, src: "Store", key: str, tag: str) -> None:
+        """Make ``key`` of this store hold what ``key`` of ``src`` (a sibling) holds,
+        replacing any object there: a hard link on local disks (staged under
+        ``temp_name(key, tag)``, ``tag`` being the adopting save's id), a server-side copy
+        on object stores. ``src`` keeps its object."""
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Make the directory entries of everything written so far durable."""
+
+
+def fill(where: str, requests: Sequence[ReadRequest], datas: Sequence[Any]) -> None:
+    """Copy each request's bytes (``datas[i]``, any buffer) into its buffers, one after
+    another; :class:`OSError` naming ``where`` for a short read."""
+    for (offset, bufs), data in zip(requests, datas):
+        view, want = memoryview(data), sum(b.nbytes for b in bufs)
+        if view.nbytes != want:
+            raise OSError(f"{where}: short read of {view.nbytes} bytes at {offset}, wanted {want}")
+        pos = 0
+        for b in bufs:
+            flat = b.cast("B") if b.format != "B" or b.ndim != 1 else b
+            flat[:] = view[pos : pos + flat.nbytes]
+            pos += flat.nbytes
+
+

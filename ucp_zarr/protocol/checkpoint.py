@@ -1,0 +1,600 @@
+"""Reading a committed checkpoint: :func:`open` and the lazy :class:`Checkpoint`.
+
+Torch-free until a torch tensor is asked for (:meth:`Checkpoint.read`, :class:`TensorView`
+indexing): :meth:`Checkpoint.read_numpy` and :meth:`Checkpoint.select_numpy` give the stored
+values as numpy arrays, which is what the read-only CLI and :mod:`ucp_zarr.browse.inspect` use."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import numpy as np
+
+from ..io.arrayio import (
+    Seal,
+    ShardHead,
+    as_storage,
+    decode_shard_head,
+    read_box,
+    read_shard_head,
+    read_small_shard,
+    read_whole_shard,
+    verify_shard,
+    writable_view,
+)
+from ..format.dtypes import is_lossless_cast, stored_dtype_by_name
+from ..errors import (
+    CorruptChunkError,
+    DtypeMismatchError,
+    FormatError,
+    LayoutError,
+    ShapeMismatchError,
+    UnknownKeyError,
+    did_you_mean,
+)
+from ..format.documents import ATTRIBUTE, METADATA_FILE, ArrayMeta, CheckpointMeta, TensorEntry, parse_document
+from ..format.integrity import array_digest, check_signature, document_digest
+from ..layout import Box
+from ..format.statedict import from_json
+from ..io.factory import open_store
+from ..io.store import Store
+from .transaction import committed_store
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..browse.inspect import CheckpointSummary, TensorStats
+    from ..browse.notebook import CheckpointTree
+    from ..rules.language import Rules
+
+
+class Checkpoint:
+    """A read-only view of a committed checkpoint. Tensors are read lazily, by slice.
+
+    Every read is checked: the array documents against the digests in the commit record,
+    each shard's trailer against the checkpoint's save id and the shard's key, each chunk
+    against its crc32c and the one its shard recorded. With ``hmac_key`` the commit record's
+    signature, the shards' seals and every chunk's SHA-256 are verified too."""
+
+    def __init__(self, store: Store, meta: CheckpointMeta, hmac_key: bytes | None = None) -> None:
+        self.store = store
+        self.meta = meta
+        self.seal = Seal(meta.save_id, meta.authenticated, hmac_key)
+        self._arrays: dict[str, ArrayMeta] = {}
+        self._heads: dict[tuple[str, tuple[int, ...]], ShardHead] = {}
+        self._lock = threading.Lock()
+
+    # --- mapping face --------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        """The flattened tensor keys, spelled as DCP flattens them (each stored tensor once:
+        the aliases of tied tensors are in :attr:`ties`)."""
+        return list(self.meta.tensors)
+
+    @property
+    def ties(self) -> dict[str, str]:
+        """Tied tensors: alias key -> the canonical key whose array holds its values. Every
+        read of an alias (``ck["model.lm_head.weight"]``, :meth:`read`) reads that array."""
+        return dict(self.meta.ties)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.meta.tensors)
+
+    def __len__(self) -> int:
+        return len(self.meta.tensors)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.meta.tensors or key in self.meta.ties
+
+    def __getitem__(self, key: str) -> "TensorView":
+        self._entry(key)
+        return TensorView(self, key)
+
+    def array_path(self, key: str) -> str:
+        """Where the tensor's Zarr array lives, relative to the checkpoint root."""
+        return self._entry(key).path
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """Non-tensor state (by flattened key) and checkpoint facts, as plain data.
+
+        ``rank_values`` holds the values that differed between the saving ranks, by rank."""
+        values = {k: from_json(v, k) for k, v in self.meta.values.items()}
+        return {
+            "step": values.get("step", values.get("deepspeed.global_steps")),  # (a DeepSpeed checkpoint's)
+            "created": self.meta.created,
+            "library": self.meta.library,
+            "world_size": self.meta.world_size,
+            "layout": self.meta.layout,
+            "values": values,
+            "rank_values": {k: {r: from_json(v, k) for r, v in per.items()} for k, per in self.meta.rank_values.items()},
+            "per_rank_tensors": sorted(k for k, e in self.meta.tensors.items() if e.ranks is not None),
+        }
+
+    @property
+    def rules(self) -> "Rules | None":
+        """The rules the saving job placed its state dict by (:func:`ucp_zarr.place`), if any."""
+        from ..rules.language import Rules
+
+        rules = self.meta.layout.get("rules")
+        return None if rules is None else Rules.from_dict(rules)
+
+    # --- reading -------------------------------------------------------------------------
+
+    def _entry(self, key: str) -> TensorEntry:
+        try:
+            return self.meta.tensors[self.meta.canonical(key)]
+        except KeyError:
+            raise UnknownKeyError(f"no tensor {key!r} in checkpoint {self.store.url}" + self._near(key)) from None
+
+    def _near(self, key: str) -> str:
+        """What ``key`` may have meant: a value of that name, or close tensor keys."""
+        if key in self.meta.values or key in self.meta.rank_values:
+            return f" ({key!r} is one of its values, not a tensor)"
+        return did_you_mean(key, [*self.meta.tensors, *self.meta.ties])
+
+    def _path(self, key: str, rank: int | None) -> str:
+        entry = self._entry(key)
+        try:
+            return entry.array(rank).path
+        except KeyError:
+            raise KeyError(
+                f"tensor {key!r} has no copy of rank {rank}; saved ranks: {sorted(entry.ranks or ())}"
+            ) from None
+
+    def document(self, path: str, *, stored: bool = False) -> bytes:
+        """A metadata document (``<path>``), checked against its digest in the commit record:
+        the root's consolidated copy when it matches, else (or with ``stored``) the object."""
+        where = f"{self.store.url}/{path}"
+        want = self.meta.documents.get(path)
+        if want is None:
+            raise FormatError(f"{where} is not a document of this checkpoint (no digest in its commit record)")
+        raw = None if stored else self.meta.consolidated_document(path)
+        if raw is not None and document_digest(raw) == want:
+            return raw
+        try:
+            raw = self.store.read(path)
+        except FileNotFoundError:
+            raise CorruptChunkError(f"{where} is missing") from None
+        if document_digest(raw) != want:
+            raise CorruptChunkError(f"{where} was changed or replaced after the checkpoint was committed")
+        return raw
+
+    def array_meta(self, key: str, rank: int | None = None) -> ArrayMeta:
+        """The array metadata of ``key`` (its zarr.json, read once, checked against the
+        index entry of ``key`` on every call); ``rank`` picks the copy of per-rank state."""
+        path = self._path(key, rank)
+        where = f"{self.store.url}/{path}/{METADATA_FILE}"
+        with self._lock:
+            meta = self._arrays.get(path)
+        if meta is None:
+            meta = ArrayMeta.from_zarr_json(parse_document(self.document(f"{path}/{METADATA_FILE}"), where), where)
+            with self._lock:
+                self._arrays[path] = meta
+        entry = self._entry(key)
+        if meta.key != self.meta.canonical(key):
+            raise FormatError(f"{where} holds tensor {meta.key!r}, the index says {self.meta.canonical(key)!r}")
+        if meta.shape != entry.shape or meta.dtype.name != entry.dtype:
+            raise FormatError(
+                f"{where}: shape {list(meta.shape)} {meta.dtype.name}, but the index says "
+                f"{list(entry.shape)} {entry.dtype}"
+            )
+        if (entry.ranks is not None) != (meta.rank is not None) or (rank is not None and meta.rank not in (None, rank)):
+            raise FormatError(f"{where}: per-rank copy of rank {meta.rank}, the index says {rank}")
+        return meta
+
+    def _head(self, path: str, meta: ArrayMeta, shard: tuple[int, ...], whole: memoryview | None = None) -> ShardHead:
+        """The shard's checked index and trailer, read once (from ``whole``, the shard's object,
+        when given)."""
+        with self._lock:
+            head = self._heads.get((path, shard))
+        if head is None:
+            if whole is not None:
+                head = decode_shard_head(self.store, path, meta, shard, self.seal, whole)
+            else:
+                head = read_shard_head(self.store, path, meta, shard, self.seal)
+            with self._lock:
+                self._heads[(path, shard)] = head
+        return head
+
+    def _read_into(self, key: str, box: Box, raw: np.ndarray, rank: int | None) -> None:
+        """Fill ``raw`` (storage dtype, shape of ``box``, any strides) with ``box`` of ``key``.
+        A shard that ``box`` covers whole, whose index is not known yet, is read in one
+        request: its chunks straight into ``raw`` and its index from its end where the store
+        can (:func:`read_whole_shard`), else, when small, the whole object."""
+        meta = self.array_meta(key, rank)
+        path = self._path(key, rank)
+        for shard in meta.grid.shards_overlapping(box):
+            with self._lock:
+                known = (path, shard) in self._heads
+            whole = None
+            if not known and box.contains(meta.grid.shard_box(shard)):
+                head = read_whole_shard(self.store, path, meta, box, raw, shard, self.seal)
+                if head is not None:
+                    with self._lock:
+                        self._heads[(path, shard)] = head
+                    continue
+                whole = read_small_shard(self.store, path, meta, shard, self.seal, WHOLE_SHARD_BYTES)
+            read_box(self.store, path, meta, box, raw, shard, self._head(path, meta, shard, whole), whole)
+
+    def _check_box(
+        self, key: str, box: Box | None, rank: int | None, corners: bool = True
+    ) -> tuple[ArrayMeta, Box]:
+        meta = self.array_meta(key, rank)
+        box = box or Box.whole(meta.shape)
+        if box.ndim != len(meta.shape) or any(s > n for s, n in zip(box.stop, meta.shape)):
+            raise IndexError(f"tensor {key!r}: box {box} is outside its shape {list(meta.shape)}")
+        if corners and not box.is_empty():  # the first and last shards exist before memory is committed
+            path = self._path(key, rank)
+            for corner in (box.offset, tuple(o + n - 1 for o, n in zip(box.offset, box.shape))):
+                self._head(path, meta, tuple(i // s for i, s in zip(corner, meta.grid.shard_shape)))
+        return meta, box
+
+    def read_numpy(self, key: str, box: Box | None = None, rank: int | None = None) -> np.ndarray:
+        """Read ``box`` (default: all) of tensor ``key`` as a numpy array of the stored values,
+        without torch: bf16 and float8 tensors come back as their raw bits (``uint16`` /
+        ``uint8``; :func:`ucp_zarr.browse.values.widen` turns them into float32)."""
+        meta, box = self._check_box(key, box, rank)
+        out = np.empty(box.shape, dtype=meta.dtype.numpy_dtype)
+        self._read_into(key, box, out, rank)
+        return out
+
+    def select_numpy(self, key: str, index: Any, rank: int | None = None) -> np.ndarray:
+        """``tensor[index]`` as a numpy array of the stored values (see :meth:`read_numpy`),
+        reading only the chunks the selection touches. ``index``: ints, slices (any step,
+        negative too) and ``...``, as in numpy."""
+        shape = self._entry(key).shape
+        box, post = _index_to_box(index, tuple(shape))
+        steps = [abs(p.step) if isinstance(p, slice) else 1 for p in post]
+        flips = tuple(slice(None, None, -1) if isinstance(p, slice) and p.step < 0 else slice(None) for p in post)
+        picks = tuple(0 if isinstance(p, int) else slice(None) for p in post) + (...,)  # (0-d: an array)
+        if all(s == 1 for s in steps):
+            return self.read_numpy(key, box, rank)[flips][picks]
+        # a stepped selection: read, per chunk row/column, only the span of selected indices
+        meta, box = self._check_box(key, box, rank)
+        chunk = meta.grid.chunk_shape
+        spans = [_spans(o, n, st, c) for o, n, st, c in zip(box.offset, box.shape, steps, chunk)]
+        out = np.empty([sum(k for *_, k in sp) for sp in spans], dtype=meta.dtype.numpy_dtype)
+        for combo in itertools.product(*spans):
+            part = Box(tuple(c[0] for c in combo), tuple(c[1] for c in combo))
+            data = self.read_numpy(key, part, rank)[tuple(slice(None, None, st) for st in steps)]
+            out[tuple(slice(c[2], c[2] + c[3]) for c in combo)] = data
+        return out[flips][picks]
+
+    def read(
+        self,
+        key: str,
+        box: Box | None = None,
+        out: "torch.Tensor | None" = None,
+        rank: int | None = None,
+        *,
+        allow_lossy_cast: bool = False,
+    ) -> "torch.Tensor":
+        """Read ``box`` (default: all) of tensor ``key`` into ``out`` (allocated if None).
+
+        ``out`` may have any device and strides, and another dtype when every saved value
+        converts to it exactly (``float16`` into ``float32``, say); a lossy conversion
+        (``float32`` into ``bfloat16``, floats into integers) needs ``allow_lossy_cast``.
+        It is filled directly when numpy can write its memory as the saved dtype (a CPU
+        tensor of that dtype, any strides), else through a temporary and ``copy_`` (another
+        device or dtype, a conjugate or negative view, an inference tensor), so that
+        ``out`` shows exactly the saved values; one that no read can fill exactly (see
+        :func:`check_destination`) is refused. ``rank`` picks the copy of per-rank state
+        (default: the lowest saved rank's).
+        """
+        import torch
+        from torch.autograd.graph import increment_version
+
+        meta = self.array_meta(key, rank)
+        box = box or Box.whole(meta.shape)
+        if out is not None:
+            check_destination(key, out)
+            if tuple(out.shape) != box.shape:
+                raise ShapeMismatchError(f"tensor {key!r}: destination shape {list(out.shape)} != {list(box.shape)}")
+            src = meta.dtype.torch_dtype
+            if not allow_lossy_cast and not is_lossless_cast(src, out.dtype):
+                raise DtypeMismatchError(
+                    f"tensor {key!r}: the checkpoint holds {src}, the destination is {out.dtype}; converting "
+                    "loses information (pass allow_lossy_cast=True to convert anyway)"
+                )
+        meta, box = self._check_box(key, box, rank, corners=out is None)
+        if out is None:
+            out = torch.empty(box.shape, dtype=meta.dtype.torch_dtype)
+            self._read_into(key, box, as_storage(out, meta).numpy(), rank)
+            return out
+        raw = writable_view(out, meta)
+        if raw is not None:
+            self._read_into(key, box, raw, rank)
+            if not out.is_inference():
+                increment_version(out)  # (as copy_ does: autograd sees the change)
+            return out
+        # through a bounded host buffer, block by block (an inference tensor is written in
+        # inference mode, the only place it may be)
+        with torch.no_grad(), torch.inference_mode() if out.is_inference() else contextlib.nullcontext():
+            for block in row_blocks(box, meta.dtype.itemsize, STAGE_BYTES):
+                tmp = torch.empty(block.shape, dtype=meta.dtype.torch_dtype)
+                self._read_into(key, block, as_storage(tmp, meta).numpy(), rank)
+                out[block.relative_to(box).slices()].copy_(tmp)
+        return out
+
+    def verify(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Check everything: every document against its digest, every chunk of every array
+        (every per-rank copy too) against its crc32c and its shard's trailer, every array
+        against its digest, streaming one bounded buffer at a time. Returns the bytes of
+        tensor data checked; ``progress(done, total)`` is called after each shard.
+
+        Raises :class:`~ucp_zarr.CorruptChunkError` naming the first bad object."""
+        for path in self.meta.documents:  # the stored objects, which generic readers read
+            self.document(path, stored=True)
+        total = 0
+        everything = sum(e.nbytes * len(e.ranks or (None,)) for e in self.meta.tensors.values())
+        for key, entry in self.meta.tensors.items():
+            for rank in sorted(entry.ranks) if entry.ranks is not None else [None]:
+                meta = self.array_meta(key, rank)
+                ref = entry.array(rank)
+                seals = []
+                for n, shard in enumerate(meta.grid.all_shards(), 1):
+                    seals.append(verify_shard(self.store, ref.path, meta, shard, self.seal))
+                    if progress is not None:
+                        progress(total + entry.nbytes * n // math.prod(meta.grid.shard_counts), everything)
+                if array_digest(seals) != ref.digest:
+                    raise CorruptChunkError(
+                        f"{self.store.url}/{ref.path} (tensor {key!r}): its shards do not match the array digest "
+                        "in the commit record (a shard was replaced)"
+                    )
+                total += entry.nbytes
+        return total
+
+    # --- reprs ---------------------------------------------------------------------------
+
+    def _groups(self) -> dict[str, list[tuple[str, str, Any]]]:
+        groups: dict[str, list[tuple[str, str, Any]]] = {}
+        for key, e in self.meta.tensors.items():
+            group, _, name = e.path.partition("/")
+            groups.setdefault(group, []).append((name, key, e))
+        return groups
+
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.meta.tensors.values())
+
+    def __repr__(self) -> str:
+        lines = [
+            f"<ucp_zarr.Checkpoint {self.store.url}: {len(self)} tensors, {_human(self.nbytes())}, "
+            f"step={self.metadata['step']!r}, world_size={self.meta.world_size}>"
+        ]
+        rules = self.meta.layout.get("rules")
+        if rules is not None:
+            lines.append(f"  placed by rules: {len(rules.get('params', []))} parameter rule(s) (see .rules)")
+        if self.meta.ties:
+            lines.append(f"  tied: {len(self.meta.ties)} alias(es) stored once (see .ties)")
+        for group, items in self._groups().items():
+            lines.append(f"  {group}/")
+            for name, _, e in items:
+                rule = "" if e.rule is None else "  " + json.dumps(e.rule, separators=(",", ":"))
+                lines.append(f"    {name:<16} {str(list(e.shape)):<16} {e.dtype}{rule}")
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        from ..browse.notebook import checkpoint_html
+
+        return checkpoint_html(self)
+
+    def summary(self, depth: int = 2) -> "CheckpointSummary":
+        """Elements (model, optimizer state, other) and bytes by module (parameter FQNs cut to
+        ``depth`` names) and by dtype, from the commit record (see
+        :func:`ucp_zarr.browse.inspect.checkpoint_summary`)."""
+        from ..browse.inspect import checkpoint_summary
+
+        return checkpoint_summary(self, depth)
+
+    def tree(self, filter: str | None = None) -> "CheckpointTree":
+        """The tree of groups (as the checkpoint displays it) of the tensors whose key or
+        parameter name holds ``filter`` (case-insensitive), for Jupyter."""
+        from ..browse.notebook import CheckpointTree
+
+        return CheckpointTree(self, filter)
+
+
+WHOLE_SHARD_BYTES = 4 << 20
+"""A shard object up to this size that a read covers whole is fetched in one request."""
+STAGE_BYTES = 64 << 20
+"""The most host memory a read into a device tensor (or another dtype) stages at a time."""
+
+
+def check_destination(key: str, out: "torch.Tensor") -> None:
+    """Refuse (:class:`~ucp_zarr.LayoutError` naming ``key``) a tensor that no read can fill
+    exactly: one on the meta device (it has no memory), a DTensor (its shape is global, its
+    memory local: read into ``to_local()``, or load it with :func:`ucp_zarr.load`), or one
+    whose elements may share memory (an ``expand``-ed view, overlapping strides), where
+    one element's value would overwrite another's."""
+    from .fragments import is_dtensor
+
+    if out.device.type == "meta":
+        raise LayoutError(
+            f"tensor {key!r}: the destination is on the meta device and has no memory to fill; materialise it "
+            "first (module.to_empty(device=...), or torch.empty_like(t, device=...))"
+        )
+    if is_dtensor(out):
+        raise LayoutError(f"tensor {key!r}: the destination is a DTensor; read into its to_local(), or use ucp_zarr.load")
+    if may_overlap(tuple(out.shape), tuple(out.stride())):
+        raise LayoutError(
+            f"tensor {key!r}: elements of the destination share memory (shape {list(out.shape)}, strides "
+            f"{list(out.stride())}: an expanded or overlapping view), so it cannot hold the saved values; "
+            "pass a tensor with memory of its own (.clone() or .contiguous())"
+        )
+
+
+def may_overlap(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether two elements of a strided view may share memory: unless, taking the dims of
+    extent > 1 by increasing stride, each stride exceeds the span of the dims before it."""
+    span = 0
+    for stride, n in sorted((abs(st), n) for st, n in zip(strides, shape) if n > 1):
+        if stride <= span:
+            return True
+        span += stride * (n - 1)
+    return False
+
+
+def row_blocks(box: Box, itemsize: int, limit: int) -> list[Box]:
+    """``box`` cut along its leading dims into blocks of at most ``limit`` bytes (a block is
+    at least one element of the last dim's extent)."""
+    if box.ndim == 0 or box.numel * itemsize <= limit:
+        return [box]
+    inner = math.prod(box.shape[1:]) * itemsize
+    if inner > limit and box.ndim > 1:
+        return [
+            Box((box.offset[0] + i, *b.offset), (1, *b.shape))
+            for i in range(box.shape[0])
+            for b in row_blocks(Box(box.offset[1:], box.shape[1:]), itemsize, limit)
+        ]
+    rows = max(1, limit // inner)
+    return [
+        Box((box.offset[0] + i, *box.offset[1:]), (min(rows, box.shape[0] - i), *box.shape[1:]))
+        for i in range(0, box.shape[0], rows)
+    ]
+
+
+class TensorView:
+    """A lazy tensor of a checkpoint: ``view[0:128, :]`` reads only the overlapping chunks."""
+
+    def __init__(self, checkpoint: Checkpoint, key: str) -> None:
+        self.checkpoint = checkpoint
+        self.key = key
+        entry = checkpoint._entry(key)
+        self.path = entry.path
+        self.dtype_name = entry.dtype
+        """The torch dtype's name (``"bfloat16"``); :attr:`dtype` is the torch dtype."""
+        self._shape = entry.shape
+
+    @property
+    def shape(self) -> "torch.Size":
+        import torch
+
+        return torch.Size(self._shape)
+
+    @property
+    def dtype(self) -> "torch.dtype":
+        return stored_dtype_by_name(self.dtype_name).torch_dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    def numel(self) -> int:
+        return math.prod(self._shape)
+
+    def read(self) -> "torch.Tensor":
+        return self.checkpoint.read(self.key)
+
+    def numpy(self, index: Any = ...) -> np.ndarray:
+        """``self[index]`` as numpy, without torch (stored values: bf16/fp8 as raw bits)."""
+        return self.checkpoint.select_numpy(self.key, index)
+
+    def stats(self, *, max_bytes: int = 64 << 20) -> "TensorStats":
+        """min, max, mean, std, L2 norm, NaN/Inf counts, computed chunk by chunk with bounded
+        memory (see :func:`ucp_zarr.browse.inspect.tensor_stats`)."""
+        from ..browse.inspect import tensor_stats
+
+        return tensor_stats(self.checkpoint, self.key, max_bytes=max_bytes)
+
+    def __getitem__(self, index: Any) -> "torch.Tensor":
+        import torch
+
+        raw = self.checkpoint.select_numpy(self.key, index)
+        if raw.size == 0:  # (numpy gives empty arrays zero strides; torch's own are the usual ones)
+            return torch.empty(raw.shape, dtype=self.dtype)
+        if any(s < 0 for s in raw.strides):  # (flipped dims; a copy has positive strides even where a dim is 1 long)
+            raw = raw.copy(order="C")
+        t = torch.from_numpy(raw)
+        return t.view(self.dtype) if stored_dtype_by_name(self.dtype_name).bits else t
+
+    def _repr_html_(self) -> str:
+        from ..browse.notebook import tensor_html
+
+        return tensor_html(self)
+
+    def __repr__(self) -> str:
+        return f"<TensorView {self.key!r} shape={list(self._shape)} dtype=torch.{self.dtype_name} at {self.path}>"
+
+
+def _index_to_box(index: Any, shape: tuple[int, ...]) -> tuple[Box, tuple[Any, ...]]:
+    """The bounding box an index touches, and the index that picks the result out of it."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    if any(i is Ellipsis for i in index):
+        at = index.index(Ellipsis)
+        fill = len(shape) - (len(index) - 1)
+        index = index[:at] + (slice(None),) * fill + index[at + 1 :]
+    if len(index) > len(shape):
+        raise IndexError(f"too many indices ({len(index)}) for a tensor of {len(shape)} dims")
+    index = index + (slice(None),) * (len(shape) - len(index))
+    offset, size, post = [], [], []
+    for i, n in zip(index, shape):
+        if isinstance(i, slice):
+            picked = range(*i.indices(n))
+            step = picked.step
+            if step < 0:  # the same indices read upwards, then flipped
+                picked = picked[::-1]
+            offset.append(picked.start if picked else 0)
+            size.append(picked[-1] - picked.start + 1 if picked else 0)
+            post.append(slice(None, None, step))
+        elif isinstance(i, (int, np.integer)) and not isinstance(i, bool):
+            j = int(i) + n if i < 0 else int(i)
+            if not 0 <= j < n:
+                raise IndexError(f"index {i} is out of bounds for a dim of size {n}")
+            offset.append(j)
+            size.append(1)
+            post.append(0)
+        else:
+            raise TypeError(f"unsupported index {i!r}: use ints, slices and ...")
+    return Box(tuple(offset), tuple(size)), tuple(post)
+
+
+def _spans(offset: int, size: int, step: int, chunk: int) -> list[tuple[int, int, int, int]]:
+    """The indices ``offset, offset + step, ... < offset + size`` grouped by chunk, as
+    ``(first, extent, position in the result, count)``."""
+    out: list[tuple[int, int, int, int]] = []
+    pos = 0
+    i, stop = offset, offset + size
+    while i < stop:
+        end = min(stop, (i // chunk + 1) * chunk)
+        count = -(-(end - i) // step)
+        last = i + (count - 1) * step
+        out.append((i, last - i + 1, pos, count))
+        pos += count
+        i += count * step
+    return out
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def open(
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None, hmac_key: bytes | None = None
+) -> Checkpoint:
+    """Open the committed checkpoint at ``path`` (a local path or fsspec URL), read-only.
+
+    With ``hmac_key``, refuse a checkpoint that is unsigned or whose signature does not
+    verify, and check every shard's seal and every chunk's SHA-256 as it is read."""
+    return open_store_checkpoint(open_store(path, storage_options), hmac_key)
+
+
+def open_store_checkpoint(store: Store, hmac_key: bytes | None = None) -> Checkpoint:
+    store = committed_store(store)
+    where = f"{store.url}/{METADATA_FILE}"
+    doc = parse_document(store.read(METADATA_FILE), where)
+    meta = CheckpointMeta.from_zarr_json(doc, where)
+    if hmac_key is not None:
+        check_signature(doc["attributes"][ATTRIBUTE], hmac_key, where)
+    return Checkpoint(store, meta, hmac_key)

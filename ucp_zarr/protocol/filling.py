@@ -1,0 +1,142 @@
+"""Filling a load's targets: each target tensor read from its stored tensor, tensors that share
+memory (tied weights, views) read once and checked equal."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .checkpoint import Checkpoint
+from ..errors import LayoutError
+from .fragments import Fragment
+from .ties import memory_of
+
+
+LOAD_WORKERS = 4
+"""Threads a load reads with."""
+
+
+@dataclass
+class _Read:
+    """One target tensor to fill: ``frag`` (on this rank) from the stored tensor ``key``."""
+
+    key: str
+    leaf: str
+    """The target's own key (differs from ``key`` for a placed tensor)."""
+    frag: Fragment
+    per_rank: bool
+
+
+# --- filling the targets ---------------------------------------------------------------------
+
+
+def fill(ck: Checkpoint, reads: list[_Read], rank: int, lossy: bool, max_workers: int) -> None:
+    """Fill every target of ``reads``, ``max_workers`` at a time; targets that share memory
+    one after the other, then checked (see :func:`_fill_shared`)."""
+    shared = shared_memory(reads)
+    alone = [r for i, r in enumerate(reads) if not any(i in group for group in shared)]
+    jobs: list[Any] = [lambda r=r: _read_fragment(ck, r, rank, lossy) for r in alone]
+    jobs += [lambda g=group: _fill_shared(ck, [reads[i] for i in g], rank, lossy) for group in shared]
+    with ThreadPoolExecutor(max_workers) as pool:
+        list(pool.map(lambda job: job(), jobs))
+
+
+def _read_fragment(ck: Checkpoint, r: _Read, rank: int, lossy: bool) -> None:
+    with torch.no_grad():
+        for box, view in r.frag.pieces:
+            ck.read(r.key, box, out=view, rank=rank if r.per_rank else None, allow_lossy_cast=lossy)
+        for pad in r.frag.pad:  # padding (of a padded vocabulary) has no saved counterpart
+            pad.zero_()
+
+
+def _fill_shared(ck: Checkpoint, reads: list[_Read], rank: int, lossy: bool) -> None:
+    """Fill targets that share memory in turn (the same tensor under several keys, such as
+    tied weights, once); then every one but the last (whose values were written last) must
+    still show what the checkpoint holds for its key."""
+    reads = _once(reads)
+    for r in reads:
+        _read_fragment(ck, r, rank, lossy)
+    for r in reads[:-1]:
+        for box, view in r.frag.pieces:
+            want = ck.read(r.key, box, rank=rank if r.per_rank else None).to(view.dtype)
+            if not same_bits(view, want):
+                others = ", ".join(repr(o.leaf) for o in reads if o is not r)
+                raise LayoutError(
+                    f"tensor {r.leaf!r} shares memory with {others}, and the checkpoint holds other values for "
+                    f"them: one cannot show both; pass tensors that do not share memory (or load them separately)"
+                )
+
+
+def _once(reads: list[_Read]) -> list[_Read]:
+    """``reads`` without those filling exactly what an earlier one fills: the same stored
+    tensor into the same views of the same memory."""
+    seen: set[tuple[Any, ...]] = set()
+    out = []
+    for r in reads:
+        views = tuple((box.offset, box.shape, memory_of(view)) for box, view in r.frag.pieces)
+        if any(m is None for *_, m in views) or (r.key, r.per_rank, views) not in seen:
+            out.append(r)
+        seen.add((r.key, r.per_rank, views))
+    return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` show the same values, bit for bit (NaN payloads, signed zeros)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a, b = (t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1) for t in (a, b))
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def shared_memory(reads: list[_Read]) -> list[list[int]]:
+    """Groups of ``reads`` (by index, in order) whose targets may share memory: their byte
+    spans overlap in one storage (a superset of sharing for strided views, so that a group
+    may only cost a check)."""
+    spans: list[tuple[tuple[str, int], int, int, int]] = []
+    for i, r in enumerate(reads):
+        for _, view in r.frag.pieces:
+            span = _byte_span(view)
+            if span is not None:
+                spans.append((span[0], span[1], span[2], i))
+    spans.sort()
+    groups: list[set[int]] = []
+    current: set[int] = set()
+    where, end = None, -1
+    for storage, start, stop, i in spans:
+        if storage != where or start >= end:
+            if len(current) > 1:
+                groups.append(current)
+            current, where, end = set(), storage, stop
+        current.add(i)
+        end = max(end, stop)
+    if len(current) > 1:
+        groups.append(current)
+    return [sorted(g) for g in _merge_groups(groups)]
+
+
+def _merge_groups(groups: list[set[int]]) -> list[set[int]]:
+    """Unite groups that share a member (a read whose pieces lie in several storages)."""
+    out: list[set[int]] = []
+    for g in groups:
+        touching = [o for o in out if o & g]
+        for o in touching:
+            out.remove(o)
+            g = g | o
+        out.append(g)
+    return out
+
+
+def _byte_span(t: torch.Tensor) -> tuple[tuple[str, int], int, int] | None:
+    """``(storage, first byte, end byte)`` of the memory a view may touch; None when empty."""
+    if not t.numel():
+        return None
+    try:
+        storage = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a subclass without plain storage
+        return None
+    start = t.storage_offset() * t.element_size()
+    extent = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1
+    return (str(t.device), storage), start, start + extent * t.element_size()

@@ -1,0 +1,288 @@
+"""The protocol's object names, owners and liveness: who holds a claim (host, process and its start
+time), whether it is alive (a heartbeat within the lease, or the process on this host), the
+heartbeat that renews the lease and the fence that stops a stale writer."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from ..errors import FormatError, OwnershipError
+from .owned import Owned
+from ..io.store import Store
+from ..version import __version__
+
+
+MARKER = ".ucp_zarr_pending"
+HEARTBEAT = ".ucp_zarr_heartbeat."
+TAKEOVER = ".ucp_zarr_takeover."
+OWNED = ".ucp_zarr_owned."
+"""+ save id: the objects that save writes (:class:`~ucp_zarr.protocol.owned.Owned`)."""
+REPLACE_RECORD = ".ucp_zarr_replace"
+RETIRED = ".ucp_zarr_retired"
+"""During an overwrite or a deletion: the objects of the checkpoint being removed."""
+INTERNAL_PREFIX = ".ucp_zarr_"
+"""Top-level objects of the protocol (marker, heartbeats, takeovers, replace record)."""
+STAGING_INFIX = ".ucp_zarr-"
+_SAVE_ID = re.compile(r"[0-9a-f]{32}")
+UNREADABLE_SAVE_ID = "0" * 32
+"""The save id given to an owner record that cannot be read (a dead owner's)."""
+
+DEFAULT_LEASE_S = 120.0
+"""How long a save on another host counts as alive after its last heartbeat."""
+FENCE_INTERVAL_S = 2.0
+"""How often (at most) a writing rank re-reads the owner marker."""
+SELF_FENCE = 0.75
+"""The part of its lease after which a save that could not renew stops writing."""
+
+
+# --- owners and liveness ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who runs a save: what the owner marker (and takeover and replace records) hold."""
+
+    save_id: str
+    host: str
+    boot_id: str
+    pid: int
+    pid_start: int | None
+    started: float
+    lease_s: float
+    library: str = f"ucp_zarr {__version__}"
+    staged: str | None = None
+    """For a replace record: the staging sibling holding the new checkpoint."""
+    pid_ns: str = ""
+    """The PID namespace ``pid`` is a process of (``pid:[4026531836]``); empty where
+    unknown (then only the lease tells whether the owner is alive)."""
+
+    @classmethod
+    def this_process(cls, save_id: str, lease_s: float, staged: str | None = None) -> "Owner":
+        host, boot, pid_ns = host_identity()
+        pid = os.getpid()
+        return cls(save_id, host, boot, pid, process_start(pid), time.time(), lease_s, staged=staged, pid_ns=pid_ns)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: str) -> "Owner":
+        try:
+            d = json.loads(raw)
+            owner = cls(
+                str(d["save_id"]), str(d["host"]), str(d["boot_id"]), int(d["pid"]),
+                None if d.get("pid_start") is None else int(d["pid_start"]),
+                float(d["started"]), float(d["lease_s"]), str(d.get("library", "")),
+                None if d.get("staged") is None else str(d["staged"]), str(d.get("pid_ns", "")),
+            )
+            if not _SAVE_ID.fullmatch(owner.save_id):  # (save ids name protocol files)
+                raise ValueError(f"save_id {owner.save_id[:40]!r} is not 32 hex digits")
+            return owner
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+            # garbage (or, on a file system without hard links, a record whose creator died
+            # between creating and writing it): nobody can prove it alive
+            return cls(UNREADABLE_SAVE_ID, f"(unreadable record {where})", "", -1, None, 0.0, 0.0)
+
+    def describe(self) -> str:
+        return (
+            f"save {self.save_id} of process {self.pid} on host {self.host!r}, started "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.started))}"
+        )
+
+
+def host_identity() -> tuple[str, str, str]:
+    """Where this process's process ids mean something: the host name, the kernel's boot
+    id and the PID namespace (two containers on one kernel share the boot id, and may
+    share the host name, but not the PID namespace, unless they see each other's processes)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        pid_ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pid_ns = ""
+    return socket.gethostname(), boot, pid_ns
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), to tell it from a later
+    process that reuses its id; None where /proc is unavailable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+
+
+def process_alive(pid: int, start: int | None) -> bool:
+    """Whether process ``pid`` (started at ``start``) still runs on this host."""
+    if pid <= 0:
+        return False
+    if os.path.isdir("/proc"):
+        now_start = process_start(pid)
+        return now_start is not None and (start is None or now_start == start)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """How this process judges another save's owner (injectable for tests)."""
+
+    host: tuple[str, ...]
+    """This process's :func:`host_identity`."""
+    alive: Callable[[int, int | None], bool] = process_alive
+    clock: Callable[[], float] = time.time
+
+    @classmethod
+    def here(cls) -> "Liveness":
+        return cls(host_identity())
+
+    def is_dead(self, owner: Owner, renewed: float | None) -> bool:
+        """Provably dead: it aborted; or in this PID namespace (same host, boot and
+        namespace, all known) its process is gone; or, anywhere else, its lease has expired
+        (measured from its last heartbeat, else its start). A process this one cannot see
+        is never judged by ``/proc``."""
+        if owner.pid < 0 or renewed == -math.inf:
+            return True
+        if owner.pid_ns and (owner.host, owner.boot_id, owner.pid_ns) == tuple(self.host):
+            return not self.alive(owner.pid, owner.pid_start)
+        last = max(owner.started, renewed or 0.0)
+        return self.clock() > last + owner.lease_s
+
+
+# --- reading the protocol's objects ------------------------------------------------------------
+
+
+def read_owner(store: Store, key: str) -> Owner | None:
+    """The owner named by ``key`` (marker, takeover or replace record), or None if absent."""
+    try:
+        raw = store.read(key)
+    except FileNotFoundError:
+        return None
+    return Owner.from_bytes(raw, f"{store.url}/{key}")
+
+
+def last_heartbeat(store: Store, save_id: str) -> float | None:
+    """When save ``save_id`` last renewed its lease: None when it never did, ``-inf`` once
+    it aborted (an aborted save is dead, whatever its process does next)."""
+    try:
+        beat = json.loads(store.read(HEARTBEAT + save_id))
+        return -math.inf if beat.get("aborted") else float(beat["renewed"])
+    except (FileNotFoundError, FormatError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None
+
+
+# --- the lease and the fence ----------------------------------------------------------------------
+
+
+class Heartbeat:
+    """Renews ``.ucp_zarr_heartbeat.<id>`` every ``lease_s / 4`` until stopped, and knows
+    when the lease may have lapsed: no renewal succeeded for :data:`SELF_FENCE` of the lease
+    (the process stalled, or storage failed; the rest of the lease is the margin for clock
+    skew between hosts). Once lapsed it never renews again: whoever judged the save dead may
+    have taken over, so the save must stop writing (:meth:`lapsed`)."""
+
+    def __init__(self, store: Store, save_id: str, lease_s: float) -> None:
+        self.store = store
+        self.key = HEARTBEAT + save_id
+        self.lease_s = lease_s
+        self.period = max(lease_s / 4, 0.05)
+        self._renewed = time.monotonic()
+        self._lapsed = False
+        self._stop = threading.Event()
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="ucp_zarr-heartbeat", daemon=True)
+        self._thread.start()
+
+    def lapsed(self) -> bool:
+        if not self._lapsed and time.monotonic() - self._renewed > self.lease_s * SELF_FENCE:
+            self._lapsed = True
+        return self._lapsed
+
+    def _beat(self) -> None:
+        started = time.monotonic()  # before the write: others date the lease from its content
+        if self.lapsed():
+            return
+        self.store.write_atomic(self.key, json.dumps({"renewed": time.time()}).encode())
+        self._renewed = started
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self._beat()
+            except Exception:  # a storage hiccup: the next beat tries again
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Fence:
+    """A save's right to write (a :class:`~ucp_zarr.io.store.WriteGuard`): checks, at most
+    every ``interval_s``, that the record ``key`` of ``store`` (the owner marker, or the
+    replace record) still names save ``save_id``, and, on every call, that the save's own
+    ``lease`` (when this rank holds it) has not lapsed. Every writing rank calls
+    :meth:`check` before each object it writes."""
+
+    def __init__(
+        self,
+        store: Store,
+        save_id: str,
+        interval_s: float = FENCE_INTERVAL_S,
+        *,
+        lease: Heartbeat | None = None,
+        key: str = MARKER,
+    ) -> None:
+        self.store = store
+        self.save_id = save_id
+        self.tag = save_id
+        self.interval_s = interval_s
+        self.lease = lease
+        self.key = key
+        self._checked = -float("inf")
+        self._failed: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def check(self, force: bool = False) -> None:
+        """Raise :class:`OwnershipError` if the claim is lost or the lease may have lapsed
+        (or the error of a failed check: once failed, every later check fails at once)."""
+        with self._lock:
+            if self._failed is not None:
+                raise self._failed
+            try:
+                if self.lease is not None and self.lease.lapsed():
+                    raise OwnershipError(
+                        f"save {self.save_id} on {self.store.url}: its lease may have lapsed (no renewal for "
+                        f"{self.lease.lease_s * SELF_FENCE:g} s: the process stalled or storage failed), so another save "
+                        "may have taken the path over; it writes nothing more"
+                    )
+                if not force and time.monotonic() - self._checked < self.interval_s:
+                    return
+                owner = read_owner(self.store, self.key)
+                if owner is None or owner.save_id != self.save_id:
+                    now = "no save" if owner is None else owner.describe()
+                    raise OwnershipError(
+                        f"save {self.save_id} lost its claim on {self.store.url}: {self.key} now names {now}"
+                    )
+            except BaseException as e:
+                self._failed = e
+                raise
+            self._checked = time.monotonic()

@@ -1,0 +1,117 @@
+"""Reading a whole checkpoint as a new state dict (read_state_dict): nested as saved, tensors
+materialised on a device, DCP-written values in their own structure."""
+
+from __future__ import annotations
+
+import io
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterable
+
+import torch
+
+from .checkpoint import Checkpoint, open_store_checkpoint
+from ..format.dtypes import stored_dtype_by_name
+from ..errors import KeyMismatchError
+from ..format.documents import CheckpointMeta
+from ..format.statedict import STRUCTURE_FORMAT, Structure, from_json
+from ..io.factory import open_store
+from .filling import LOAD_WORKERS
+
+
+# --- the whole state dict ----------------------------------------------------------------------
+
+
+def read_state_dict(
+    path: str | os.PathLike[str],
+    *,
+    keys: Iterable[str] | None = None,
+    device: str | torch.device = "cpu",
+    storage_options: dict[str, Any] | None = None,
+    hmac_key: bytes | None = None,
+) -> dict[Any, Any]:
+    """The state dict saved at ``path``, as ``torch.load`` would give it back: nested
+    mappings and lists, integer (and other non-string) keys, tuples and every other value
+    as saved, tensors materialised on ``device`` in their saved dtype. What a trainer's
+    loader needs, as DCP's ``dcp_to_torch_save`` gives it; no unpickling, nothing to
+    fill in advance (:func:`load` fills a state dict of any layout in place instead).
+
+    ``keys`` selects flattened keys (``ck.keys()``'s spelling) or prefixes of them at a
+    dot (``"model"``, ``"optim.state"``); one that selects nothing raises
+    :class:`~ucp_zarr.KeyMismatchError`. Per-rank state (:class:`~ucp_zarr.PerRank`) comes
+    back as the lowest saving rank's copy, unwrapped (``ucp_zarr.open(path).read(key,
+    rank=r)`` reads another). ``BytesIO`` values saved through DCP come back as
+    ``BytesIO``. A checkpoint that does not record its nesting (saved by an older
+    ucp_zarr, converted from another format, or through DCP without ``planner_data``) comes
+    back flat: ``{flattened key: value}``.
+    """
+    ck = open_store_checkpoint(open_store(path, storage_options), hmac_key)
+    meta = ck.meta
+    stored = [*meta.tensors, *meta.values, *meta.rank_values, *meta.ties]
+    wanted = _selected(stored, keys)
+    device = torch.device(device)
+    needed = wanted | {meta.ties[a] for a in wanted & set(meta.ties)}
+    to_read = [k for k in meta.tensors if k in needed]
+    with ThreadPoolExecutor(LOAD_WORKERS) as pool:
+        tensors = dict(zip(to_read, pool.map(lambda k: _materialise(ck, k, device), to_read)))
+    where = f"{ck.store.url}/zarr.json"
+    structure, blobs = meta.structure, _dcp_blobs(meta)
+    if structure is None:
+        structure = _dcp_structure(meta, where)
+    values: dict[str, Any] = {}
+    for key in stored:
+        if key not in wanted:
+            continue
+        if meta.canonical(key) in tensors:  # (tied tensors: one tensor under each of their keys)
+            values[key] = tensors[meta.canonical(key)]
+        else:
+            raw = meta.values[key] if key in meta.values else meta.rank_values[key][min(meta.rank_values[key])]
+            value = from_json(raw, key)
+            values[key] = io.BytesIO(value) if key in blobs and isinstance(value, bytes) else value
+    if structure is None:
+        return values
+    return structure.select(wanted.__contains__, lambda k: _selects(k, keys)).nest(values, f"{where}: structure")
+
+
+def _selected(stored: list[str], keys: Iterable[str] | None) -> set[str]:
+    if keys is None:
+        return set(stored)
+    asked = [keys] if isinstance(keys, str) else list(keys)
+    out = {k for k in stored if _selects(k, asked)}
+    unmatched = [a for a in asked if not any(_selects(k, [a]) for k in stored)]
+    if unmatched:
+        raise KeyMismatchError(unmatched, [])
+    return out
+
+
+def _selects(key: str, asked: Iterable[str] | None) -> bool:
+    """Whether ``key`` is one of ``asked`` or lies below one (all keys: ``asked`` None)."""
+    if asked is None:
+        return True
+    asked = [asked] if isinstance(asked, str) else asked
+    return any(key == a or key.startswith(a + ".") for a in asked)
+
+
+def _materialise(ck: Checkpoint, key: str, device: torch.device) -> torch.Tensor:
+    entry = ck.meta.tensors[key]
+    out = torch.empty(tuple(entry.shape), dtype=stored_dtype_by_name(entry.dtype).torch_dtype, device=device)
+    return ck.read(key, out=out)
+
+
+def _dcp_structure(meta: CheckpointMeta, where: str) -> Structure | None:
+    """The nesting a save through torch DCP recorded (``layout.dcp.planner_data``: names
+    and list positions, as this format's structure spells them), if any."""
+    dcp = meta.layout.get("dcp")
+    planner = dcp.get("planner_data") if isinstance(dcp, dict) else None
+    if not isinstance(planner, dict):
+        return None
+    keys = {*meta.tensors, *meta.values, *meta.rank_values}
+    doc = {"format": STRUCTURE_FORMAT, "paths": {k: p for k, p in planner.items() if k in keys}}
+    return Structure.from_json(doc, keys, f"{where}: layout.dcp.planner_data")
+
+
+def _dcp_blobs(meta: CheckpointMeta) -> set[str]:
+    """Keys of values a save through torch DCP was given as ``io.BytesIO``."""
+    dcp = meta.layout.get("dcp")
+    blobs = dcp.get("bytes_io") if isinstance(dcp, dict) else None
+    return {k for k in blobs if isinstance(k, str)} if isinstance(blobs, list) else set()

@@ -1,0 +1,595 @@
+"""Orchestrating a save: every rank runs the same phases, each ending in an agreement.
+
+1. **collect** this rank's fragments and values -> agree (error, fragment infos, values);
+2. **plan** (pure, the same on every rank) and **claim** the path (the coordinator's
+   :class:`~.transaction.Transaction`) -> agree (save id, staging sibling);
+3. **stage** host copies (:mod:`.staging`) and build the **boundary exchange**
+   (:mod:`.exchange`) -> agree (error, bytes each rank will send to each peer, checked by
+   every rank against the plan). An asynchronous save returns here;
+4. **exchange** boundary pieces point-to-point, with the sizes agreed;
+5. **write** shards, each rank behind a :class:`~.liveness.Fence`, and make them durable
+   -> agree (error); then the array and group documents -> gather (error, shard seals) on
+   the coordinator. An array's ``zarr.json`` appears only once every shard of it is
+   durable, so a Zarr reader looking at a save in progress finds no array, or its final
+   bytes, never fill values standing in for data not yet written;
+6. the coordinator **commits** (or aborts) -> broadcast the outcome.
+
+A failure on any rank fails the save on every rank at the next agreement, with one error
+naming the failing ranks (after the claim, the coordinator aborts the transaction first);
+no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..io.arrayio import Seal, write_shard
+from .distributed import Comm, describe, raise_failures
+from ..errors import LayoutError
+from .exchange import Exchange, build_exchange, check_sizes
+from ..format.documents import METADATA_FILE, ArrayRef, CheckpointMeta, TensorEntry, consolidated_nodes, dump_document, group_zarr_json
+from .fragments import Fragment, PerRank, Placed, is_fragment_value, to_fragment
+from ..format.integrity import array_digest, document_digest, sign
+from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
+from ..format.optimizer_names import alias, state_names
+from .planner import FragmentInfo, SavePlan, ShardTask, plan_save, shared_infos
+from .replicas import Digests, check_replicas, replica_digests
+from .staging import Staging
+from .ties import agree_ties, find_ties
+from ..format.statedict import Structure, iter_leaves, structure_of, to_json
+from .owned import Owned, OwnedArray
+from ..io.store import Store
+from .liveness import DEFAULT_LEASE_S, FENCE_INTERVAL_S, Fence
+from .transaction import Transaction, is_internal, require_exclusive_create, target_store
+from ..version import __version__
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """The knobs of one save (see :func:`ucp_zarr.save`)."""
+
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    max_workers: int = 4
+    write_workers: int | None = None
+    """Threads writing shards (default ``max_workers``, which also make host copies)."""
+    overwrite: bool = False
+    overwrite_incomplete: bool = False
+    lease_s: float = DEFAULT_LEASE_S
+    hmac_key: bytes | None = None
+    unsafe_non_exclusive_store: bool = False
+    """Save to a store whose exclusive create is check-then-write (see
+    :func:`~.transaction.require_exclusive_create`)."""
+
+
+def begin_transaction(store: Store, plan: SavePlan, options: SaveOptions) -> Transaction:
+    """Claim ``store`` for a save of ``plan`` (the coordinator's part of phase 2)."""
+    require_exclusive_create(store, options.unsafe_non_exclusive_store)
+    txn = Transaction(
+        store,
+        owned=owned_by(plan),
+        overwrite=options.overwrite,
+        overwrite_incomplete=options.overwrite_incomplete,
+        lease_s=options.lease_s,
+    )
+    txn.begin()
+    return txn
+
+
+def owned_by(plan: SavePlan) -> Owned:
+    """Every object a save of ``plan`` writes: its documents and its arrays' shards."""
+    docs = [f"{g}/{METADATA_FILE}" for g in plan.groups] + [f"{p}/{METADATA_FILE}" for p, _ in plan.arrays.values()]
+    arrays = [OwnedArray(p, m.shape, m.grid.shard_shape) for p, m in plan.arrays.values()]
+    return Owned(tuple(docs), tuple(arrays))
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What one rank's part of a save did."""
+
+    url: str
+    rank: int
+    bytes_written: int
+    objects: tuple[str, ...]
+    """The keys of the objects this rank wrote (no other rank wrote any of them)."""
+    save_id: str = ""
+
+    def __repr__(self) -> str:  # one line, whatever the number of objects
+        return (f"SaveResult(url={self.url!r}, rank={self.rank}, bytes_written={self.bytes_written}, "
+                f"objects=<{len(self.objects)} keys>, save_id={self.save_id!r})")
+
+
+@dataclass
+class Collected:
+    """A state dict as a save sees it: tensors as fragments, other leaves as JSON."""
+
+    fragments: dict[str, Fragment]
+    values: dict[str, Any]
+    per_rank_values: frozenset[str] = frozenset()
+    """Keys of values wrapped in :class:`~ucp_zarr.PerRank`."""
+    rules: dict[str, Any] | None = None
+    """The rules that placed this state dict (``Rules.to_dict()``), if any."""
+    used: frozenset[str] = frozenset()
+    """The rule patterns that matched a parameter on this rank."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Tensor key -> the key its array is named after (see :mod:`..format.optimizer_names`)."""
+    structure: Structure | None = None
+    """How the state dict nested (stored with the checkpoint)."""
+    ties: dict[str, str] = field(default_factory=dict)
+    """Alias key -> canonical key of tensors given under several keys (see :mod:`.ties`)."""
+
+
+def collect(state_dict: Mapping[str, Any], model: Any = None) -> Collected:
+    """A state dict's tensors as fragments and its other leaves as JSON, by flattened key
+    (a :class:`~ucp_zarr.Placed` tensor under its consolidated key; two placed on one key,
+    such as tied weights, are merged). Optimizer state keyed by parameter number is named
+    after its parameter where the name is knowable (``param_names``, or ``model``)."""
+    paths: dict[str, tuple[Any, ...]] = {}
+    fragments: dict[str, Fragment] = {}
+    values: dict[str, Any] = {}
+    per_rank: set[str] = set()
+    rules: dict[str, Any] | None = None
+    used: set[str] = set()
+    empty: list[tuple[int, tuple[Any, ...]]] = []
+    unplaced: list[tuple[str, Any, Fragment]] = []
+    renamed: dict[str, str] = {}
+    for leaf in iter_leaves(state_dict, empty):
+        value, wrapped = leaf.value, isinstance(leaf.value, PerRank)
+        if wrapped:
+            value = value.value
+        if isinstance(value, Placed) and value.alias is not None:
+            renamed[value.alias] = value.key
+        if isinstance(value, Placed) and not value.stored:
+            used |= value.used
+            continue
+        if is_fragment_value(value):
+            frag = to_fragment(leaf.key, value)
+            if wrapped and not frag.plain:
+                raise LayoutError(
+                    f"tensor {leaf.key!r}: PerRank holds a {type(value).__name__}; per-rank state is a "
+                    "plain tensor (or a JSON value) that each rank holds whole"
+                )
+            frag.per_rank = wrapped
+            if not wrapped and not isinstance(value, Placed):
+                unplaced.append((frag.key, value, frag))
+            if isinstance(value, Placed):
+                if rules is not None and value.rules != rules:
+                    raise LayoutError(f"tensor {leaf.key!r} was placed by other rules than the rest of the state dict")
+                rules = value.rules
+                used |= value.used
+            if frag.key in fragments:
+                _merge(fragments[frag.key], frag, leaf.key)
+            else:
+                fragments[frag.key] = frag
+                paths[frag.key] = leaf.path
+        else:
+            values[leaf.key] = to_json(value, leaf.key)
+            paths[leaf.key] = leaf.path
+            if wrapped:
+                per_rank.add(leaf.key)
+    clash = sorted(set(fragments) & set(values))
+    if clash:
+        raise LayoutError(f"keys {clash} are both a placed tensor and a value")
+    names = state_names(state_dict, model)  # (after iter_leaves refused cycles and deep nesting)
+    aliases = {k: a for k, p in paths.items() if (a := alias(k, p, names)) is not None} if names else {}
+    structure = structure_of(state_dict, paths, empty)
+    ties = find_ties(unplaced) | renamed
+    return Collected(fragments, values, frozenset(per_rank), rules, frozenset(used), aliases, structure, ties)
+
+
+def _merge(into: Fragment, other: Fragment, leaf_key: str) -> None:
+    """Two local tensors placed on one consolidated tensor (tied weights): the same boxes
+    must hold the same values; other boxes must not overlap."""
+    key = into.key
+    if (into.shape, into.dtype, into.meaning) != (other.shape, other.dtype, other.meaning):
+        raise LayoutError(
+            f"tensor {key!r}: {leaf_key!r} is placed on it as {list(other.shape)} {other.dtype}, another local "
+            f"tensor as {list(into.shape)} {into.dtype} (or by another kind of rule)"
+        )
+    held = dict(into.pieces)
+    for box, t in other.pieces:
+        if box in held:
+            if not torch.equal(held[box].detach().cpu(), t.detach().cpu()):
+                raise LayoutError(f"tensor {key!r}: {leaf_key!r} and another local tensor tied to it differ")
+            continue
+        if any((i := box.intersect(b)) is not None and not i.is_empty() for b in held):
+            raise LayoutError(f"tensor {key!r}: {leaf_key!r} overlaps another local tensor placed on it")
+        into.pieces.append((box, t))
+        held[box] = t
+
+
+class PreparedSave:
+    """A save after its blocking stage (phases 1-3); :meth:`finish` runs phases 4-6."""
+
+    def __init__(
+        self,
+        store: Store,
+        comm: Comm,
+        options: SaveOptions,
+        plan: SavePlan,
+        txn: Transaction | None,
+        save_id: str,
+        staged: str | None,
+        staging: Staging,
+        exchange: Exchange,
+        values: tuple[dict[str, Any], dict[str, dict[int, Any]]],
+        order: list[str],
+        layout: dict[str, Any] | None = None,
+        structure: Structure | None = None,
+        ties: dict[str, str] | None = None,
+        whole: SavePlan | None = None,
+    ) -> None:
+        self.store = store
+        self.comm = comm
+        self.options = options
+        self.plan = plan
+        self.txn = txn
+        self.save_id = save_id
+        self.target = target_store(store, staged)
+        self.staging = staging
+        self.exchange = exchange
+        self.values = values
+        self.order = order
+        self.layout = layout or {}
+        self.structure = structure
+        self.ties = ties or {}
+        self.whole = plan if whole is None else whole
+        """The whole plan, on the coordinator (``plan`` is this rank's part; a process
+        saving alone may pass its whole plan as ``plan``)."""
+        self._docs: tuple[SavePlan, list[tuple[str, dict[str, Any], bytes]]] | None = None
+
+    def finish(self, comm: Comm | None = None) -> SaveResult:
+        """Exchange boundary pieces, write this rank's documents and shards, commit (over
+        ``comm``, by default the one the save was prepared on)."""
+        comm = comm or self.comm
+        error: BaseException | None = None
+        seals: dict[int, bytes] = {}
+        fence = Fence(
+            self.target, self.save_id, min(FENCE_INTERVAL_S, self.options.lease_s / 4),
+            lease=None if self.txn is None else self.txn.heartbeat,
+        )
+        try:
+            received = self.exchange.run(comm)
+            seals = self._write_data(comm.rank, received, fence)
+        except BaseException as e:  # every rank must learn of it before anyone commits
+            error = e
+        if not any(comm.all_gather(describe(error))):  # every rank's data is durable: now the documents
+            try:
+                self._write_documents(comm.rank, fence)
+            except BaseException as e:
+                error = e
+        gathered = comm.gather((describe(error), seals))
+        outcome: dict[int, tuple[str, str]] = {}
+        if comm.rank == 0:
+            assert gathered is not None and self.txn is not None
+            outcome = {r: e for r, (e, _) in enumerate(gathered) if e is not None}
+            if outcome:
+                self._abort()
+            else:
+                try:
+                    self.txn.commit(self._root(gathered))
+                except BaseException as e:
+                    error = e
+                    outcome = {0: describe(e)}  # type: ignore[dict-item]
+                    self._abort()
+        outcome = comm.broadcast(outcome)
+        raise_failures(comm, outcome, error, f"saving {self.store.url}")
+        objects = tuple(k for k in self.target.stats.written if not is_internal(k))
+        return SaveResult(self.store.url, comm.rank, self.target.stats.bytes_written, objects, self.save_id)
+
+    def _abort(self) -> None:
+        if self.txn is None:
+            return
+        try:
+            self.txn.abort()
+        except Exception as e:  # the save's own error is what the caller needs to see
+            log.warning("ucp_zarr: could not clean up the failed save at %s: %s", self.store.url, e)
+
+    def _documents(self, plan: SavePlan) -> list[tuple[str, dict[str, Any], bytes]]:
+        """Every group and array ``zarr.json`` of ``plan``: key, document, bytes as written
+        (made once per save: the documents written and the commit record's digests of them)."""
+        if self._docs is None or self._docs[0] is not plan:
+            self._docs = (plan, [(k, d, dump_document(d)) for k, d in document_dicts(plan)])
+        return self._docs[1]
+
+    def _write_documents(self, rank: int, fence: Fence) -> None:
+        """Write this rank's group and array documents behind the fence, durably."""
+        docs = [(k, b) for k, _, b in self._documents(self.plan) if self.plan.doc_writers.get(k) == rank]
+        with ThreadPoolExecutor(self.options.write_workers or self.options.max_workers) as pool:
+            _first_failure([pool.submit(self.target.write, k, [d], fence) for k, d in docs])
+        self.target.sync()
+
+    def _write_data(self, rank: int, received: dict[tuple[int, int], torch.Tensor], fence: Fence) -> dict[int, bytes]:
+        """Write this rank's shards behind the fence, durably; return the seal of each shard
+        written, by task number."""
+        seal = Seal(self.save_id, self.options.hmac_key is not None, self.options.hmac_key)
+        plan = self.plan
+
+        def write_task(n: int, task: ShardTask) -> bytes:
+            fence.check()
+            path, meta = plan.arrays[task.key]
+            sbox = meta.grid.shard_box(task.shard)
+            if not task.sources:
+                src, held = self.staging.holding(task.key, sbox)
+                try:
+                    return write_shard(self.target, path, meta, task.shard, src, held, seal, fence)
+                finally:  # (a pooled copy not given back on a failure would block the other writers forever)
+                    self.staging.release(task.key, sbox)
+            buf = torch.empty(sbox.shape, dtype=meta.dtype.storage_torch_dtype)
+            for i, (src_rank, box) in enumerate(task.sources):
+                part = self.staging.data(task.key, box) if src_rank == rank else received[(n, i)]
+                buf[box.relative_to(sbox).slices()] = part.reshape(box.shape)
+                if src_rank == rank:
+                    self.staging.release(task.key, box)
+            return write_shard(self.target, path, meta, task.shard, buf, sbox, seal, fence)
+
+        tasks = [(n, t) for n, t in plan.numbered() if t.writer == rank]
+        with ThreadPoolExecutor(self.options.write_workers or self.options.max_workers) as pool:
+            jobs = {n: pool.submit(write_task, n, t) for n, t in tasks}
+            _first_failure(list(jobs.values()))
+            seals = {n: job.result() for n, job in jobs.items()}
+        self.target.sync()
+        return seals
+
+    def _root(self, gathered: list[Any]) -> bytes:
+        """The commit record, from the whole plan and every rank's shard seals."""
+        plan = self.whole
+        seals: dict[int, bytes] = {}
+        for _, s in gathered:
+            seals.update(s)
+        by_array: dict[str, list[bytes]] = {}
+        for n, task in enumerate(plan.shards):
+            by_array.setdefault(task.key, []).append(seals[n])
+        refs = {akey: ArrayRef(path, array_digest(by_array.get(akey, []))) for akey, (path, _) in plan.arrays.items()}
+        entries: dict[str, TensorEntry] = {}
+        for akey, (path, meta) in plan.arrays.items():
+            if meta.rank is None:
+                rule = plan.meanings.get(akey)
+                entries[akey] = TensorEntry(
+                    path, meta.shape, meta.dtype.name, refs[akey].digest, rule=None if rule is None else json.loads(rule)
+                )
+        for key, ranks in plan.per_rank.items():
+            copies = {r: refs[a] for r, a in ranks.items()}
+            first = copies[min(copies)]
+            meta = plan.arrays[ranks[min(ranks)]][1]
+            entries[key] = TensorEntry(first.path, meta.shape, meta.dtype.name, first.digest, copies)
+        position = {k: i for i, k in enumerate(self.order)}
+        made = self._documents(plan)
+        docs = [(k, d) for k, d, _ in made]
+        global_values, rank_values = self.values
+        stored = set(entries) | set(global_values) | set(rank_values) | set(self.ties)
+        meta = CheckpointMeta(
+            tensors=dict(sorted(entries.items(), key=lambda kv: position.get(kv[0], 0))),
+            values=global_values,
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            library=f"ucp_zarr {__version__}",
+            save_id=self.save_id,
+            world_size=self.comm.world,
+            layout=self.layout,
+            rank_values=rank_values,
+            structure=None if self.structure is None else self.structure.select(stored.__contains__, lambda _: True),
+            documents={k: document_digest(b) for k, _, b in made},
+            consolidated=consolidated_nodes(docs),
+            ties=self.ties,
+        )
+        attrs = meta.attributes()
+        if self.options.hmac_key is not None:
+            attrs["signature"] = sign(attrs, self.options.hmac_key)
+        return dump_document(meta.to_zarr_json(attrs))
+
+
+def _first_failure(jobs: list[Future]) -> None:
+    """Wait for ``jobs``; on the first failure, cancel those not started and raise it (a
+    failing store fails the save in one round of retries, not one per object)."""
+    wait(jobs, return_when=FIRST_EXCEPTION)
+    for job in jobs:
+        if job.done() and not job.cancelled() and job.exception() is not None:
+            for other in jobs:
+                other.cancel()
+            raise job.exception()  # type: ignore[misc]
+
+
+def document_dicts(plan: SavePlan) -> list[tuple[str, dict[str, Any]]]:
+    """Every group and array ``zarr.json`` of the checkpoint."""
+    docs = [(f"{g}/{METADATA_FILE}", group_zarr_json()) for g in plan.groups]
+    docs += [(f"{p}/{METADATA_FILE}", m.to_zarr_json()) for p, m in plan.arrays.values()]
+    return docs
+
+
+
+def _agreed_rules(per_rank: list[tuple[dict[str, Any] | None, frozenset[str]]]) -> dict[str, Any] | None:
+    """The rules every rank placed its state dict by (the same on every rank that used
+    any); in strict mode, each of their patterns matched a parameter on some rank."""
+    given = [(r, rules) for r, (rules, _) in enumerate(per_rank) if rules is not None]
+    if not given:
+        return None
+    first = given[0][1]
+    for r, rules in given[1:]:
+        if rules != first:
+            raise LayoutError(f"ranks {given[0][0]} and {r} placed their state dicts by different rules")
+    from ..rules.place import check_used
+    from ..rules.language import Rules
+
+    check_used(Rules.from_dict(first), [used for _, used in per_rank])
+    return first
+
+
+def _means(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The mean of each averaged tensor over the ranks that hold it (accumulated in
+    float64 in rank order)."""
+    copies: dict[str, list[torch.Tensor]] = {}
+    for d in per_rank:
+        for key, t in d.items():
+            copies.setdefault(key, []).append(t)
+    out: dict[str, torch.Tensor] = {}
+    for key, ts in copies.items():
+        total = torch.zeros(ts[0].shape, dtype=torch.float64)
+        for t in ts:
+            total += t.to(torch.float64)
+        out[key] = (total / len(ts)).to(ts[0].dtype)
+    return out
+
+
+def _set_means(fragments: dict[str, Fragment], means: dict[str, torch.Tensor]) -> None:
+    """Replace each averaged fragment's tensor by its mean over the ranks."""
+    for key, mean in means.items():
+        box, _ = fragments[key].pieces[0]
+        fragments[key].pieces[0] = (box, mean)
+
+
+def _infos(fragments: dict[str, Fragment], aliases: dict[str, str]) -> list[FragmentInfo]:
+    """What each fragment is, for the planner."""
+    return [
+        FragmentInfo(
+            f.key,
+            f.shape,
+            str(f.dtype).removeprefix("torch."),
+            tuple(b for b, _ in f.pieces),
+            f.flat,
+            f.plain,
+            f.per_rank,
+            None if f.meaning is None else json.dumps(f.meaning, sort_keys=True),
+            f.rule,
+            aliases.get(f.key),
+        )
+        for f in fragments.values()
+    ]
+
+
+def _merge_values(
+    per_rank: list[tuple[dict[str, Any], frozenset[str]]],
+) -> tuple[dict[str, Any], dict[str, dict[int, Any]]]:
+    """Values wrapped in PerRank, or differing between ranks, are per-rank; the others
+    global. A key wrapped on some ranks only is an error."""
+    seen: dict[str, dict[int, Any]] = {}
+    wrapped: dict[str, set[int]] = {}
+    for r, (vals, explicit) in enumerate(per_rank):
+        for k, v in vals.items():
+            seen.setdefault(k, {})[r] = v
+        for k in explicit:
+            wrapped.setdefault(k, set()).add(r)
+    global_values: dict[str, Any] = {}
+    rank_values: dict[str, dict[int, Any]] = {}
+    for k, by_rank in seen.items():
+        if k in wrapped and wrapped[k] != set(by_rank):
+            raise LayoutError(
+                f"value {k!r}: ranks {sorted(wrapped[k])} wrap it in PerRank, ranks "
+                f"{sorted(set(by_rank) - wrapped[k])} do not"
+            )
+        first = next(iter(by_rank.values()))
+        if k not in wrapped and all(_same(v, first) for v in by_rank.values()):
+            global_values[k] = first
+        else:
+            rank_values[k] = by_rank
+    return global_values, rank_values
+
+
+def _same(a: Any, b: Any) -> bool:
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def prepare(
+    collected: Callable[[], Collected],
+    store: Store,
+    comm: Comm,
+    options: SaveOptions,
+    *,
+    copy: bool,
+) -> PreparedSave:
+    """The blocking stage of a save of what ``collected()`` returns (phases 1-3).
+
+    With ``copy`` (async saves) every box this rank will write or send is copied into host
+    memory; otherwise only non-CPU tensors are."""
+    # 1. collect
+    error: BaseException | None = None
+    col = Collected({}, {})
+    infos: list[FragmentInfo] = []
+    averaged: dict[str, torch.Tensor] = {}
+    try:
+        col = collected()
+        infos = _infos(col.fragments, col.aliases)
+        averaged = {k: f.pieces[0][1].detach().cpu() for k, f in col.fragments.items() if f.average and f.pieces}
+    except BaseException as e:
+        error = e
+    # 2. plan on one coordinator (rank 0): it receives every rank's fragment list (through
+    # group leaders, which merge equal ones), plans, and sends each group its part, which
+    # its leader cuts into its ranks' parts (a layout error is raised by all)
+    coordinator: dict[str, Any] = {}
+
+    def plan_all(payloads: list[Any], groups: list[range]) -> list[Any]:
+        rules = _agreed_rules([(g[3], g[4]) for g in payloads])
+        means = _means([g[5] for g in payloads])
+        ties = agree_ties([(g[7], g[0]) for g in payloads])  # (an alias is stored as its canonical tensor)
+        plan = plan_save([[i for i in g[0] if i.key not in ties] for g in payloads], chunk_bytes=options.chunk_bytes,
+                         shard_bytes=options.shard_bytes)
+        coordinator.update(
+            plan=plan,
+            values=_merge_values([(g[1], g[2]) for g in payloads]),
+            order=[f.key for g in payloads for f in g[0]],
+            layout={} if rules is None else {"rules": rules},
+            structure=Structure.merged([g[6] for g in payloads]),
+            ties=ties,
+        )
+        return [(part, {k: means[k] for r in g for k in payloads[r][5]}) for part, g in zip(plan.parts(groups), groups)]
+
+    def split(answer: Any, group: range, payloads: list[Any]) -> list[Any]:
+        part, means = answer
+        return [(p, {k: means[k] for k in g[5]}) for p, g in zip(part.parts([(r,) for r in group]), payloads)]
+
+    plan, means = comm.coordinate(
+        error,
+        "preparing the save",
+        (infos, col.values, col.per_rank_values, col.rules, col.used, averaged, col.structure, col.ties),
+        plan_all,
+        split,
+        lambda payloads: [(i, *p[1:]) for i, p in zip(shared_infos([p[0] for p in payloads]), payloads)],
+    )
+    whole = coordinator.get("plan")  # (rank 0: the commit record and the replica check need all of it)
+    _set_means(col.fragments, means)
+    values, order, layout = coordinator.get("values", ({}, {})), coordinator.get("order", []), coordinator.get("layout", {})
+    txn: Transaction | None = None
+    error = None
+    if comm.rank == 0:
+        try:
+            txn = begin_transaction(store, whole, options)
+        except BaseException as e:
+            error = e
+    claim = comm.agree(error, f"starting a checkpoint at {store.url}", (txn.save_id, txn.staged) if txn else None)
+    save_id, staged = claim[0]
+
+    # 3. show replicas equal, stage and build the exchange
+    error = None
+    staging: Staging | None = None
+    exchange = Exchange()
+    digests: Digests = []
+    try:
+        digests = replica_digests(plan, col.fragments)
+        staging = Staging(plan, col.fragments, comm.rank, copy, workers=options.max_workers)
+        exchange = build_exchange(plan, comm.rank, staging)
+        check_sizes(plan, comm.rank, exchange)
+    except BaseException as e:
+        error = e
+
+    def compare(payloads: list[Digests], groups: list[range]) -> list[None]:
+        check_replicas(whole, payloads)
+        return [None] * len(groups)
+
+    try:
+        comm.coordinate(error, "staging the save", digests, compare, lambda _, group, __: [None] * len(group))
+    except BaseException:
+        if txn is not None:
+            txn.abort(wrote=False)  # nothing was written yet: the path is left as it was
+        raise
+    assert staging is not None
+    return PreparedSave(
+        store, comm, options, plan, txn, save_id, staged, staging, exchange, values, order, layout,
+        structure=coordinator.get("structure"), ties=coordinator.get("ties"), whole=whole,
+    )

@@ -1,0 +1,542 @@
+"""The save as a transaction: claim the path, fence stale writers, commit once, or abort.
+
+A checkpoint path moves through these states (each a set of objects under the path):
+
+* **empty**: nothing there;
+* **claimed**: ``.ucp_zarr_pending`` (the *owner marker*) names the save writing it: its
+  save id, host, PID namespace, process id and lease. It is created exclusively
+  (``O_EXCL``/hard link on local disks, ``If-None-Match: *`` on object stores), so two saves
+  never both own a path. Right after claiming, the save records the objects it will write
+  (``.ucp_zarr_owned.<save id>``, see :mod:`.owned`), before writing any;
+* **committed**: the root ``zarr.json`` exists. It is created exclusively too, so a commit
+  never replaces a committed checkpoint, and only after the owner re-checked the marker.
+  A claim that finds the path committed right after it won the marker gives it back.
+
+**What may be deleted.** Nothing is deleted by a pattern over the directory: an abort
+deletes the objects its save recorded, a takeover those its dead owner recorded, an
+overwrite those the replaced commit record names (:mod:`.owned`). A checkpoint nested in a
+subfolder, a foreign Zarr group and any other file survive all of them.
+
+**Liveness.** Leftovers of another save are removed only when that save is provably dead:
+in the same PID namespace of the same boot of the same host its process is gone; anywhere
+else (another host, container or PID namespace, where its process cannot be seen) its
+lease expired (the owner renews ``.ucp_zarr_heartbeat.<save id>`` every ``lease_s / 4``);
+or the caller says so (``overwrite_incomplete=True``). Taking over from a dead owner ``X``
+first creates ``.ucp_zarr_takeover.<X>`` exclusively, so two newcomers never both clear and
+claim; a takeover whose taker died is itself taken over the same way.
+
+**Fencing.** Every writing rank checks, at most every ``FENCE_INTERVAL_S``, that the marker
+still names its save (:class:`Fence`), and the coordinator that its own lease has not
+lapsed (:meth:`Heartbeat.lapsed`: no renewal for 3/4 of ``lease_s``, as after a stall); once
+either fails the save writes nothing more and raises. On local disks every object is
+written under a save-unique temporary name and moved into place only if nothing is there
+(or, after a forced re-check, to replace a dead save's stray), so a writer that stalled
+past its lease cannot replace a successor's objects. Every shard also carries its save id
+(see :mod:`..format.codec`), so a stray object of another save is detected when read.
+
+**Overwrite.** ``overwrite=True`` on a committed path writes the new checkpoint into a
+staging sibling ``.<name>.ucp_zarr-<save id>`` and commits it there; then the *replace
+record* ``.ucp_zarr_replace`` (created exclusively, naming the staging sibling) is written
+into the path, what the old checkpoint owns is recorded (``.ucp_zarr_retired``), the old
+root removed, the new objects adopted (hard links / server-side copies; data before
+documents), the old ones deleted, the new root created, the records and the sibling
+removed. Until the new root exists, readers follow the record to the complete staging copy;
+after a crash, whoever finds the record of a dead owner rolls the replacement forward. At
+every point the old or the new checkpoint is complete and findable, never a mix. Staging
+siblings of dead saves that never got that far are removed by the next save at the path
+(and by the manager's retention).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from dataclasses import asdict
+from typing import Any
+
+from ..errors import (
+    CheckpointExistsError,
+    FormatError,
+    IncompleteCheckpointError,
+    Keyword,
+    NotACheckpointError,
+    OwnershipError,
+)
+from ..format.documents import METADATA_FILE, _COMPONENT
+from .owned import Owned
+from ..io.store import Store, temp_name
+from .liveness import (
+    DEFAULT_LEASE_S,
+    FENCE_INTERVAL_S,
+    Fence,
+    HEARTBEAT,
+    Heartbeat,
+    INTERNAL_PREFIX,
+    Liveness,
+    MARKER,
+    OWNED,
+    Owner,
+    REPLACE_RECORD,
+    RETIRED,
+    STAGING_INFIX,
+    TAKEOVER,
+    _SAVE_ID,
+    last_heartbeat,
+    read_owner,
+)
+
+log = logging.getLogger(__name__)
+
+def read_owned(store: Store, key: str) -> Owned | None:
+    """The objects recorded at ``key`` (:data:`OWNED` + save id, or :data:`RETIRED`); None
+    when absent or unreadable (then nothing is deleted on its behalf)."""
+    try:
+        return Owned.from_bytes(store.read(key), f"{store.url}/{key}")
+    except FileNotFoundError:
+        return None
+    except FormatError as e:
+        log.warning("ucp_zarr: ignoring the unreadable record %s/%s (its objects are left in place): %s", store.url, key, e)
+        return None
+
+
+def delete_owned(store: Store, owned: Owned, tag: str | None = None, keep: frozenset[str] = frozenset()) -> None:
+    """Delete ``owned`` from ``store`` (documents first), except ``keep``, with the temporary
+    names a save ``tag`` stages them under on stores that have them, then the folders left
+    empty."""
+    folders: set[str] = set()
+    staged = tag is not None and store.stages_writes
+    for key in owned.deletion_order():
+        if key in keep:
+            continue
+        store.delete(key)
+        if staged:
+            store.delete(temp_name(key, tag))  # type: ignore[arg-type]
+        folder = key.rpartition("/")[0]
+        while folder and folder not in folders:
+            folders.add(folder)
+            folder = folder.rpartition("/")[0]
+    store.prune(folders)
+
+
+_NAME = _COMPONENT.pattern  # an escaped group or array name (schema/FORMAT.md, section 1)
+_CHECKPOINT_OBJECT = re.compile(
+    rf"(?:zarr\.json|{_NAME}/zarr\.json|{_NAME}/{_NAME}/(?:zarr\.json|c(?:/[0-9]+)*))(?:\.tmp-[0-9a-f]{{32}})?"
+)
+_FINAL_OBJECT = re.compile(rf"{_NAME}/zarr\.json|{_NAME}/{_NAME}/(?:zarr\.json|c(?:/[0-9]+)*)")
+
+
+def is_checkpoint_object(key: str) -> bool:
+    """Whether ``key`` (relative to the checkpoint path) names an object of the format: the
+    root ``zarr.json``, a protocol file (``.ucp_zarr_*``), a group or array ``zarr.json``
+    (``<group>/zarr.json``, ``<group>/<array>/zarr.json``), a shard (``<group>/<array>/c/i/j``,
+    ``c`` for a 0-d array), or a store's temporary name for one of them. Anything else
+    (``config.json``, ``tokenizer/vocab.json``, DCP's ``.metadata``) is another file sharing
+    the directory. Deletions never go by this test (see :mod:`.owned`): it tells only
+    whether a directory holds anything that is not a checkpoint's."""
+    return is_internal(key) or _CHECKPOINT_OBJECT.fullmatch(key) is not None
+
+
+_COMMIT_TEMP = re.compile(rf"{re.escape(METADATA_FILE)}\.tmp-[0-9a-f]{{32}}")
+"""A temporary copy of the commit record: a local store's exclusive create writes one, then
+links it into place, so a save killed in between leaves it behind."""
+
+
+def remove_commit_temps(store: Store) -> None:
+    """Delete what saves killed while committing left of their commit records (called by the
+    path's owner only: no live save is creating the record)."""
+    for name in store.child_names():
+        if _COMMIT_TEMP.fullmatch(name):
+            store.delete(name)
+
+
+def is_internal(key: str) -> bool:
+    return "/" not in key and key.startswith(INTERNAL_PREFIX)
+
+
+def staging_name(store: Store, save_id: str) -> str:
+    return f".{store.name}{STAGING_INFIX}{save_id}"
+
+
+def staged_store(store: Store, record: Owner) -> Store | None:
+    """The committed staging copy a replace record names, or None. Only the staging sibling
+    of the record's own save counts (``.<name>.ucp_zarr-<save id>``): a record naming any
+    other directory is garbage, never followed."""
+    if not (_SAVE_ID.fullmatch(record.save_id) and record.staged == staging_name(store, record.save_id)):
+        return None
+    staged = store.sibling(record.staged)
+    return staged if staged.exists(METADATA_FILE) else None
+
+
+def committed_store(store: Store) -> Store:
+    """The store holding the committed checkpoint at ``store``: the store itself, or, while
+    an overwrite is being put in place, its complete staging copy. Raises
+    :class:`IncompleteCheckpointError` or :class:`NotACheckpointError`."""
+    if store.exists(METADATA_FILE):
+        return store
+    record = read_owner(store, REPLACE_RECORD)
+    if record is not None:
+        staged = staged_store(store, record)
+        if staged is not None:
+            return staged
+    if record is not None or store.exists(MARKER):
+        raise IncompleteCheckpointError(
+            f"{store.url} holds an incomplete checkpoint: its commit record {METADATA_FILE} "
+            "was never written (the save failed or is still running)"
+        )
+    if not store.is_empty():
+        raise IncompleteCheckpointError(
+            f"{store.url} holds files but no commit record {METADATA_FILE}: an incomplete "
+            "checkpoint, or not a ucp_zarr checkpoint"
+        )
+    raise NotACheckpointError(f"no checkpoint at {store.url}")
+
+
+def require_exclusive_create(store: Store, allow: bool) -> None:
+    """Refuse to save to a store whose exclusive create is check-then-write (two saves could
+    both claim the path), unless the caller took that risk (``allow``)."""
+    if not store.exclusive_create and not allow:
+        raise OwnershipError(
+            f"{store.url}: this store cannot create an object exclusively (its 'exclusive' create is "
+            "check-then-write), so two saves racing for the path could both claim it and corrupt each "
+            "other. Save to a local path or an s3:// URL, or, if no other save can ever target this "
+            "path, pass ", Keyword("unsafe_non_exclusive_store", True),
+        )
+
+
+# --- the transaction (run by the coordinating rank) -------------------------------------------
+
+
+class Transaction:
+    """One save's claim on ``store``, from :meth:`begin` to :meth:`commit` or :meth:`abort`.
+
+    Only the coordinating rank runs it; the other ranks learn :attr:`save_id` and
+    :attr:`staged` from it and write into :func:`target_store` behind a :class:`Fence`.
+    ``owned`` names every object the save will write (recorded before any is written).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        owned: Owned | None = None,
+        overwrite: bool = False,
+        overwrite_incomplete: bool = False,
+        lease_s: float = DEFAULT_LEASE_S,
+        save_id: str | None = None,
+        liveness: Liveness | None = None,
+    ) -> None:
+        self.store = store
+        self.owned = owned or Owned()
+        self.overwrite = overwrite
+        self.overwrite_incomplete = overwrite_incomplete
+        self.lease_s = lease_s
+        self.save_id = save_id or uuid.uuid4().hex
+        self.liveness = liveness or Liveness.here()
+        self.me = Owner.this_process(self.save_id, lease_s)
+        self.staged: str | None = None
+        """The staging sibling's name when overwriting a committed checkpoint."""
+        self.target = store
+        """Where this save's objects go: ``store``, or the staging sibling."""
+        self.claimed = False
+        self.heartbeat: Heartbeat | None = None
+
+    def fence(self) -> Fence:
+        """The coordinator's fence: the marker and this save's own lease."""
+        return Fence(self.target, self.save_id, min(FENCE_INTERVAL_S, self.lease_s / 4), lease=self.heartbeat)
+
+    # -- begin ---------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Claim the path (or a staging sibling when overwriting) and record what this save
+        will write, or raise :class:`CheckpointExistsError` / :class:`OwnershipError`."""
+        for _ in range(16):
+            self._settle_replacement()
+            collect_staging(self.store, self.liveness)
+            if self.store.exists(METADATA_FILE):
+                holder = read_owner(self.store, MARKER)  # of a save that died right after its commit
+                if holder is not None and not self._alive(self.store, holder):
+                    release_committed(self.store, holder.save_id)
+                if not self.overwrite:
+                    raise CheckpointExistsError(
+                        f"a checkpoint is already committed at {self.store.url}; choose a new path "
+                        "or pass ", Keyword("overwrite", True),
+                    )
+                self.staged = staging_name(self.store, self.save_id)
+                self.target = self.store.sibling(self.staged)
+            if self._claim(self.target):
+                break
+            self.staged, self.target = None, self.store  # committed just before we claimed it
+        else:
+            raise OwnershipError(f"could not claim {self.store.url}: other saves keep committing it")
+        self.claimed = True
+        self.heartbeat = Heartbeat(self.target, self.save_id, self.lease_s)
+        self.target.write_atomic(OWNED + self.save_id, self.owned.to_bytes())
+
+    def _alive(self, store: Store, owner: Owner) -> bool:
+        return not self.liveness.is_dead(owner, last_heartbeat(store, owner.save_id))
+
+    def _claim(self, store: Store) -> bool:
+        """Own ``store``'s marker; False (and the marker given back) when the path turned
+        out committed once we held it: a save never writes into a committed path."""
+        for _ in range(16):
+            if not store.exists(MARKER) and not store.exists(METADATA_FILE):
+                leftovers = [k for k in store.list() if not is_internal(k) and not _COMMIT_TEMP.fullmatch(k)]
+                if leftovers:
+                    raise CheckpointExistsError(
+                        f"{store.url} is not empty and holds no ucp_zarr checkpoint (found "
+                        f"{leftovers[0]!r}); refusing to write into it"
+                    )
+            try:
+                store.create_exclusive(MARKER, self.me.to_bytes())
+                won = True
+            except FileExistsError:
+                holder = read_owner(store, MARKER)
+                if holder is None:
+                    continue  # it was just released: try again
+                if not self.overwrite_incomplete and self._alive(store, holder):
+                    raise OwnershipError(
+                        f"{store.url} is being written by {holder.describe()}, which is still alive; "
+                        "wait for it, choose another path, or pass ", Keyword("overwrite_incomplete", True),
+                        " if you know it is dead",
+                    ) from None
+                won = self._take_over(store, holder)
+            if won:
+                if not store.exists(METADATA_FILE):
+                    if store.stages_writes:  # (only a local store's exclusive create leaves one)
+                        remove_commit_temps(store)
+                    return True
+                self._release(store)
+                return False
+        raise OwnershipError(f"could not claim {store.url}: other saves keep claiming it")
+
+    def _release(self, store: Store) -> None:
+        current = read_owner(store, MARKER)
+        if current is not None and current.save_id == self.save_id:
+            store.delete(MARKER)
+
+    def _take_over(self, store: Store, victim: Owner) -> bool:
+        """Replace the dead ``victim``'s claim by ours, deleting what it recorded as its own;
+        False if someone else got there first."""
+        chain = [victim]
+        while True:
+            key = TAKEOVER + chain[-1].save_id
+            try:
+                store.create_exclusive(key, self.me.to_bytes())
+                break
+            except FileExistsError:
+                taker = read_owner(store, key)
+                if taker is None:
+                    continue
+                if self._alive(store, taker):
+                    raise OwnershipError(
+                        f"{store.url}: {taker.describe()} is taking over the leftovers of "
+                        f"{victim.describe()} right now"
+                    ) from None
+                chain.append(taker)
+        mine = [TAKEOVER + o.save_id for o in chain]
+        current = read_owner(store, MARKER)
+        if current is None or current.save_id != victim.save_id:
+            store.delete(mine[-1])
+            return False
+        for dead in chain:
+            owned = read_owned(store, OWNED + dead.save_id)
+            if owned is not None:
+                delete_owned(store, owned, tag=dead.save_id)
+        for dead in chain:
+            store.delete(HEARTBEAT + dead.save_id)
+            store.delete(OWNED + dead.save_id)
+        store.write_atomic(MARKER, self.me.to_bytes())
+        for key in reversed(mine):
+            store.delete(key)
+        return True
+
+    # -- replacement (overwrite) -----------------------------------------------------------
+
+    def _settle_replacement(self) -> None:
+        """Finish the overwrite of a dead save that crashed while putting its checkpoint in
+        place (or refuse while a live one does)."""
+        record = read_owner(self.store, REPLACE_RECORD)
+        if record is None:
+            return
+        if self._alive(self.store, record):
+            raise OwnershipError(f"{self.store.url} is being replaced by {record.describe()}")
+        staged = staged_store(self.store, record)
+        if staged is not None:
+            roll_forward(self.store, staged)
+            finish_replacement(self.store, staged, record.save_id)
+        else:  # it names no committed staging copy of its own save: garbage
+            self.store.delete(HEARTBEAT + record.save_id)
+            self.store.delete(REPLACE_RECORD)
+
+    def _replace(self) -> None:
+        record = Owner.this_process(self.save_id, self.lease_s, staged=self.staged)
+        assert self.staged is not None
+        for _ in range(16):
+            try:
+                self.store.create_exclusive(REPLACE_RECORD, record.to_bytes())
+                break
+            except FileExistsError:
+                self._settle_replacement()
+        else:
+            raise OwnershipError(f"could not replace {self.store.url}: other saves keep replacing it")
+        lease = Heartbeat(self.store, self.save_id, self.lease_s)  # the record's liveness
+        try:
+            fence = Fence(self.store, self.save_id, min(FENCE_INTERVAL_S, self.lease_s / 4), lease=lease, key=REPLACE_RECORD)
+            roll_forward(self.store, self.target, fence)
+        finally:
+            lease.stop()
+        finish_replacement(self.store, self.target, self.save_id)
+
+    # -- commit and abort --------------------------------------------------------------------
+
+    def commit(self, root: bytes) -> None:
+        """Re-check ownership, create the root exclusively, release the claim; when
+        overwriting, put the staged checkpoint in place."""
+        self.fence().check(force=True)
+        try:
+            self.target.create_exclusive(METADATA_FILE, root)
+        except FileExistsError:
+            raise OwnershipError(f"{self.target.url} was committed by another save meanwhile") from None
+        self.claimed = False
+        if self.staged is not None:
+            try:
+                self._replace()  # the staging sibling keeps its marker and lease until removed
+            finally:
+                self._stop_heartbeat()
+            return
+        self._stop_heartbeat()
+        release_committed(self.target, self.save_id)
+
+    def abort(self, *, wrote: bool = True) -> None:
+        """Give up the claim: mark this save aborted (so the next save may take over at
+        once) and delete what it recorded as its own, keeping the marker, so that the path
+        reads as an incomplete checkpoint rather than as nothing. A staging sibling is
+        removed whole. A save that wrote nothing yet (``wrote=False``: refused while it
+        prepared) gives the path back as it found it."""
+        self._stop_heartbeat()
+        if not self.claimed:
+            return
+        self.claimed = False
+        owner = read_owner(self.target, MARKER)
+        if owner is None or owner.save_id != self.save_id:
+            return  # taken over: the leftovers are the new owner's business
+        if self.staged is not None:
+            remove_staging(self.target)
+            return
+        if not wrote:
+            release_committed(self.target, self.save_id)  # (its records, the marker last)
+            self.target.prune(())
+            return
+        self.target.write_atomic(HEARTBEAT + self.save_id, json.dumps({"aborted": True}).encode())
+        delete_owned(self.target, self.owned, tag=self.save_id)
+
+    def _stop_heartbeat(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
+
+
+def roll_forward(store: Store, staged: Store, fence: Fence | None = None) -> None:
+    """Put the committed checkpoint of ``staged`` (named by the replace record of ``store``)
+    in place at ``store``, idempotently (then :func:`finish_replacement`). ``fence`` (the
+    replacing save's own) is checked before every change."""
+    check = fence.check if fence is not None else (lambda: None)
+    root = staged.read(METADATA_FILE)
+    try:
+        current: bytes | None = store.read(METADATA_FILE)
+    except FileNotFoundError:
+        current = None
+    if current != root:
+        if current is not None:  # what the old checkpoint owns, kept until it is deleted
+            check()
+            store.write_atomic(RETIRED, _owned_by_root(store, current).to_bytes())
+            store.delete(METADATA_FILE)
+        new = [k for k in staged.list() if _FINAL_OBJECT.fullmatch(k)]
+        tag = staged.name.rpartition(STAGING_INFIX)[2]  # the replacing save's id
+        for key in sorted(new, key=lambda k: k.endswith(METADATA_FILE)):  # data first, then documents
+            check()
+            store.adopt(staged, key, tag)
+        check()
+        delete_owned(store, read_owned(store, RETIRED) or Owned(), keep=frozenset(new))
+        store.sync()
+        check()
+        try:
+            store.create_exclusive(METADATA_FILE, root)
+        except FileExistsError:
+            if store.read(METADATA_FILE) != root:
+                raise OwnershipError(f"{store.url} was committed by another save while being replaced") from None
+    store.delete(RETIRED)
+
+
+def release_committed(store: Store, save_id: str) -> None:
+    """Release save ``save_id``'s claim on ``store`` (after it committed, or before it wrote
+    anything): remove its records, the marker last (a crash in between leaves the marker of
+    a dead save, which the next save there releases or takes over)."""
+    store.delete(OWNED + save_id)
+    store.delete(HEARTBEAT + save_id)
+    store.delete(MARKER)
+
+
+def finish_replacement(store: Store, staged: Store, save_id: str) -> None:
+    """After :func:`roll_forward`: remove the replacing save ``save_id``'s lease, then its
+    replace record (so no lease outlives its record), then ``staged``."""
+    store.delete(HEARTBEAT + save_id)
+    store.delete(REPLACE_RECORD)
+    remove_staging(staged)
+
+
+def _owned_by_root(store: Store, root: bytes) -> Owned:
+    """The objects of the committed checkpoint whose commit record is ``root``; nothing
+    (and a warning) if the record is unreadable: then no old object is deleted."""
+    where = f"{store.url}/{METADATA_FILE}"
+    try:
+        return Owned.from_commit_record(root, where, store.read)
+    except FormatError as e:
+        log.warning("ucp_zarr: the replaced commit record %s is unreadable (%s); its objects are left in place", where, e)
+        return Owned()
+
+
+def remove_staging(staged: Store) -> None:
+    """Remove a staging sibling whole, its root first (from then on nobody reads it)."""
+    staged.delete(METADATA_FILE)
+    staged.remove()
+
+
+def collect_staging(store: Store, liveness: Liveness) -> list[str]:
+    """Remove the staging siblings of ``store`` (``.<name>.ucp_zarr-<save id>``) that no
+    live save works on and no replace record names: those whose owner is dead, and those
+    without an owner marker that hold anything but a marker being created (a committed copy
+    never put in place, or the remains of a removal). Returns the names removed."""
+    prefix = f".{store.name}{STAGING_INFIX}"
+    names = [n for n in store.sibling_names(prefix) if _SAVE_ID.fullmatch(n[len(prefix):])]
+    if not names:
+        return []
+    record = read_owner(store, REPLACE_RECORD)
+    removed = []
+    for name in names:
+        if record is not None and record.staged == name:
+            continue  # the replacement's business (rolled forward, or live)
+        sibling = store.sibling(name)
+        owner = read_owner(sibling, MARKER)
+        if owner is None:
+            if all(k.startswith(MARKER) for k in sibling.list()):
+                continue  # empty, or a claim being made right now
+        elif not liveness.is_dead(owner, last_heartbeat(sibling, owner.save_id)):
+            continue
+        remove_staging(sibling)
+        removed.append(name)
+        log.info("ucp_zarr: removed the staging copy %s of a dead save", sibling.url)
+    return removed
+
+
+def target_store(store: Store, staged: str | None) -> Store:
+    """Where a save writes, given the coordinator's :attr:`Transaction.staged`."""
+    return store if staged is None else store.sibling(staged)
+
+
+def describe_claim(store: Store) -> dict[str, Any] | None:
+    """The owner marker of an incomplete checkpoint, as plain data (for ``ucp-zarr info``)."""
+    owner = read_owner(store, MARKER)
+    return None if owner is None else asdict(owner)

@@ -1,0 +1,1 @@
+"""The universal checkpoint language: :class:`~ucp_zarr.Rules`, their schema checks and :func:`~ucp_zarr.place`."""
