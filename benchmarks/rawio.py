@@ -84,7 +84,7 @@ def pread_exact(path: str, mv: memoryview) -> None:
 def counted_load(state: dict[str, Any], path: str, **load_kwargs: Any) -> int:
     """``ucp_zarr.load`` in place; return the bytes its store read."""
     import ucp_zarr
-    import ucp_zarr.loader as loader
+    import ucp_zarr.protocol.loader as loader
 
     stores: list[Any] = []
     real = loader.open_store
@@ -99,5 +99,5 @@ def counted_load(state: dict[str, Any], path: str, **load_kwargs: Any) -> int:
     finally:
         loader.open_store = real
     if not stores:
-        raise RuntimeError("ucp_zarr.load no longer opens its store through ucp_zarr.loader.open_store: fix counted_load")
+        raise RuntimeError("ucp_zarr.load no longer opens its store through ucp_zarr.protocol.loader.open_store: fix counted_load")
     return sum(s.stats.bytes_read for s in stores)
