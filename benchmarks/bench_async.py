@@ -5,7 +5,7 @@
 A small transformer (``nn.TransformerEncoder``, AdamW, fp32) trains on random tokens on the
 CPU, one process. Per repeat:
 
-* **blocking stage**: ``ucp_zarr.save(state, path, async_save=True)`` until it returns,
+* **blocking stage**: ``ucp_zarr.async_save(state, path)`` until it returns,
   against a plain copy of the same state to host memory (``t.clone()`` of every tensor,
   the least an asynchronous save must do before training may change the tensors), and a
   copy into preallocated buffers (``dst.copy_(t)``), alternating in order;
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs",
         flush=True,
     )
-    ucp_zarr.save(state(), os.path.join(work, "warm"), async_save=True).result()  # first calls, untimed
+    ucp_zarr.async_save(state(), os.path.join(work, "warm")).result()  # first calls, untimed
     pre = clone(state())
     res: dict[str, Any] = {"bytes": size, "blocking": [], "clone": [], "copy_into": [], "background": [],
                            "steps_before": [], "steps_during": [], "all_before": [], "all_during": [], "all_after": []}
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     res["copy_into"].append(time.perf_counter() - t0)
                 else:
                     t0 = time.perf_counter()
-                    fut = ucp_zarr.save(state(), os.path.join(work, f"ck{rep}"), async_save=True)
+                    fut = ucp_zarr.async_save(state(), os.path.join(work, f"ck{rep}"))
                     t1 = time.perf_counter()
                     while not fut.done():
                         during.append(step())

@@ -10,7 +10,7 @@
      the pinned pool); ``pinned pool``: the pool's capacity and peak bytes in use;
    * ``load``: ``ucp_zarr.load`` into device tensors, cold (files dropped from the page
      cache) and warm, MiB/s, checked bit for bit;
-   * ``async stall``: ``save(async_save=True)`` until it returns (the blocking stage: the
+   * ``async stall``: ``async_save(...)`` until it returns (the blocking stage: the
      copy into pinned host memory), against ``t.to("cpu")`` of every tensor and a copy into
      preallocated pinned buffers (the limit: PCIe / NVLink-C2C device-to-host); ``async
      total``: until its future is done; the pinned host buffer it held;
@@ -140,7 +140,7 @@ def benchmark(mib: int, repeat: int, workdir: str, device: str) -> dict[str, Any
         rows["to_pinned"].append(timed(lambda: [pinned[k].copy_(t, non_blocking=cuda) for k, t in state.items()], device)[0])
         buffers.clear()
         t0 = time.perf_counter()
-        fut = ucp_zarr.save(state, path + "_async", async_save=True)
+        fut = ucp_zarr.async_save(state, path + "_async")
         rows["async_stall"].append(time.perf_counter() - t0)
         fut.result()
         rows["async_total"].append(time.perf_counter() - t0)

@@ -34,7 +34,7 @@ def _copy_is_the_state_at_the_call(path: str) -> None:
     sd = _state()
     assert sum(t.nbytes for t in sd.values() if isinstance(t, torch.Tensor)) > PARALLEL_FILL_BYTES
     want = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
-    fut = ucp_zarr.save(sd, path, async_save=True, max_workers=3)
+    fut = ucp_zarr.async_save(sd, path, max_workers=3)
     for v in sd.values():  # training goes on at once
         if isinstance(v, torch.Tensor) and v.numel():
             v.fill_(-1)
@@ -84,7 +84,7 @@ def test_background_save_yields_the_cpu(tmp_path, monkeypatch) -> None:
         def run() -> None:
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-                ucp_zarr.save({"w": torch.ones(4)}, path, async_save=True).result()
+                ucp_zarr.async_save({"w": torch.ones(4)}, path).result()
                 seen.append(_thread_nice())
             except BaseException as e:  # (raised below, in the test's thread)
                 seen.append(e)
@@ -118,8 +118,19 @@ def test_background_save_writes_on_one_thread(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(LocalStore, "write", write)
     sd = {f"w{i}": torch.full((64, 64), float(i)) for i in range(12)}
-    ucp_zarr.save(sd, tmp_path / "ck", async_save=True, max_workers=4).result()
+    ucp_zarr.async_save(sd, tmp_path / "ck", max_workers=4).result()
     assert len(threads) == api.BACKGROUND_WRITERS == 1 and threading.get_ident() not in threads
     out = {k: torch.zeros(64, 64) for k in sd}
     ucp_zarr.load(out, tmp_path / "ck")
     assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+def test_async_save_is_dcps_spelling_and_the_old_flag_still_works_with_a_warning(tmp_path):
+    sd = {"w": torch.arange(12.0).reshape(3, 4)}
+    fut = ucp_zarr.async_save(sd, tmp_path / "new")
+    assert isinstance(fut.result(), ucp_zarr.SaveResult)
+    with pytest.deprecated_call(match=r"ucp_zarr\.async_save"):
+        old = ucp_zarr.save(sd, tmp_path / "old", async_save=True)
+    old.result()
+    for name in ("new", "old"):
+        assert torch.equal(ucp_zarr.open(tmp_path / name)["w"][...], sd["w"])

@@ -124,7 +124,7 @@ def test_device_tensors_are_staged_through_a_bounded_pool(
         assert torch.equal(ck[k][...], t.cpu())
     # an asynchronous save copies everything in its blocking stage instead (no pool)
     pools.clear()
-    ucp_zarr.save(state, tmp_path / "ck2", async_save=True, shard_bytes=128 << 10).result()
+    ucp_zarr.async_save(state, tmp_path / "ck2", shard_bytes=128 << 10).result()
     assert not pools
 
 
@@ -177,7 +177,7 @@ def test_async_save_holds_the_state_of_its_blocking_stage(tmp_path: Path, device
     the blocking stage's synchronisation orders after the copies)."""
     state = _state(device, 1)
     want = {k: v.clone() for k, v in state.items()}
-    fut = ucp_zarr.save(state, tmp_path / "ck", async_save=True, shard_bytes=256 << 10)
+    fut = ucp_zarr.async_save(state, tmp_path / "ck", shard_bytes=256 << 10)
     stream = torch.cuda.Stream() if device == "cuda" else None
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         for _ in range(3):  # training goes on while the background writes

@@ -620,7 +620,7 @@ def _async_save(root: Path, rank: int, world: int) -> None:
         "m": shard_of(refs["m"], 1, world, rank),
         "step": 3,
     }
-    fut = ucp_zarr.save(sd, root / "ck_async", async_save=True)
+    fut = ucp_zarr.async_save(sd, root / "ck_async")
     assert isinstance(fut, concurrent.futures.Future)
     # mutate right away, in place, while the background thread writes
     sd["w"].to_local().fill_(-1.0)
@@ -628,7 +628,7 @@ def _async_save(root: Path, rank: int, world: int) -> None:
     sd["m"].local.fill_(-1.0)
     sd["step"] = 4
     # a second async save of the mutated state waits for the first
-    fut2 = ucp_zarr.save(sd, root / "ck_async2", async_save=True)
+    fut2 = ucp_zarr.async_save(sd, root / "ck_async2")
     result = fut.result(timeout=300)
     assert isinstance(result, ucp_zarr.protocol.saver.SaveResult) and result.rank == rank and result.objects
     assert isinstance(fut2.result(timeout=300), ucp_zarr.protocol.saver.SaveResult)

@@ -61,7 +61,7 @@ def case_stage_fails(root: Path, rank: int) -> None:
     if rank == 1:
         torch.empty = failing_empty
     try:
-        ucp_zarr.save({"w": _rows(rank)}, root / "stage_fails", async_save=True).result()
+        ucp_zarr.async_save({"w": _rows(rank)}, root / "stage_fails").result()
     finally:
         torch.empty = original
 
@@ -160,7 +160,7 @@ def case_async_subgroups(root: Path, rank: int) -> None:
             half = torch.full((4, 16), float(rank))
             sd = {"w": ucp_zarr.Shard(half, (8, 16), (4 * sub_rank, 0)), "step": 7}
             path = root / f"async_group{stage}"
-            fut = ucp_zarr.save(sd, path, process_group=groups[stage], async_save=True, async_group=given[stage])
+            fut = ucp_zarr.async_save(sd, path, process_group=groups[stage], async_group=given[stage])
             result = fut.result(timeout=PROMPT_S * 3)
             assert isinstance(result, ucp_zarr.SaveResult) and result.rank == sub_rank
             want = torch.cat([torch.full((4, 16), float(2 * stage + i)) for i in range(2)])
@@ -178,7 +178,7 @@ def case_async_given_group(root: Path, rank: int) -> None:
     import torch.distributed as dist
 
     background = dist.new_group(backend="gloo")
-    fut = ucp_zarr.save({"w": _rows(rank)}, root / "async_given", async_save=True, async_group=background)
+    fut = ucp_zarr.async_save({"w": _rows(rank)}, root / "async_given", async_group=background)
     fut.result(timeout=PROMPT_S * 3)
     assert torch.equal(ucp_zarr.open(root / "async_given")["w"][2 * rank : 2 * rank + 2], _rows(rank).local)
 

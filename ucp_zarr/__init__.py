@@ -35,7 +35,7 @@ from .version import __version__
 
 if TYPE_CHECKING:
     from .adapters.dcp import ZarrStorageReader, ZarrStorageWriter
-    from .api import save, wait_for_pending_save
+    from .api import async_save, save, wait_for_pending_save
     from .protocol.checkpoint import Checkpoint, TensorView, open
     from .converters import convert, export
     from .protocol.fragments import FlatShard, PerRank, Placed, Shard
@@ -54,6 +54,7 @@ _LAZY = {
     "IncompatibleKeysWarning": ".protocol.loader",
     "load": ".protocol.loader",
     "read_state_dict": ".protocol.read_state",
+    "async_save": ".api",
     "save": ".api",
     "wait_for_pending_save": ".api",
     "Checkpoint": ".protocol.checkpoint",
@@ -124,6 +125,7 @@ __all__ = [
     "optimal_interval",
     "place",
     "read_state_dict",
+    "async_save",
     "save",
     "wait_for_pending_save",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Mapping
 
@@ -73,11 +74,8 @@ def save(
     digests of every document and array, and per-chunk SHA-256 in every shard), so that
     ``load``/``open``/``verify`` with the key refuse any change.
 
-    With ``async_save`` the call returns a :class:`~concurrent.futures.Future` after copying
-    the state into host memory; writing and commit happen in the background, over
-    ``async_group`` (a group of the same ranks reserved for checkpointing, as DCP asks) or
-    else a gloo group created once, by the ranks of ``process_group`` only. Errors surface
-    on the future. Any save first waits for the previous one.
+    ``async_save=True`` is deprecated (it will be removed in the next release): call
+    :func:`async_save`, which returns the future, as DCP's ``async_save`` does.
 
     Optimizer state keyed by parameter number (a plain ``optimizer.state_dict()``) is
     stored beside its parameter, in the parameter's Zarr group, when the names are
@@ -85,23 +83,57 @@ def save(
     carry ``param_names``), or ``model`` is given and the optimizer was built from
     ``model.parameters()``. Keys do not change (``optim.state.0.exp_avg``).
 
-    Returns (or resolves to) this rank's :class:`~ucp_zarr.protocol.saver.SaveResult`.
+    Returns this rank's :class:`~ucp_zarr.protocol.saver.SaveResult`.
     """
+    if async_save:
+        warnings.warn(
+            "ucp_zarr.save(..., async_save=True) is deprecated and will be removed in the next release: "
+            "call ucp_zarr.async_save(...), which returns the future",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return _async_save(
+            state_dict, path, process_group=process_group, storage_options=storage_options, async_group=async_group,
+            overwrite=overwrite, overwrite_incomplete=overwrite_incomplete, hmac_key=hmac_key,
+            chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, max_workers=max_workers, lease_s=lease_s, model=model,
+            unsafe_non_exclusive_store=unsafe_non_exclusive_store,
+        )
     wait_for_pending_save()
     comm = Comm(process_group)
-    options = SaveOptions(
-        chunk_bytes=chunk_bytes,
-        shard_bytes=shard_bytes,
-        max_workers=max_workers,
-        overwrite=overwrite,
-        overwrite_incomplete=overwrite_incomplete,
-        lease_s=lease_s,
-        hmac_key=hmac_key,
-        unsafe_non_exclusive_store=unsafe_non_exclusive_store,
-    )
+    options = _options(chunk_bytes, shard_bytes, max_workers, overwrite, overwrite_incomplete, lease_s, hmac_key,
+                       unsafe_non_exclusive_store)
+    return prepare(lambda: collect(state_dict, model), open_store(path, storage_options), comm, options, copy=False).finish()
+
+
+def async_save(
+    state_dict: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    async_group: Any = None,
+    overwrite: bool = False,
+    overwrite_incomplete: bool = False,
+    hmac_key: bytes | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    max_workers: int = DEFAULT_WORKERS,
+    lease_s: float = DEFAULT_LEASE_S,
+    model: torch.nn.Module | None = None,
+    unsafe_non_exclusive_store: bool = False,
+) -> Future:
+    """:func:`save` in the background: returns a :class:`~concurrent.futures.Future` of this
+    rank's :class:`~ucp_zarr.protocol.saver.SaveResult` once the state is copied into host
+    memory (training may change it from then on); writing and commit happen in the
+    background, over ``async_group`` (a group of the same ranks reserved for checkpointing,
+    as DCP asks) or else a gloo group created once, by the ranks of ``process_group`` only.
+    Errors surface on the future. Any save first waits for the previous one. The other
+    arguments are :func:`save`'s."""
+    wait_for_pending_save()
+    comm = Comm(process_group)
+    options = _options(chunk_bytes, shard_bytes, max_workers, overwrite, overwrite_incomplete, lease_s, hmac_key,
+                       unsafe_non_exclusive_store)
     store = open_store(path, storage_options)
-    if not async_save:
-        return prepare(lambda: collect(state_dict, model), store, comm, options, copy=False).finish()
     background = comm
     if comm.active:
         background = Comm(async_group if async_group is not None else _background_group(process_group))
@@ -113,6 +145,25 @@ def save(
     with _pending_lock:
         _pending = _background.submit(_in_background, prepared.finish, background, _nice())
         return _pending
+
+
+_async_save = async_save  # (for save, whose keyword of that name hides the function)
+
+
+def _options(
+    chunk_bytes: int, shard_bytes: int, max_workers: int, overwrite: bool, overwrite_incomplete: bool,
+    lease_s: float, hmac_key: bytes | None, unsafe_non_exclusive_store: bool,
+) -> SaveOptions:
+    return SaveOptions(
+        chunk_bytes=chunk_bytes,
+        shard_bytes=shard_bytes,
+        max_workers=max_workers,
+        overwrite=overwrite,
+        overwrite_incomplete=overwrite_incomplete,
+        lease_s=lease_s,
+        hmac_key=hmac_key,
+        unsafe_non_exclusive_store=unsafe_non_exclusive_store,
+    )
 
 
 BACKGROUND_WRITERS = 1

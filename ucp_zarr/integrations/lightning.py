@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from ..api import save
+from ..api import async_save, save
 from ..protocol.read_state import read_state_dict
 from ..errors import CheckpointError, NotJSONableError
 from ..ops.steps import delete_step, is_committed
@@ -105,8 +105,9 @@ class ZarrCheckpointIO(CheckpointIO):
         with self._lock:
             self._wait()
             try:
-                out = save(checkpoint, path, overwrite=True, process_group=self._group(), storage_options=self.storage_options,
-                           hmac_key=self.hmac_key, async_save=self.async_save, **self.save_options)
+                out = (async_save if self.async_save else save)(
+                    checkpoint, path, overwrite=True, process_group=self._group(), storage_options=self.storage_options,
+                    hmac_key=self.hmac_key, **self.save_options)
             except NotJSONableError as e:
                 raise NotJSONableError(
                     f"{e}. ucp_zarr stores no pickles: keep it out of Lightning's checkpoint "

@@ -180,9 +180,9 @@ class CheckpointManager:
         """Save ``state_dict`` as ``step`` (every rank calls it); ``save_kwargs`` go to
         :func:`ucp_zarr.save`. Waits for the previous async save first and raises its error.
 
-        Returns the :class:`SaveMetrics`, or with ``async_save`` a future of them, resolved
+        Returns the :class:`SaveMetrics`, or with ``async_save`` (:func:`ucp_zarr.async_save`) a future of them, resolved
         after the commit and retention (its error also surfaces on the next call)."""
-        from ..api import save as save_checkpoint
+        from ..api import async_save as save_in_background, save as save_checkpoint
 
         self._check_open()
         step_name(step)  # (validates)
@@ -191,8 +191,8 @@ class CheckpointManager:
             self._clear_leftovers(step)
         url = self.path(step)
         t0 = time.perf_counter()
-        out = save_checkpoint(
-            state_dict, url, process_group=self.process_group, storage_options=self.storage_options, async_save=async_save, **save_kwargs
+        out = (save_in_background if async_save else save_checkpoint)(
+            state_dict, url, process_group=self.process_group, storage_options=self.storage_options, **save_kwargs
         )
         blocking = time.perf_counter() - t0
         self._saved(step, blocking)
