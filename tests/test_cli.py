@@ -125,7 +125,7 @@ def test_ls(capsys, paths) -> None:
     w = next(line.split() for line in lines if line.startswith("model.layers.0.weight "))
     row = next(r for r in I.list_tensors(ucp_zarr.open(paths["a"])) if r.key == "model.layers.0.weight")
     assert w == ["model.layers.0.weight", "40x30", "float32", "4.7", "KiB", "x".join(map(str, row.chunks)), str(row.shards)]
-    assert lines[-1] == f"5 tensors, {ucp_zarr.protocol.checkpoint._human(ucp_zarr.open(paths['a']).nbytes())}"
+    assert lines[-1] == f"5 tensors, {ucp_zarr.protocol.reader.human_bytes(ucp_zarr.open(paths['a']).nbytes())}"
     rc, data = run_json(capsys, "ls", paths["a"], "model.layers.*")
     assert rc == 0 and [d["key"] for d in data] == ["model.layers.0.weight", "model.layers.0.bias", "model.layers.1.weight"]
     assert data[1] == next(r for r in I.list_tensors(ucp_zarr.open(paths["a"])) if r.key == "model.layers.0.bias").to_dict()

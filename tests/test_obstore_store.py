@@ -89,7 +89,7 @@ def test_a_whole_object_of_a_known_size_is_one_request(store: O.ObstoreStore) ->
 def test_a_load_of_whole_shards_makes_one_request_per_shard(seaweed, monkeypatch) -> None:
     """Without a whole read, each shard larger than a small one (read whole anyway) takes two
     requests (its index from the end, then its chunks), one after the other."""
-    from ucp_zarr.protocol.checkpoint import WHOLE_SHARD_BYTES
+    from ucp_zarr.protocol.reader import WHOLE_SHARD_BYTES
 
     url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
     w = torch.randn(4 * (WHOLE_SHARD_BYTES // 4096 + 1), 1024)

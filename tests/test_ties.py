@@ -18,7 +18,7 @@ import torch
 from _dist import run
 
 import ucp_zarr
-from ucp_zarr.protocol.checkpoint import Checkpoint
+from ucp_zarr.protocol.reader import CheckpointReader
 
 
 class TiedLM(torch.nn.Module):
@@ -66,14 +66,14 @@ def test_a_load_fills_tied_memory_once_and_untied_targets_both(tmp_path: Path, m
     model, opt = _trained()
     ucp_zarr.save({"model": model.state_dict()}, tmp_path / "ck")
     filled: list[str] = []
-    read = Checkpoint.read
+    read = CheckpointReader.read
 
-    def counting(self: Checkpoint, key: str, *args: object, **kw: object) -> torch.Tensor:
+    def counting(self: CheckpointReader, key: str, *args: object, **kw: object) -> torch.Tensor:
         if kw.get("out") is not None:
             filled.append(key)
         return read(self, key, *args, **kw)
 
-    monkeypatch.setattr(Checkpoint, "read", counting)
+    monkeypatch.setattr(CheckpointReader, "read", counting)
     fresh = TiedLM()
     ucp_zarr.load({"model": fresh.state_dict()}, tmp_path / "ck")  # strict: both keys are the checkpoint's
     assert fresh.head.weight is fresh.emb.weight and torch.equal(fresh.emb.weight, model.emb.weight)

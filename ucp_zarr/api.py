@@ -1,5 +1,5 @@
 """The Python face: :func:`save` and :func:`load` (``load`` lives in :mod:`.protocol.loader`, ``open`` in
-:mod:`.protocol.checkpoint`)."""
+:mod:`.checkpoint`)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ import textwrap
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from .protocol.checkpoint import _human
+from .protocol.reader import human_bytes
 from .errors import (
     CheckpointError,
     FormatError,
@@ -36,7 +36,7 @@ from .errors import (
 from .cli_output import UsageError, _emit, _num, _open, _progress, _table
 
 if TYPE_CHECKING:
-    from .protocol.checkpoint import Checkpoint
+    from .checkpoint import Checkpoint
     from .io.store import Store
 
 EXAMPLES = """\
@@ -299,12 +299,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         _emit([r.to_dict() for r in rows])
         return 0
     table = [
-        [r.key, "x".join(map(str, r.shape)) or "()", r.dtype, _human(r.nbytes), "x".join(map(str, r.chunks)) or "()",
+        [r.key, "x".join(map(str, r.shape)) or "()", r.dtype, human_bytes(r.nbytes), "x".join(map(str, r.chunks)) or "()",
          str(r.shards) + (f" x {len(r.ranks)} ranks" if r.ranks else "")]
         for r in rows
     ]
     print(_table(["key", "shape", "dtype", "size", "chunks", "shards"], table, right={3}))
-    print(f"{len(rows)} tensors, {_human(sum(r.nbytes for r in rows))}")
+    print(f"{len(rows)} tensors, {human_bytes(sum(r.nbytes for r in rows))}")
     return 0
 
 
@@ -343,7 +343,7 @@ def _steps_table(args: argparse.Namespace, steps: list[Any]) -> int:
         _emit([dataclasses.asdict(s) for s in steps])
         return 0
     rows = [
-        [str(s.step), s.state, "-" if s.nbytes is None else _human(s.nbytes), _num(s.tensors), _num(s.world_size),
+        [str(s.step), s.state, "-" if s.nbytes is None else human_bytes(s.nbytes), _num(s.tensors), _num(s.world_size),
          ",".join(s.layout) or "-", s.created or "-", s.path]
         for s in steps
     ]
@@ -356,7 +356,7 @@ def _checkpoints_under(store: "Store", storage_options: dict[str, Any] | None) -
     """The checkpoints in the folders below ``store`` (at most ``FIND_DEPTH`` levels, hidden
     ones skipped, none inside another): (relative path, :class:`Checkpoint` or the
     :class:`IncompleteCheckpointError` of one that was never committed), by path."""
-    from .protocol.checkpoint import open_store_checkpoint
+    from .checkpoint import open_store_checkpoint
     from .format.documents import METADATA_FILE
     from .io.factory import open_store
     from .protocol.liveness import MARKER
@@ -391,7 +391,7 @@ def _found_table(args: argparse.Namespace, store: "Store", found: list[tuple[str
         return 0
     print(_table(
         ["path", "state", "step", "size", "tensors", "ranks", "created"],
-        [[r["path"], r["state"], _num(r.get("step")), "-" if "nbytes" not in r else _human(r["nbytes"]),
+        [[r["path"], r["state"], _num(r.get("step")), "-" if "nbytes" not in r else human_bytes(r["nbytes"]),
           _num(r.get("tensors")), _num(r.get("world_size")), r.get("created") or "-"] for r in rows],
         right={2, 3, 4, 5},
     ))

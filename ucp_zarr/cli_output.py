@@ -11,7 +11,7 @@ from typing import Any, Collection, Iterator, TYPE_CHECKING
 
 
 if TYPE_CHECKING:
-    from .protocol.checkpoint import Checkpoint
+    from .checkpoint import Checkpoint
 
 
 class UsageError(Exception):
@@ -22,7 +22,7 @@ class UsageError(Exception):
 
 
 def _open(path: str, args: argparse.Namespace) -> "Checkpoint":
-    from .protocol.checkpoint import open as open_checkpoint
+    from .checkpoint import open as open_checkpoint
 
     return open_checkpoint(path, storage_options=args.storage_options, hmac_key=_key(args))
 

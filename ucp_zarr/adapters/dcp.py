@@ -94,7 +94,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..protocol.checkpoint import Checkpoint, open_store_checkpoint
+from ..protocol.reader import CheckpointReader, open_store_reader
 from ..protocol.distributed import Comm
 from ..format.dtypes import stored_dtype_by_name
 from ..protocol.fragments import Fragment
@@ -371,12 +371,12 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
     def _fresh(self) -> None:
         self.load_id = uuid.uuid4().hex
         self.rank: int | None = None
-        self._ck: Checkpoint | None = None
+        self._ck: CheckpointReader | None = None
         self._blobs: frozenset[str] = frozenset()
 
-    def _checkpoint(self) -> Checkpoint:
+    def _checkpoint(self) -> CheckpointReader:
         if self._ck is None:
-            self._ck = open_store_checkpoint(open_store(self.path, self.storage_options))
+            self._ck = open_store_reader(open_store(self.path, self.storage_options))
         return self._ck
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

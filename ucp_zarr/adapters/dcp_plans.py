@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..protocol.checkpoint import Checkpoint
+from ..protocol.reader import CheckpointReader
 from ..errors import FormatError
 from ..format.documents import CheckpointMeta
 from ..protocol.fragments import Fragment
@@ -136,7 +136,7 @@ def _original_value(planner: SavePlanner, item: WriteItem) -> Any:
 _MISSING = object()
 
 
-def _saved_value(ck: Checkpoint, fqn: str, rank: int) -> Any:
+def _saved_value(ck: CheckpointReader, fqn: str, rank: int) -> Any:
     if fqn in ck.meta.values:
         return ck.meta.values[fqn]
     per_rank = ck.meta.rank_values.get(fqn)
@@ -205,7 +205,7 @@ def _read_dcp_layout(meta: CheckpointMeta, url: str) -> tuple[dict[str, tuple[st
     return planner_data, frozenset(blobs)
 
 
-def _read_into(ck: Checkpoint, fqn: str, box: Box, target: torch.Tensor, rank: int | None) -> None:
+def _read_into(ck: CheckpointReader, fqn: str, box: Box, target: torch.Tensor, rank: int | None) -> None:
     with torch.no_grad():
         ck.read(fqn, box, out=target, rank=rank)
 

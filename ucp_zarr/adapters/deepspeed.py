@@ -95,7 +95,7 @@ import torch
 
 from ..api import load as ucp_load
 from ..api import wait_for_pending_save
-from ..protocol.checkpoint import open as open_checkpoint
+from ..protocol.reader import open_reader
 from ..protocol.distributed import Comm, describe
 from ..format.dtypes import stored_dtype_by_name
 from ..errors import KeyMismatchError, LayoutError, agreed_error
@@ -173,7 +173,7 @@ def load_checkpoint(engine: Any, path: str | os.PathLike[str], *, load_optimizer
     plan: _LoadPlan | None = None
     error: BaseException | None = None
     try:
-        ck = open_checkpoint(path, storage_options=load_kwargs.get("storage_options"), hmac_key=load_kwargs.get("hmac_key"))
+        ck = open_reader(path, storage_options=load_kwargs.get("storage_options"), hmac_key=load_kwargs.get("hmac_key"))
         plan = _load_plan(layout, ck, load_optimizer_states, strict)
     except BaseException as e:  # noqa: BLE001 - every rank must learn of it
         error = e

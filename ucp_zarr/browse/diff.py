@@ -11,8 +11,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from ..protocol.checkpoint import Checkpoint
-from ..protocol.checkpoint import open as open_checkpoint
+from ..protocol.reader import CheckpointReader, open_reader
 from .inspect import _json_float, matches, select_keys
 from .values import MAX_BYTES, Progress, _PIECE, _value_itemsize, block_boxes, block_shape, widen
 
@@ -124,8 +123,8 @@ class CheckpointDiff:
         return diff_html(self)
 
 
-def _as_checkpoint(x: Checkpoint | str | os.PathLike[str], storage_options: dict[str, Any] | None) -> Checkpoint:
-    return x if isinstance(x, Checkpoint) else open_checkpoint(x, storage_options=storage_options)
+def _as_checkpoint(x: CheckpointReader | str | os.PathLike[str], storage_options: dict[str, Any] | None) -> CheckpointReader:
+    return x if isinstance(x, CheckpointReader) else open_reader(x, storage_options=storage_options)
 
 
 def _bits(raw: np.ndarray) -> np.ndarray:
@@ -223,7 +222,7 @@ def _max_finite_abs(w: np.ndarray) -> float:
 
 
 def _compare(
-    a: Checkpoint, b: Checkpoint, key: str, rank: int | None, max_bytes: int, tick: Callable[[int], None]
+    a: CheckpointReader, b: CheckpointReader, key: str, rank: int | None, max_bytes: int, tick: Callable[[int], None]
 ) -> DiffRow:
     ma, mb = a.array_meta(key, rank), b.array_meta(key, rank)
     dta, dtb = ma.dtype.name, mb.dtype.name
@@ -241,8 +240,8 @@ def _compare(
     return cmp.row(key, "equal" if dta == dtb else "dtype", ma.shape, dta, dtb, rank)
 
 
-def _diff_values(a: Checkpoint, b: Checkpoint, patterns: list[str] | None) -> list[ValueDiff]:
-    def flat(ck: Checkpoint) -> dict[str, Any]:
+def _diff_values(a: CheckpointReader, b: CheckpointReader, patterns: list[str] | None) -> list[ValueDiff]:
+    def flat(ck: CheckpointReader) -> dict[str, Any]:
         out = dict(ck.meta.values)
         for k, per in ck.meta.rank_values.items():
             out.update({f"{k} (rank {r})": v for r, v in per.items()})
@@ -261,8 +260,8 @@ def _diff_values(a: Checkpoint, b: Checkpoint, patterns: list[str] | None) -> li
 
 
 def diff(
-    a: Checkpoint | str | os.PathLike[str],
-    b: Checkpoint | str | os.PathLike[str],
+    a: CheckpointReader | str | os.PathLike[str],
+    b: CheckpointReader | str | os.PathLike[str],
     *,
     keys: str | Iterable[str] | None = None,
     max_bytes: int = MAX_BYTES,

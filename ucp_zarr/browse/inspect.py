@@ -1,6 +1,6 @@
 """Looking into checkpoints without torch: listings, values block by block, statistics, diffs.
 
-Pure functions on a :class:`~ucp_zarr.Checkpoint` (the CLI and the Jupyter reprs are thin
+Pure functions on a :class:`~ucp_zarr.protocol.reader.CheckpointReader` (the CLI and the Jupyter reprs are thin
 faces over them). Memory stays bounded by ``max_bytes`` (or one chunk, when a chunk is
 larger) whatever the tensor's size, and torch is never imported: values come as numpy,
 bfloat16 and float8 widened to float32 (:func:`widen`), other dtypes as stored.
@@ -13,11 +13,11 @@ import math
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from ..protocol.checkpoint import Checkpoint
+from ..protocol.reader import CheckpointReader
 from .values import MAX_BYTES, Progress, _PIECE, iter_blocks
 
 
@@ -62,7 +62,7 @@ def matches(key: str, pattern: str | None) -> bool:
     return key == pattern or key.startswith(pattern + ".")
 
 
-def select_keys(ck: Checkpoint, patterns: Iterable[str] | None) -> list[str]:
+def select_keys(ck: CheckpointReader, patterns: Iterable[str] | None) -> list[str]:
     """The keys of ``ck`` selected by any of ``patterns`` (see :func:`matches`), in order."""
     if patterns is None:
         return ck.keys()
@@ -78,7 +78,7 @@ def select_keys(ck: Checkpoint, patterns: Iterable[str] | None) -> list[str]:
     return [k for k in ck.keys() if hit(k)]
 
 
-def list_tensors(ck: Checkpoint, pattern: str | None = None) -> list[TensorRow]:
+def list_tensors(ck: CheckpointReader, pattern: str | None = None) -> list[TensorRow]:
     """The tensors of ``ck`` selected by ``pattern`` (see :func:`matches`; None: all), with
     their chunking (each array's document is read once, checked against its digest)."""
     keys = select_keys(ck, None if pattern is None else [pattern])
@@ -96,7 +96,7 @@ def list_tensors(ck: Checkpoint, pattern: str | None = None) -> list[TensorRow]:
         return list(pool.map(row, keys))
 
 
-def checkpoint_info(ck: Checkpoint) -> dict[str, Any]:
+def checkpoint_info(ck: CheckpointReader) -> dict[str, Any]:
     """A checkpoint's facts as JSON data: where, step, size, saving layout, values, tensors."""
     meta = ck.meta
     return {
@@ -185,6 +185,9 @@ class CheckpointSummary:
     dtypes: list[SummaryRow]
     """By dtype, largest first."""
     total: SummaryRow
+    html: Callable[["CheckpointSummary"], str] | None = field(default=None, repr=False, compare=False)
+    """What renders it in Jupyter (``ck.summary()`` gives :func:`ucp_zarr.browse.notebook.summary_html`):
+    the statistics never import the HTML layer."""
 
     @property
     def parameters(self) -> int:
@@ -200,16 +203,16 @@ class CheckpointSummary:
         return (f"<CheckpointSummary {self.url}: {t.model:,} model values, {t.optimizer:,} optimizer values, "
                 f"{t.other:,} other, {t.nbytes:,} bytes; {len(self.modules)} modules at depth {self.depth}>")
 
-    def _repr_html_(self) -> str:
-        from .notebook import summary_html
-
-        return summary_html(self)
+    def _repr_html_(self) -> str | None:
+        return None if self.html is None else self.html(self)
 
 
-def checkpoint_summary(ck: Checkpoint, depth: int = 2) -> CheckpointSummary:
+def checkpoint_summary(
+    ck: CheckpointReader, depth: int = 2, *, html: Callable[[CheckpointSummary], str] | None = None
+) -> CheckpointSummary:
     """Elements (model, optimizer, other) and bytes of ``ck`` by module (each tensor's
     parameter group, cut to ``depth`` names by :func:`module_of`) and by dtype. Reads the
-    commit record only."""
+    commit record only. ``html`` renders it in Jupyter."""
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ValueError(f"depth is a positive integer (how many names of the FQN make a module), got {depth!r}")
     modules: dict[str, SummaryRow] = {}
@@ -221,7 +224,7 @@ def checkpoint_summary(ck: Checkpoint, depth: int = 2) -> CheckpointSummary:
         for row in (modules.setdefault(name, SummaryRow(name)), dtypes.setdefault(e.dtype, SummaryRow(e.dtype)), total):
             row.add(*args)
     return CheckpointSummary(ck.store.url, depth, list(modules.values()),
-                             sorted(dtypes.values(), key=lambda r: -r.nbytes), total)
+                             sorted(dtypes.values(), key=lambda r: -r.nbytes), total, html)
 
 
 # --- statistics ---------------------------------------------------------------------------
@@ -247,6 +250,8 @@ class TensorStats:
     norm: float
     nan: int
     inf: int
+    html: Callable[["TensorStats"], str] | None = field(default=None, repr=False, compare=False)
+    """What renders it in Jupyter (``view.stats()`` gives :func:`ucp_zarr.browse.notebook.stats_html`)."""
 
     @property
     def finite(self) -> int:
@@ -259,10 +264,8 @@ class TensorStats:
             "inf": self.inf,
         }
 
-    def _repr_html_(self) -> str:
-        from .notebook import stats_html
-
-        return stats_html(self)
+    def _repr_html_(self) -> str | None:
+        return None if self.html is None else self.html(self)
 
 
 def _json_float(x: float | None) -> float | str | None:
@@ -313,10 +316,11 @@ def _plain(x: Any) -> float | int | None:
 
 
 def tensor_stats(
-    ck: Checkpoint, key: str, *, max_bytes: int = MAX_BYTES, rank: int | None = None, progress: Progress | None = None
+    ck: CheckpointReader, key: str, *, max_bytes: int = MAX_BYTES, rank: int | None = None, progress: Progress | None = None,
+    html: Callable[[TensorStats], str] | None = None,
 ) -> TensorStats:
     """Statistics of tensor ``key`` (see :class:`TensorStats`), computed block by block in
-    float64 with memory bounded by about ``max_bytes``."""
+    float64 with memory bounded by about ``max_bytes``; ``html`` renders them in Jupyter."""
     meta = ck.array_meta(key, rank)
     dtype = meta.dtype.name
     m = _Moments()
@@ -347,7 +351,7 @@ def tensor_stats(
     return TensorStats(
         key=key, shape=meta.shape, dtype=dtype, count=math.prod(meta.shape), min=_plain(m.lo), max=_plain(m.hi),
         mean=m.mean if m.n else None, std=math.sqrt(m.m2 / m.n) if m.n else None, norm=math.sqrt(m.sq),
-        nan=nan, inf=inf,
+        nan=nan, inf=inf, html=html,
     )
 
 
@@ -370,7 +374,7 @@ class ValueRange:
     skipped: int
 
 
-def value_range(ck: Checkpoint, key: str, *, max_bytes: int = MAX_BYTES) -> ValueRange:
+def value_range(ck: CheckpointReader, key: str, *, max_bytes: int = MAX_BYTES) -> ValueRange:
     """The range of tensor ``key``'s finite values, streamed block by block."""
     lo, hi, skipped, count = math.inf, -math.inf, 0, 0
     for _, block in iter_blocks(ck, key, max_bytes=max_bytes):
@@ -392,7 +396,7 @@ def histogram_edges(lo: float | None, hi: float | None, bins: int) -> np.ndarray
     return np.linspace(lo, hi, bins + 1)
 
 
-def histogram_counts(ck: Checkpoint, key: str, edges: np.ndarray, *, max_bytes: int = MAX_BYTES) -> np.ndarray:
+def histogram_counts(ck: CheckpointReader, key: str, edges: np.ndarray, *, max_bytes: int = MAX_BYTES) -> np.ndarray:
     """How many finite values of tensor ``key`` fall in each bin of ``edges`` (as
     :func:`numpy.histogram` counts them), streamed block by block."""
     counts = np.zeros(len(edges) - 1, dtype=np.int64)

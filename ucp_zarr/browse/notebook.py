@@ -1,6 +1,6 @@
 """The Jupyter face: rich HTML for checkpoints, tensors, statistics and diffs, and plots.
 
-A thin layer over :class:`~ucp_zarr.protocol.checkpoint.Checkpoint` and :mod:`ucp_zarr.browse.inspect`:
+A thin layer over :class:`~ucp_zarr.Checkpoint` and :mod:`ucp_zarr.browse.inspect`:
 
 * :func:`checkpoint_html` (``Checkpoint._repr_html_``: facts, values and bytes by module and
   dtype, the tree of groups with a filter box), :class:`CheckpointTree` (``ck.tree(filter)``),
@@ -29,12 +29,11 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Collection, Sequence, TYPE_CHECKING
 
+from .inspect import CheckpointSummary, SummaryRow, TensorStats, checkpoint_summary, group_of
+
 if TYPE_CHECKING:
-
-
-    from ..protocol.checkpoint import Checkpoint, TensorView
+    from ..checkpoint import Checkpoint, TensorView
     from ..format.documents import ArrayMeta, Region, TensorEntry
-    from .inspect import CheckpointSummary, SummaryRow, TensorStats
 
 MAX_ROWS = 200
 """Array rows a checkpoint's tree shows in full; further groups show their totals only."""
@@ -161,8 +160,6 @@ def checkpoint_tree(ck: "Checkpoint", keys: "Collection[str] | None" = None) -> 
     """The checkpoint's tensors (those of ``keys``, if given) as a tree of their Zarr groups (one
     group per parameter, which holds its optimizer moments too), group names split at dots,
     single-child chains merged."""
-    from .inspect import group_of
-
     root = _Node("")
     for key, entry in ck.meta.tensors.items():
         if keys is not None and key not in keys:
@@ -287,8 +284,6 @@ def checkpoint_html(ck: "Checkpoint", *, max_rows: int = MAX_ROWS, max_nodes: in
     ``max_nodes`` groups and modules (the rest are summed up), so the HTML stays small for
     any checkpoint. Reads metadata only: the commit record (with its consolidated copy of
     the arrays' ``zarr.json``)."""
-    from .inspect import checkpoint_summary
-
     tree = checkpoint_tree(ck)
     head = f"<div><b>ucp_zarr checkpoint</b> <code>{_e(ck.store.url)}</code></div>"
     facts = _facts_html(ck, tree.nbytes, checkpoint_summary(ck))
@@ -327,8 +322,6 @@ class CheckpointTree:
 
     def __init__(self, ck: "Checkpoint", filter: str | None = None, *, max_rows: int = MAX_ROWS,
                  max_nodes: int = MAX_NODES) -> None:
-        from .inspect import group_of
-
         self.checkpoint = ck
         self.filter = filter
         self.max_rows, self.max_nodes = max_rows, max_nodes
@@ -376,8 +369,6 @@ def _summary_row(row: "SummaryRow", total: int, label: str, dtypes: bool) -> str
 
 
 def _summary_tables(summary: "CheckpointSummary", max_rows: int = MAX_SUMMARY_ROWS) -> str:
-    from .inspect import SummaryRow
-
     total = summary.total.nbytes
     head = ("<th>tensors</th><th>model</th><th>optimizer</th><th>other</th><th>bytes</th><th>share</th>")
     rows = [_summary_row(r, total, f"<code>{_e(r.name)}</code>" if r.name else "<span class='dim'>(top level)</span>", True)

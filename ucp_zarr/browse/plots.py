@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
     from matplotlib.axes import Axes
 
-    from ..protocol.checkpoint import Checkpoint, TensorView
+    from ..checkpoint import Checkpoint, TensorView
     from .diff import CheckpointDiff
     from .runs import StepHistograms, StepSeries
 
@@ -117,7 +117,7 @@ def plot_histogram(ck_or_view: "Checkpoint | TensorView", key: str | None = None
     """The histogram of a tensor's finite values, streamed block by block in two passes (range,
     then counts), so memory stays bounded by ``max_bytes`` whatever the tensor's size.
 
-    Pass a :class:`~ucp_zarr.protocol.checkpoint.TensorView`, or a checkpoint and ``key``."""
+    Pass a :class:`~ucp_zarr.TensorView`, or a checkpoint and ``key``."""
     from .inspect import histogram_counts, histogram_edges, value_range
 
     if key is None:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ..protocol.checkpoint import Checkpoint, _index_to_box
+from ..protocol.reader import CheckpointReader, index_to_box
 from ..format.dtypes import stored_dtype_by_name
 from ..layout import Box
 
@@ -66,7 +66,7 @@ def _fp8_table(name: str) -> np.ndarray:
 
 
 def widen(raw: np.ndarray, dtype: str) -> np.ndarray:
-    """Stored values (:meth:`Checkpoint.read_numpy`) of torch dtype ``dtype`` (a name) as numpy
+    """Stored values (:meth:`CheckpointReader.read_numpy`) of torch dtype ``dtype`` (a name) as numpy
     numbers: bfloat16 and float8 bits become float32 (exactly); other dtypes come back as is."""
     if dtype == "bfloat16":
         wide = raw.astype(np.uint32)
@@ -118,14 +118,14 @@ def block_boxes(shape: tuple[int, ...], block: tuple[int, ...]) -> Iterator[Box]
         yield Box(tuple(offset), tuple(min(b, n - o) for o, b, n in zip(offset, block, shape)))
 
 
-def _blocks_of(ck: Checkpoint, key: str, max_bytes: int, rank: int | None) -> tuple[Box, ...]:
+def _blocks_of(ck: CheckpointReader, key: str, max_bytes: int, rank: int | None) -> tuple[Box, ...]:
     meta = ck.array_meta(key, rank)
     return tuple(block_boxes(meta.shape, block_shape(meta.shape, meta.grid.chunk_shape,
                                                      _value_itemsize(meta.dtype.name), max_bytes)))
 
 
 def iter_blocks(
-    ck: Checkpoint, key: str, *, max_bytes: int = MAX_BYTES, rank: int | None = None
+    ck: CheckpointReader, key: str, *, max_bytes: int = MAX_BYTES, rank: int | None = None
 ) -> Iterator[tuple[Box, np.ndarray]]:
     """Tensor ``key`` in chunk-aligned blocks of at most about ``max_bytes`` (at least one
     chunk), row-major: ``(box, values)`` with values as numpy (bf16/float8 widened to float32,
@@ -195,5 +195,5 @@ def format_index(index: Index) -> str:
 def selection_shape(shape: tuple[int, ...], index: Index) -> tuple[int, ...]:
     """The shape of ``tensor[index]`` for a tensor of ``shape`` (:class:`IndexError` when an
     index is out of bounds or there are too many)."""
-    box, post = _index_to_box(index, shape)
+    box, post = index_to_box(index, shape)
     return tuple(-(-n // abs(p.step)) for n, p in zip(box.shape, post) if isinstance(p, slice))

@@ -28,7 +28,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-from ..protocol.checkpoint import open as open_checkpoint
+from ..protocol.reader import open_reader
 from ..errors import ConversionError, Keyword
 from ..format.safe_paths import check_no_links_under
 from ..protocol.saver import SaveOptions, SaveResult
@@ -135,7 +135,7 @@ def export(
     * ``dcp``: ``block_bytes``, ``keys``; ``ds-universal``: ``tag``."""
     if to not in TARGETS:
         raise ConversionError(f"unknown export format {to!r} (known: {sorted(TARGETS)})")
-    ck = open_checkpoint(src, storage_options=storage_options)
+    ck = open_reader(src, storage_options=storage_options)
     module = importlib.import_module(f".{TARGETS[to]}", __name__)
     return module.write(ck, Path(dst), overwrite=overwrite, progress=_running_total(progress, ck.nbytes()), **options)
 

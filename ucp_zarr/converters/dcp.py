@@ -41,7 +41,7 @@ from typing import IO, Any, Callable, Iterator
 
 import torch
 
-from ..protocol.checkpoint import Checkpoint
+from ..protocol.reader import CheckpointReader
 from ..errors import ConversionError, Keyword, NotJSONableError, UntrustedInputError
 from ..layout import Box
 from ..format.safe_paths import inside_relative
@@ -483,7 +483,7 @@ def _value(s: _Stored, fqn: str, key: str, trust: bool) -> Any:
 
 
 def write(
-    ck: Checkpoint,
+    ck: CheckpointReader,
     dst: Path,
     *,
     overwrite: bool = False,

@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from ..protocol.checkpoint import Checkpoint
+from ..protocol.reader import CheckpointReader
 from ..errors import ConversionError
 from ..layout import Box
 from ..layout.groups import sub_ranges
@@ -71,7 +71,7 @@ Names = Mapping[str, "str | None"] | Callable[[str], "str | None"] | str | None
 
 
 def write(
-    ck: Checkpoint,
+    ck: CheckpointReader,
     dst: Path,
     *,
     overwrite: bool = False,
@@ -142,7 +142,7 @@ def shard_size(size: int | str) -> int:
     return value
 
 
-def _master(ck: Checkpoint, key: str, prefix: str, keys: list[str]) -> str:
+def _master(ck: CheckpointReader, key: str, prefix: str, keys: list[str]) -> str:
     """The fp32 master of weight ``key`` (``<optimizer>.state.<name>.fp32``), else ``key``."""
     tail = f".state.{key[len(prefix):]}.fp32"
     found = [k for k in keys if k.endswith(tail) and k.split(".", 1)[0] in NOT_MODEL and k[: -len(tail)].count(".") == 0]
@@ -151,7 +151,7 @@ def _master(ck: Checkpoint, key: str, prefix: str, keys: list[str]) -> str:
     return found[0] if found else key
 
 
-def _items(ck: Checkpoint, key: str, name: str, source: str, dtype: torch.dtype, lookup: "_Lookup") -> list[OutTensor]:
+def _items(ck: CheckpointReader, key: str, name: str, source: str, dtype: torch.dtype, lookup: "_Lookup") -> list[OutTensor]:
     """The tensors weight ``key`` (called ``name``, read from ``source``) is written as."""
     if not ck[source].dtype.is_floating_point:
         dtype = ck[source].dtype
@@ -171,7 +171,7 @@ def _items(ck: Checkpoint, key: str, name: str, source: str, dtype: torch.dtype,
     return [OutTensor(out, shape, dtype, lambda: (b.to(dtype) for b in blocks(ck, source)))]
 
 
-def _sub_tensor(ck: Checkpoint, key: str, rule: dict[str, Any], index: int, name: str, dtype: torch.dtype) -> OutTensor:
+def _sub_tensor(ck: CheckpointReader, key: str, rule: dict[str, Any], index: int, name: str, dtype: torch.dtype) -> OutTensor:
     """Sub-parameter ``index`` of the fused or grouped tensor ``key``, as ``name``."""
     shape, dim = tuple(ck[key].shape), int(rule["dim"])
     ranges = sub_ranges(int(rule.get("groups", 1)), [int(s) for s in rule["sizes"]], index)
@@ -179,7 +179,7 @@ def _sub_tensor(ck: Checkpoint, key: str, rule: dict[str, Any], index: int, name
     return OutTensor(name, out_shape, dtype, lambda: (b.to(dtype) for b in _sub_blocks(ck, key, shape, dim, ranges)))
 
 
-def _sub_blocks(ck: Checkpoint, key: str, shape: tuple[int, ...], dim: int, ranges: list[tuple[int, int]]) -> Iterator[torch.Tensor]:
+def _sub_blocks(ck: CheckpointReader, key: str, shape: tuple[int, ...], dim: int, ranges: list[tuple[int, int]]) -> Iterator[torch.Tensor]:
     """The ranges ``[a, b)`` along ``dim`` of tensor ``key``, concatenated, as flat row-major blocks."""
     if dim == 0:
         for a, b in ranges:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..protocol.checkpoint import Checkpoint
+from ..protocol.reader import CheckpointReader
 from ..errors import ConversionError
 from ..layout import Box
 from ..format.safe_paths import inside_relative
@@ -144,7 +144,7 @@ def _header(file: Path) -> tuple[dict[str, Any], int]:
 
 
 def write(
-    ck: Checkpoint,
+    ck: CheckpointReader,
     dst: Path,
     *,
     overwrite: bool = False,
@@ -257,7 +257,7 @@ def write_file(file: Path, items: list[OutTensor], metadata: dict[str, str], pro
                 raise ConversionError(f"tensor {t.name!r}: wrote {written} bytes, announced {t.nbytes}")
 
 
-def blocks(ck: Checkpoint, key: str, rows: tuple[int, int] | None = None) -> Iterator[torch.Tensor]:
+def blocks(ck: CheckpointReader, key: str, rows: tuple[int, int] | None = None) -> Iterator[torch.Tensor]:
     """Tensor ``key`` (rows ``[start, stop)`` of it along dim 0, when given) as flat blocks
     of about :data:`BLOCK_BYTES`, in row-major order."""
     view = ck[key]

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import Checkpoint
+from .reader import CheckpointReader
 from ..errors import LayoutError
 from .fragments import Fragment
 from .ties import memory_of
@@ -33,7 +33,7 @@ class _Read:
 # --- filling the targets ---------------------------------------------------------------------
 
 
-def fill(ck: Checkpoint, reads: list[_Read], rank: int, lossy: bool, max_workers: int) -> None:
+def fill(ck: CheckpointReader, reads: list[_Read], rank: int, lossy: bool, max_workers: int) -> None:
     """Fill every target of ``reads``, ``max_workers`` at a time; targets that share memory
     one after the other, then checked (see :func:`_fill_shared`)."""
     shared = shared_memory(reads)
@@ -44,7 +44,7 @@ def fill(ck: Checkpoint, reads: list[_Read], rank: int, lossy: bool, max_workers
         list(pool.map(lambda job: job(), jobs))
 
 
-def _read_fragment(ck: Checkpoint, r: _Read, rank: int, lossy: bool) -> None:
+def _read_fragment(ck: CheckpointReader, r: _Read, rank: int, lossy: bool) -> None:
     with torch.no_grad():
         for box, view in r.frag.pieces:
             ck.read(r.key, box, out=view, rank=rank if r.per_rank else None, allow_lossy_cast=lossy)
@@ -52,7 +52,7 @@ def _read_fragment(ck: Checkpoint, r: _Read, rank: int, lossy: bool) -> None:
             pad.zero_()
 
 
-def _fill_shared(ck: Checkpoint, reads: list[_Read], rank: int, lossy: bool) -> None:
+def _fill_shared(ck: CheckpointReader, reads: list[_Read], rank: int, lossy: bool) -> None:
     """Fill targets that share memory in turn (the same tensor under several keys, such as
     tied weights, once); then every one but the last (whose values were written last) must
     still show what the checkpoint holds for its key."""

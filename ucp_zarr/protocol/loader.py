@@ -18,7 +18,7 @@ from typing import Any, Mapping, MutableMapping, NamedTuple
 
 import torch
 
-from .checkpoint import Checkpoint, check_destination, open_store_checkpoint
+from .reader import CheckpointReader, check_destination, open_store_reader
 from .distributed import Comm
 from ..format.dtypes import is_lossless_cast, stored_dtype_by_name
 from ..errors import DtypeMismatchError, KeyMismatchError, LayoutError, PerRankStateError, ShapeMismatchError
@@ -100,7 +100,7 @@ def load(
     ``load``).
     """
     comm = Comm(process_group)
-    ck = open_store_checkpoint(open_store(path, storage_options), hmac_key)
+    ck = open_store_reader(open_store(path, storage_options), hmac_key)
     plan = _Planner(ck, state_dict, comm).plan(strict, allow_new_ranks, allow_lossy_cast, allow_other_rules)
     fill(ck, plan.reads, comm.rank, allow_lossy_cast, max_workers)
     for where, value in plan.values:
@@ -175,7 +175,7 @@ class _Optimizer:
 class _Planner:
     """Matches a target state dict against a checkpoint (see :func:`load`)."""
 
-    def __init__(self, ck: Checkpoint, state_dict: MutableMapping[str, Any], comm: Comm) -> None:
+    def __init__(self, ck: CheckpointReader, state_dict: MutableMapping[str, Any], comm: Comm) -> None:
         self.ck, self.meta, self.comm, self.target = ck, ck.meta, comm, state_dict
         empty: list[tuple[int, Path]] = []
         self.leaves = {leaf.key: leaf for leaf in iter_leaves(state_dict, empty)}

@@ -10,7 +10,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .checkpoint import Checkpoint, open_store_checkpoint
+from .reader import CheckpointReader, open_store_reader
 from ..format.dtypes import stored_dtype_by_name
 from ..errors import KeyMismatchError
 from ..format.documents import CheckpointMeta
@@ -45,7 +45,7 @@ def read_state_dict(
     ucp_zarr, converted from another format, or through DCP without ``planner_data``) comes
     back flat: ``{flattened key: value}``.
     """
-    ck = open_store_checkpoint(open_store(path, storage_options), hmac_key)
+    ck = open_store_reader(open_store(path, storage_options), hmac_key)
     meta = ck.meta
     stored = [*meta.tensors, *meta.values, *meta.rank_values, *meta.ties]
     wanted = _selected(stored, keys)
@@ -92,7 +92,7 @@ def _selects(key: str, asked: Iterable[str] | None) -> bool:
     return any(key == a or key.startswith(a + ".") for a in asked)
 
 
-def _materialise(ck: Checkpoint, key: str, device: torch.device) -> torch.Tensor:
+def _materialise(ck: CheckpointReader, key: str, device: torch.device) -> torch.Tensor:
     entry = ck.meta.tensors[key]
     out = torch.empty(tuple(entry.shape), dtype=stored_dtype_by_name(entry.dtype).torch_dtype, device=device)
     return ck.read(key, out=out)

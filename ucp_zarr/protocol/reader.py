@@ -1,8 +1,12 @@
-"""Reading a committed checkpoint: :func:`open` and the lazy :class:`Checkpoint`.
+"""Reading a committed checkpoint: :class:`CheckpointReader` and its lazy :class:`TensorReader`.
 
-Torch-free until a torch tensor is asked for (:meth:`Checkpoint.read`, :class:`TensorView`
-indexing): :meth:`Checkpoint.read_numpy` and :meth:`Checkpoint.select_numpy` give the stored
-values as numpy arrays, which is what the read-only CLI and :mod:`ucp_zarr.browse.inspect` use."""
+The protocol's reading half: every read checked, nothing displayed. The face users hold,
+:class:`ucp_zarr.Checkpoint` (``ucp_zarr.open``), adds what browsing needs (rules, summaries,
+HTML) on top of it, so that reading never imports the browsing layer.
+
+Torch-free until a torch tensor is asked for (:meth:`CheckpointReader.read`, :class:`TensorReader`
+indexing): :meth:`CheckpointReader.read_numpy` and :meth:`CheckpointReader.select_numpy` give the
+stored values as numpy arrays, which is what the read-only CLI and :mod:`ucp_zarr.browse.inspect` use."""
 
 from __future__ import annotations
 
@@ -49,12 +53,8 @@ from .transaction import committed_store
 if TYPE_CHECKING:
     import torch
 
-    from ..browse.inspect import CheckpointSummary, TensorStats
-    from ..browse.notebook import CheckpointTree
-    from ..rules.language import Rules
 
-
-class Checkpoint:
+class CheckpointReader:
     """A read-only view of a committed checkpoint. Tensors are read lazily, by slice.
 
     Every read is checked: the array documents against the digests in the commit record,
@@ -92,9 +92,9 @@ class Checkpoint:
     def __contains__(self, key: object) -> bool:
         return key in self.meta.tensors or key in self.meta.ties
 
-    def __getitem__(self, key: str) -> "TensorView":
+    def __getitem__(self, key: str) -> "TensorReader":
         self._entry(key)
-        return TensorView(self, key)
+        return TensorReader(self, key)
 
     def array_path(self, key: str) -> str:
         """Where the tensor's Zarr array lives, relative to the checkpoint root."""
@@ -117,13 +117,6 @@ class Checkpoint:
             "per_rank_tensors": sorted(k for k, e in self.meta.tensors.items() if e.ranks is not None),
         }
 
-    @property
-    def rules(self) -> "Rules | None":
-        """The rules the saving job placed its state dict by (:func:`ucp_zarr.place`), if any."""
-        from ..rules.language import Rules
-
-        rules = self.meta.layout.get("rules")
-        return None if rules is None else Rules.from_dict(rules)
 
     # --- reading -------------------------------------------------------------------------
 
@@ -250,7 +243,7 @@ class Checkpoint:
         reading only the chunks the selection touches. ``index``: ints, slices (any step,
         negative too) and ``...``, as in numpy."""
         shape = self._entry(key).shape
-        box, post = _index_to_box(index, tuple(shape))
+        box, post = index_to_box(index, tuple(shape))
         steps = [abs(p.step) if isinstance(p, slice) else 1 for p in post]
         flips = tuple(slice(None, None, -1) if isinstance(p, slice) and p.step < 0 else slice(None) for p in post)
         picks = tuple(0 if isinstance(p, int) else slice(None) for p in post) + (...,)  # (0-d: an array)
@@ -365,7 +358,7 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         lines = [
-            f"<ucp_zarr.Checkpoint {self.store.url}: {len(self)} tensors, {_human(self.nbytes())}, "
+            f"<ucp_zarr.Checkpoint {self.store.url}: {len(self)} tensors, {human_bytes(self.nbytes())}, "
             f"step={self.metadata['step']!r}, world_size={self.meta.world_size}>"
         ]
         rules = self.meta.layout.get("rules")
@@ -379,26 +372,6 @@ class Checkpoint:
                 rule = "" if e.rule is None else "  " + json.dumps(e.rule, separators=(",", ":"))
                 lines.append(f"    {name:<16} {str(list(e.shape)):<16} {e.dtype}{rule}")
         return "\n".join(lines)
-
-    def _repr_html_(self) -> str:
-        from ..browse.notebook import checkpoint_html
-
-        return checkpoint_html(self)
-
-    def summary(self, depth: int = 2) -> "CheckpointSummary":
-        """Elements (model, optimizer state, other) and bytes by module (parameter FQNs cut to
-        ``depth`` names) and by dtype, from the commit record (see
-        :func:`ucp_zarr.browse.inspect.checkpoint_summary`)."""
-        from ..browse.inspect import checkpoint_summary
-
-        return checkpoint_summary(self, depth)
-
-    def tree(self, filter: str | None = None) -> "CheckpointTree":
-        """The tree of groups (as the checkpoint displays it) of the tensors whose key or
-        parameter name holds ``filter`` (case-insensitive), for Jupyter."""
-        from ..browse.notebook import CheckpointTree
-
-        return CheckpointTree(self, filter)
 
 
 WHOLE_SHARD_BYTES = 4 << 20
@@ -460,10 +433,10 @@ def row_blocks(box: Box, itemsize: int, limit: int) -> list[Box]:
     ]
 
 
-class TensorView:
+class TensorReader:
     """A lazy tensor of a checkpoint: ``view[0:128, :]`` reads only the overlapping chunks."""
 
-    def __init__(self, checkpoint: Checkpoint, key: str) -> None:
+    def __init__(self, checkpoint: CheckpointReader, key: str) -> None:
         self.checkpoint = checkpoint
         self.key = key
         entry = checkpoint._entry(key)
@@ -496,13 +469,6 @@ class TensorView:
         """``self[index]`` as numpy, without torch (stored values: bf16/fp8 as raw bits)."""
         return self.checkpoint.select_numpy(self.key, index)
 
-    def stats(self, *, max_bytes: int = 64 << 20) -> "TensorStats":
-        """min, max, mean, std, L2 norm, NaN/Inf counts, computed chunk by chunk with bounded
-        memory (see :func:`ucp_zarr.browse.inspect.tensor_stats`)."""
-        from ..browse.inspect import tensor_stats
-
-        return tensor_stats(self.checkpoint, self.key, max_bytes=max_bytes)
-
     def __getitem__(self, index: Any) -> "torch.Tensor":
         import torch
 
@@ -514,16 +480,11 @@ class TensorView:
         t = torch.from_numpy(raw)
         return t.view(self.dtype) if stored_dtype_by_name(self.dtype_name).bits else t
 
-    def _repr_html_(self) -> str:
-        from ..browse.notebook import tensor_html
-
-        return tensor_html(self)
-
     def __repr__(self) -> str:
         return f"<TensorView {self.key!r} shape={list(self._shape)} dtype=torch.{self.dtype_name} at {self.path}>"
 
 
-def _index_to_box(index: Any, shape: tuple[int, ...]) -> tuple[Box, tuple[Any, ...]]:
+def index_to_box(index: Any, shape: tuple[int, ...]) -> tuple[Box, tuple[Any, ...]]:
     """The bounding box an index touches, and the index that picks the result out of it."""
     if not isinstance(index, tuple):
         index = (index,)
@@ -572,7 +533,7 @@ def _spans(offset: int, size: int, step: int, chunk: int) -> list[tuple[int, int
     return out
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -580,21 +541,24 @@ def _human(n: float) -> str:
     return f"{n} B"
 
 
-def open(
-    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None, hmac_key: bytes | None = None
-) -> Checkpoint:
-    """Open the committed checkpoint at ``path`` (a local path or fsspec URL), read-only.
-
-    With ``hmac_key``, refuse a checkpoint that is unsigned or whose signature does not
-    verify, and check every shard's seal and every chunk's SHA-256 as it is read."""
-    return open_store_checkpoint(open_store(path, storage_options), hmac_key)
-
-
-def open_store_checkpoint(store: Store, hmac_key: bytes | None = None) -> Checkpoint:
+def commit_meta(store: Store, hmac_key: bytes | None = None) -> tuple[Store, CheckpointMeta]:
+    """The committed store at ``store`` (:func:`~ucp_zarr.protocol.transaction.committed_store`)
+    and its commit record, its signature verified with ``hmac_key``."""
     store = committed_store(store)
     where = f"{store.url}/{METADATA_FILE}"
     doc = parse_document(store.read(METADATA_FILE), where)
     meta = CheckpointMeta.from_zarr_json(doc, where)
     if hmac_key is not None:
         check_signature(doc["attributes"][ATTRIBUTE], hmac_key, where)
-    return Checkpoint(store, meta, hmac_key)
+    return store, meta
+
+
+def open_reader(
+    path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None, hmac_key: bytes | None = None
+) -> CheckpointReader:
+    """The committed checkpoint at ``path`` (a local path or URL), read-only (see :func:`ucp_zarr.open`)."""
+    return open_store_reader(open_store(path, storage_options), hmac_key)
+
+
+def open_store_reader(store: Store, hmac_key: bytes | None = None) -> CheckpointReader:
+    return CheckpointReader(*commit_meta(store, hmac_key), hmac_key)
