@@ -403,22 +403,22 @@ def profiled(op: Callable[[], None], out: str, rank: int) -> None:
     import io
     import pstats
 
-    import ucp_zarr.api
+    import ucp_zarr.protocol.saving
     import ucp_zarr.protocol.saver
 
     dist.barrier()
     if rank != 0:
         op()
         return
-    saved = ucp_zarr.api.ThreadPoolExecutor, ucp_zarr.protocol.saver.ThreadPoolExecutor
-    ucp_zarr.api.ThreadPoolExecutor = ucp_zarr.protocol.saver.ThreadPoolExecutor = _Inline
+    saved = ucp_zarr.protocol.saving.ThreadPoolExecutor, ucp_zarr.protocol.saver.ThreadPoolExecutor
+    ucp_zarr.protocol.saving.ThreadPoolExecutor = ucp_zarr.protocol.saver.ThreadPoolExecutor = _Inline
     prof = cProfile.Profile()
     try:
         prof.enable()
         op()
         prof.disable()
     finally:
-        ucp_zarr.api.ThreadPoolExecutor, ucp_zarr.protocol.saver.ThreadPoolExecutor = saved
+        ucp_zarr.protocol.saving.ThreadPoolExecutor, ucp_zarr.protocol.saver.ThreadPoolExecutor = saved
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
     with open(out, "w") as f:

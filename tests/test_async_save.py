@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ucp_zarr
-import ucp_zarr.api as api
+import ucp_zarr.protocol.saving as api
 from ucp_zarr.protocol.staging import PARALLEL_FILL_BYTES
 
 

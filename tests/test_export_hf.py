@@ -150,7 +150,7 @@ def test_an_interrupted_export_leaves_the_folder_as_it_was(tmp_path: Path, monke
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json"]
     assert (tmp_path / "hf" / "config.json").read_bytes() == before
     monkeypatch.undo()
-    monkeypatch.setattr(base, "_exchange", lambda a, b: False)  # a file system without renameat2's exchange
+    monkeypatch.setattr(base, "exchange_paths", lambda a, b: False)  # a file system without renameat2's exchange
     ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf"]
     _loads(GPT2LMHeadModel, tmp_path / "hf")

@@ -33,7 +33,7 @@ from .errors import (
     did_you_mean,
     render,
 )
-from .cli_output import UsageError, _emit, _num, _open, _progress, _table
+from .cli_output import UsageError, emit, format_num, format_table, open_checkpoint, progress_bar
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
@@ -260,12 +260,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     from .browse.inspect import checkpoint_info
 
     try:
-        ck = _open(args.path, args)
+        ck = open_checkpoint(args.path, args)
     except (NotACheckpointError, IncompleteCheckpointError) as e:
         return _folder(args, e)
     info = checkpoint_info(ck)
     if args.json:
-        _emit(info)
+        emit(info)
         return 0
     tree = repr(ck).splitlines()
     if len(tree) > args.lines and not args.all:
@@ -289,21 +289,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from .browse.inspect import list_tensors
 
     try:
-        ck = _open(args.path, args)
+        ck = open_checkpoint(args.path, args)
     except (NotACheckpointError, IncompleteCheckpointError) as e:
         return _folder(args, e)
     rows = list_tensors(ck, args.pattern)
     if args.pattern is not None and not rows:
         raise UsageError(f"no tensor of {ck.store.url} matches {args.pattern!r}")
     if args.json:
-        _emit([r.to_dict() for r in rows])
+        emit([r.to_dict() for r in rows])
         return 0
     table = [
         [r.key, "x".join(map(str, r.shape)) or "()", r.dtype, human_bytes(r.nbytes), "x".join(map(str, r.chunks)) or "()",
          str(r.shards) + (f" x {len(r.ranks)} ranks" if r.ranks else "")]
         for r in rows
     ]
-    print(_table(["key", "shape", "dtype", "size", "chunks", "shards"], table, right={3}))
+    print(format_table(["key", "shape", "dtype", "size", "chunks", "shards"], table, right={3}))
     print(f"{len(rows)} tensors, {human_bytes(sum(r.nbytes for r in rows))}")
     return 0
 
@@ -340,14 +340,14 @@ def _folder(args: argparse.Namespace, why: CheckpointError) -> int:
 def _steps_table(args: argparse.Namespace, steps: list[Any]) -> int:
     """The steps a checkpoint manager keeps under its root."""
     if args.json:
-        _emit([dataclasses.asdict(s) for s in steps])
+        emit([dataclasses.asdict(s) for s in steps])
         return 0
     rows = [
-        [str(s.step), s.state, "-" if s.nbytes is None else human_bytes(s.nbytes), _num(s.tensors), _num(s.world_size),
+        [str(s.step), s.state, "-" if s.nbytes is None else human_bytes(s.nbytes), format_num(s.tensors), format_num(s.world_size),
          ",".join(s.layout) or "-", s.created or "-", s.path]
         for s in steps
     ]
-    print(_table(["step", "state", "size", "tensors", "ranks", "layout", "created", "path"], rows, right={0, 2, 3, 4}))
+    print(format_table(["step", "state", "size", "tensors", "ranks", "layout", "created", "path"], rows, right={0, 2, 3, 4}))
     print(f"{len(steps)} steps, {sum(s.committed for s in steps)} committed")
     return 0
 
@@ -387,12 +387,12 @@ def _found_table(args: argparse.Namespace, store: "Store", found: list[tuple[str
             rows.append({"path": rel, "state": "committed", "step": ck.metadata["step"], "nbytes": ck.nbytes(),
                          "tensors": len(ck), "world_size": ck.meta.world_size, "created": ck.meta.created})
     if args.json:
-        _emit(rows)
+        emit(rows)
         return 0
-    print(_table(
+    print(format_table(
         ["path", "state", "step", "size", "tensors", "ranks", "created"],
-        [[r["path"], r["state"], _num(r.get("step")), "-" if "nbytes" not in r else human_bytes(r["nbytes"]),
-          _num(r.get("tensors")), _num(r.get("world_size")), r.get("created") or "-"] for r in rows],
+        [[r["path"], r["state"], format_num(r.get("step")), "-" if "nbytes" not in r else human_bytes(r["nbytes"]),
+          format_num(r.get("tensors")), format_num(r.get("world_size")), r.get("created") or "-"] for r in rows],
         right={2, 3, 4, 5},
     ))
     committed = sum(r["state"] == "committed" for r in rows)
@@ -420,7 +420,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     from .format.dtypes import stored_dtype_by_name
     from .browse.values import format_index, parse_index, selection_shape, widen
 
-    ck = _open(args.path, args)
+    ck = open_checkpoint(args.path, args)
     entry = ck._entry(args.key)  # (an unknown key: the checkpoint's error, with close keys)
     index = parse_index(args.slice)
     try:
@@ -436,7 +436,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     values = widen(ck.select_numpy(args.key, index, args.rank), entry.dtype)
     where = f"{args.key}[{format_index(index)}]" if index else args.key
     if args.json:
-        _emit({"key": args.key, "index": format_index(index), "shape": list(shape), "dtype": entry.dtype,
+        emit({"key": args.key, "index": format_index(index), "shape": list(shape), "dtype": entry.dtype,
                "values": _json_values(values.tolist())})
         return 0
     shown = f" (shown as {values.dtype})" if stored_dtype_by_name(entry.dtype).bits else ""
@@ -480,43 +480,43 @@ def _selected(ck: "Checkpoint", patterns: list[str]) -> list[str]:
 def cmd_stats(args: argparse.Namespace) -> int:
     from .browse.inspect import tensor_stats
 
-    ck = _open(args.path, args)
+    ck = open_checkpoint(args.path, args)
     keys = _selected(ck, args.keys)
     total = sum(ck.meta.tensors[k].nbytes for k in keys)
     done = 0
     out = []
-    with _progress(args, "stats") as bar:
+    with progress_bar(args, "stats") as bar:
         for k in keys:
             base = done
             out.append(tensor_stats(ck, k, rank=args.rank,
                                     progress=None if bar is None else lambda d, _t: bar(base + d, total)))
             done += ck.meta.tensors[k].nbytes
     if args.json:
-        _emit([s.to_dict() for s in out])
+        emit([s.to_dict() for s in out])
         return 0
-    rows = [[s.key, s.dtype, "x".join(map(str, s.shape)) or "()", _num(s.min), _num(s.max), _num(s.mean), _num(s.std),
-             _num(s.norm), str(s.nan), str(s.inf)] for s in out]
-    print(_table(["key", "dtype", "shape", "min", "max", "mean", "std", "norm", "nan", "inf"], rows,
+    rows = [[s.key, s.dtype, "x".join(map(str, s.shape)) or "()", format_num(s.min), format_num(s.max), format_num(s.mean), format_num(s.std),
+             format_num(s.norm), str(s.nan), str(s.inf)] for s in out]
+    print(format_table(["key", "dtype", "shape", "min", "max", "mean", "std", "norm", "nan", "inf"], rows,
                  right=set(range(3, 10))))
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    ck = _open(args.path, args)
+    ck = open_checkpoint(args.path, args)
     t0 = time.perf_counter()
     try:
-        with _progress(args, "verify") as bar:
+        with progress_bar(args, "verify") as bar:
             n = ck.verify(progress=bar)
     except CheckpointError as e:
         if args.json:
-            _emit({"ok": False, "url": ck.store.url, "error": str(e)})
+            emit({"ok": False, "url": ck.store.url, "error": str(e)})
         print(f"error: verify FAILED: {e}", file=sys.stderr)
         return 1
     seconds = time.perf_counter() - t0
     signed = "signature verified" if args.key_file is not None else (
         "signed, key not given" if ck.meta.authenticated else "unsigned")
     if args.json:
-        _emit({"ok": True, "url": ck.store.url, "tensors": len(ck), "bytes": n, "seconds": round(seconds, 3),
+        emit({"ok": True, "url": ck.store.url, "tensors": len(ck), "bytes": n, "seconds": round(seconds, 3),
                "signature": signed})
     else:
         print(f"ok: {len(ck)} tensors, {n} bytes checked in {seconds:.2f} s ({signed})")
@@ -527,24 +527,24 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from .browse.diff import diff
     from .browse.inspect import select_keys
 
-    a, b = _open(args.a, args), _open(args.b, args)
+    a, b = open_checkpoint(args.a, args), open_checkpoint(args.b, args)
     if args.keys is not None:
         for p in args.keys:
             if not select_keys(a, [p]) and not select_keys(b, [p]):
                 raise UsageError(f"no tensor of either checkpoint matches {p!r}")
-    with _progress(args, "diff") as bar:
+    with progress_bar(args, "diff") as bar:
         result = diff(a, b, keys=args.keys, progress=bar)
     if args.json:
-        _emit(result.to_dict())
+        emit(result.to_dict())
         return 0 if result.equal else 1
     rows = [
         [r.key + ("" if r.rank is None else f" (rank {r.rank})"), r.status,
-         _spell(r.shape_a, r.dtype_a), _spell(r.shape_b, r.dtype_b), _num(r.ndiff), _num(r.max_abs), _num(r.max_rel),
-         _num(r.nan_mismatch)]
+         _spell(r.shape_a, r.dtype_a), _spell(r.shape_b, r.dtype_b), format_num(r.ndiff), format_num(r.max_abs), format_num(r.max_rel),
+         format_num(r.nan_mismatch)]
         for r in result.rows if args.all or r.status != "equal"
     ]
     if rows:
-        print(_table(["key", "status", "a", "b", "ndiff", "max_abs", "max_rel", "nan_mismatch"], rows,
+        print(format_table(["key", "status", "a", "b", "ndiff", "max_abs", "max_rel", "nan_mismatch"], rows,
                      right={4, 5, 6, 7}))
     for v in result.values:
         print(f"value {v.key}: {v.status}: {_clip(json.dumps(v.a), 200)} -> {_clip(json.dumps(v.b), 200)}")
@@ -571,7 +571,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from .converters import convert, export
 
     t0 = time.perf_counter()
-    with _progress(args, args.cmd) as bar:
+    with progress_bar(args, args.cmd) as bar:
         if args.cmd == "convert":
             convert(args.src, args.dst, source=args.source, trust=args.trust, prefix=args.prefix,
                     overwrite=args.overwrite, max_workers=args.max_workers, progress=bar)

@@ -21,10 +21,10 @@ class UsageError(Exception):
 # --- shared -------------------------------------------------------------------------------
 
 
-def _open(path: str, args: argparse.Namespace) -> "Checkpoint":
-    from .checkpoint import open as open_checkpoint
+def open_checkpoint(path: str, args: argparse.Namespace) -> "Checkpoint":
+    from .checkpoint import open as open_committed
 
-    return open_checkpoint(path, storage_options=args.storage_options, hmac_key=_key(args))
+    return open_committed(path, storage_options=args.storage_options, hmac_key=_key(args))
 
 
 def _key(args: argparse.Namespace) -> bytes | None:
@@ -37,7 +37,7 @@ def _key(args: argparse.Namespace) -> bytes | None:
         raise UsageError(f"cannot read the key file {args.key_file}: {e.strerror}") from None
 
 
-def _emit(data: Any) -> None:
+def emit(data: Any) -> None:
     json.dump(data, sys.stdout, default=str, allow_nan=False)
     sys.stdout.write("\n")
 
@@ -63,7 +63,7 @@ class _Bar:
 
 
 @contextlib.contextmanager
-def _progress(args: argparse.Namespace, what: str) -> Iterator[_Bar | None]:
+def progress_bar(args: argparse.Namespace, what: str) -> Iterator[_Bar | None]:
     """A progress bar when stderr is a terminal (or with ``--progress``), else None."""
     if not (args.progress if args.progress is not None else sys.stderr.isatty()):
         yield None
@@ -75,14 +75,14 @@ def _progress(args: argparse.Namespace, what: str) -> Iterator[_Bar | None]:
         bar.close()
 
 
-def _table(header: list[str], rows: list[list[str]], right: Collection[int] = ()) -> str:
+def format_table(header: list[str], rows: list[list[str]], right: Collection[int] = ()) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     fmt = [(str.rjust if i in right else str.ljust) for i in range(len(header))]
     lines = ["  ".join(f(c, w) for f, c, w in zip(fmt, r, widths)).rstrip() for r in [header, *rows]]
     return "\n".join(lines)
 
 
-def _num(x: Any) -> str:
+def format_num(x: Any) -> str:
     if x is None:
         return "-"
     if isinstance(x, float):

@@ -93,8 +93,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..api import load as ucp_load
-from ..api import wait_for_pending_save
+from ..protocol.loader import load as ucp_load
+from ..protocol.saving import wait_for_pending_save
 from ..protocol.reader import open_reader
 from ..protocol.distributed import Comm, describe
 from ..format.dtypes import stored_dtype_by_name

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import errno
 import functools
 import mmap as mmap_module
 import os
@@ -19,8 +18,7 @@ import torch
 
 from ..errors import ConversionError, Keyword, UntrustedInputError
 from ..format.safe_paths import inside
-from ..io.local import _AT_FDCWD, _RENAMEAT2
-from ..io.local import _fsync_dir as _fsync_path  # (any file or folder)
+from ..io.local import exchange_paths, fsync_dir
 from ..protocol.writer import TensorSource
 
 
@@ -202,9 +200,9 @@ def atomic_file(dst: Path, *, overwrite: bool) -> Iterator[Path]:
     tmp = dst.parent / f".{dst.name}.partial-{uuid.uuid4().hex[:12]}"
     try:
         yield tmp
-        _fsync_path(tmp)
+        fsync_dir(tmp)
         os.replace(tmp, dst)  # (replaces a link itself, never writes through it)
-        _fsync_path(dst.parent)
+        fsync_dir(dst.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -238,32 +236,16 @@ def atomic_update(dst: Path, *, replaced: Callable[[str], bool], overwrite: bool
         _fsync_tree(tmp)
         if not dst.exists():
             os.rename(tmp, dst)
-        elif not _exchange(tmp, dst):
+        elif not exchange_paths(tmp, dst):
             old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:12]}"
             os.replace(dst, old)
             os.replace(tmp, dst)
             tmp = old
-        _fsync_path(dst.parent)
+        fsync_dir(dst.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     shutil.rmtree(tmp, ignore_errors=True)  # (now the old folder)
-
-
-_RENAME_EXCHANGE = 2
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap the paths ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``);
-    False where the system or file system cannot."""
-    if _RENAMEAT2 is None:
-        return False
-    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
 
 
 def _link_tree(src: Path, dst: Path) -> None:
@@ -286,5 +268,5 @@ def _fsync_tree(root: Path) -> None:
     for dirpath, _, files in os.walk(root):
         for name in files:
             if not os.path.islink(os.path.join(dirpath, name)):
-                _fsync_path(Path(dirpath, name))
-        _fsync_path(Path(dirpath))
+                fsync_dir(Path(dirpath, name))
+        fsync_dir(Path(dirpath))

@@ -49,7 +49,6 @@ from typing import Any
 import torch
 
 from ..errors import ConversionError, Keyword
-from ..format.safe_paths import inside
 from .base import Imported, Opaque
 from .deepspeed_files import (
     Experts,

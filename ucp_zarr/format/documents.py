@@ -285,7 +285,8 @@ def dimension_names(names_shapes: list[tuple[str, tuple[int, ...]]]) -> list[tup
     ]
 
 
-_COMPONENT = re.compile(r"[A-Za-z0-9_%~\-][A-Za-z0-9_.%~\-]*")
+NAME_COMPONENT = re.compile(r"[A-Za-z0-9_%~\-][A-Za-z0-9_.%~\-]*")
+"""One escaped group or array name (schema/FORMAT.md, section 1)."""
 
 
 MAX_NAME_BYTES = 255
@@ -297,7 +298,7 @@ def check_array_path(path: Any, where: str) -> str:
     """An array path from the root index: ``<group>/<array>`` of escaped names (see
     ``statedict.array_path``), so that it can never point outside the checkpoint."""
     parts = path.split("/") if isinstance(path, str) else []
-    if len(parts) != 2 or not all(_COMPONENT.fullmatch(p) and len(p) <= MAX_NAME_BYTES for p in parts):
+    if len(parts) != 2 or not all(NAME_COMPONENT.fullmatch(p) and len(p) <= MAX_NAME_BYTES for p in parts):
         raise FormatError(f"{where}: {str(path)[:300]!r} is not an array path of this format (<group>/<array>)")
     return path
 
@@ -307,7 +308,7 @@ def check_document_path(path: Any, where: str) -> str:
     ``<group>/<array>/zarr.json`` of escaped names."""
     parts = path.split("/") if isinstance(path, str) else []
     if not (2 <= len(parts) <= 3 and parts[-1] == METADATA_FILE) or not all(
-        _COMPONENT.fullmatch(p) and len(p) <= MAX_NAME_BYTES for p in parts[:-1]
+        NAME_COMPONENT.fullmatch(p) and len(p) <= MAX_NAME_BYTES for p in parts[:-1]
     ):
         raise FormatError(f"{where}: {str(path)[:300]!r} is not a document path of this format")
     return path

@@ -132,7 +132,7 @@ class LocalStore(Store):
         tmp = _tmp_name(path)
         self._write_file(tmp, [data])
         os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(path))
+        fsync_dir(os.path.dirname(path))
         self.stats.add_write(key, len(data))
 
     def create_exclusive(self, key: str, data: bytes) -> None:
@@ -158,7 +158,7 @@ class LocalStore(Store):
                 os.close(fd)
         finally:
             os.unlink(tmp)
-        _fsync_dir(os.path.dirname(path))
+        fsync_dir(os.path.dirname(path))
         self.stats.add_write(key, len(data))
 
     def _write_file(self, path: str, buffers: Iterable[Buffer | bytes], defer: bool = False) -> int:
@@ -267,7 +267,7 @@ class LocalStore(Store):
             os.remove(self._path(key))
         except FileNotFoundError:
             return
-        _fsync_dir(os.path.dirname(self._path(key)))
+        fsync_dir(os.path.dirname(self._path(key)))
 
     def prune(self, folders: Iterable[str]) -> None:
         for d in [*sorted(set(folders), key=lambda f: (-f.count("/"), f)), ""]:
@@ -280,13 +280,13 @@ class LocalStore(Store):
                 continue
             with self._dirs_lock:
                 self._dirs.pop(path, None)
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=False) if os.path.isdir(self.root) else None
         parent = os.path.dirname(self.root)
         if os.path.isdir(parent):
-            _fsync_dir(parent)
+            fsync_dir(parent)
 
     def sibling(self, name: str) -> "LocalStore":
         return LocalStore(os.path.join(os.path.dirname(self.root), name), self.batch_sync)
@@ -315,7 +315,7 @@ class LocalStore(Store):
             dirs = sorted((d for d, dev in self._dirs.items() if dev not in synced), key=len, reverse=True)
         for d in dirs:
             try:
-                _fsync_dir(d)
+                fsync_dir(d)
             except FileNotFoundError:
                 continue
 
@@ -413,7 +413,8 @@ def _preadv_all(fd: int, bufs: Sequence[memoryview], offset: int) -> int:
     return total
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Make a folder's entries (or a file's data) durable: ``fsync`` of it, opened read-only."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -438,6 +439,20 @@ _SYNC_FILE_RANGE_WRITE = 2
 _RENAMEAT2 = _libc("renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
 _AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+
+
+def exchange_paths(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Swap the paths ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``);
+    False where the system or file system cannot."""
+    if _RENAMEAT2 is None:
+        return False
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(b))
 
 
 def _start_writeback(fd: int) -> None:

@@ -182,7 +182,7 @@ class CheckpointManager:
 
         Returns the :class:`SaveMetrics`, or with ``async_save`` (:func:`ucp_zarr.async_save`) a future of them, resolved
         after the commit and retention (its error also surfaces on the next call)."""
-        from ..api import async_save as save_in_background, save as save_checkpoint
+        from ..protocol.saving import async_save as save_in_background, save as save_checkpoint
 
         self._check_open()
         step_name(step)  # (validates)
@@ -282,7 +282,7 @@ class CheckpointManager:
         that no retention deletes the step meanwhile; ``load_kwargs`` go to :func:`ucp_zarr.load`.
         Raises :class:`~ucp_zarr.ops.steps.StepGoneError` on every rank when the step is not
         committed or is being deleted."""
-        from ..api import load as load_checkpoint
+        from ..protocol.loader import load as load_checkpoint
         from ..protocol.distributed import describe, raise_failures
 
         self._check_open()

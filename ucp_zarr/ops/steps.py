@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import posixpath
 import re
 import uuid
 from dataclasses import dataclass, field

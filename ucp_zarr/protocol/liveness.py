@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from ..errors import FormatError, OwnershipError
-from .owned import Owned
 from ..io.store import Store
 from ..version import __version__
 

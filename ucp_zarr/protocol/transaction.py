@@ -64,7 +64,7 @@ from ..errors import (
     NotACheckpointError,
     OwnershipError,
 )
-from ..format.documents import METADATA_FILE, _COMPONENT
+from ..format.documents import METADATA_FILE, NAME_COMPONENT
 from .owned import Owned
 from ..io.store import Store, temp_name
 from .liveness import (
@@ -120,7 +120,7 @@ def delete_owned(store: Store, owned: Owned, tag: str | None = None, keep: froze
     store.prune(folders)
 
 
-_NAME = _COMPONENT.pattern  # an escaped group or array name (schema/FORMAT.md, section 1)
+_NAME = NAME_COMPONENT.pattern  # an escaped group or array name (schema/FORMAT.md, section 1)
 _CHECKPOINT_OBJECT = re.compile(
     rf"(?:zarr\.json|{_NAME}/zarr\.json|{_NAME}/{_NAME}/(?:zarr\.json|c(?:/[0-9]+)*))(?:\.tmp-[0-9a-f]{{32}})?"
 )

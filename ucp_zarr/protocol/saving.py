@@ -1,0 +1,228 @@
+"""The save calls: :func:`save`, :func:`async_save` (the host copy now, the writing on a
+background thread at a lower priority, over its own process group) and
+:func:`wait_for_pending_save`. The face :mod:`ucp_zarr.api` re-exports them; operations and
+adapters call them from here."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import CheckpointError
+from ..io.factory import open_store
+from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
+from .distributed import Comm
+from .liveness import DEFAULT_LEASE_S
+from .saver import SaveOptions, SaveResult, collect, prepare
+
+DEFAULT_WORKERS = 4
+
+_background = ThreadPoolExecutor(1, thread_name_prefix="ucp_zarr-save")
+_pending: Future | None = None
+_pending_lock = threading.Lock()
+_async_groups: dict[tuple[int, ...], tuple[Any, Any]] = {}
+"""Background groups by the global ranks of the group they serve: (default group, group)."""
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    async_save: bool = False,
+    async_group: Any = None,
+    overwrite: bool = False,
+    overwrite_incomplete: bool = False,
+    hmac_key: bytes | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    max_workers: int = DEFAULT_WORKERS,
+    lease_s: float = DEFAULT_LEASE_S,
+    model: torch.nn.Module | None = None,
+    unsafe_non_exclusive_store: bool = False,
+) -> SaveResult | Future:
+    """Save ``state_dict`` at ``path``; every rank of ``process_group`` calls it.
+
+    Tensor values may be DTensors, :class:`~ucp_zarr.Shard`, :class:`~ucp_zarr.FlatShard`
+    or plain tensors (whole, identical on every rank). Per-rank state (RNG states, data
+    positions) must be wrapped in :class:`~ucp_zarr.PerRank`; a plain tensor that differs
+    between ranks is an error. Other values must be JSON-able. Each rank writes only its
+    own shards, no two ranks write the same object, and the commit record is written last,
+    after every rank's data is durable. A failure on any rank fails the save on every rank.
+
+    The save is a transaction on ``path`` (see :mod:`ucp_zarr.protocol.transaction`):
+
+    * a committed checkpoint is never replaced, unless ``overwrite``: then the new one is
+      staged beside it and put in place so that a crash at any point leaves the old or the
+      new checkpoint complete and findable;
+    * the leftovers of another save are removed only when that save is provably dead (its
+      process is gone, or its lease of ``lease_s`` seconds expired on another host), or
+      with ``overwrite_incomplete``; a live one raises :class:`~ucp_zarr.OwnershipError`;
+    * a save deletes only objects it wrote (or, when overwriting, that the replaced
+      checkpoint's commit record names): other files and checkpoints in subfolders stay;
+    * the store must create objects exclusively (local paths, ``s3://``, ``memory://``):
+      elsewhere two saves could both claim the path, so the save is refused unless
+      ``unsafe_non_exclusive_store`` says no other save can ever target it.
+
+    ``hmac_key`` signs the checkpoint (HMAC-SHA256 over the commit record, which holds the
+    digests of every document and array, and per-chunk SHA-256 in every shard), so that
+    ``load``/``open``/``verify`` with the key refuse any change.
+
+    ``async_save=True`` is deprecated (it will be removed in the next release): call
+    :func:`async_save`, which returns the future, as DCP's ``async_save`` does.
+
+    Optimizer state keyed by parameter number (a plain ``optimizer.state_dict()``) is
+    stored beside its parameter, in the parameter's Zarr group, when the names are
+    knowable: the optimizer was built from ``model.named_parameters()`` (its param groups
+    carry ``param_names``), or ``model`` is given and the optimizer was built from
+    ``model.parameters()``. Keys do not change (``optim.state.0.exp_avg``).
+
+    Returns this rank's :class:`~ucp_zarr.protocol.saver.SaveResult`.
+    """
+    if async_save:
+        warnings.warn(
+            "ucp_zarr.save(..., async_save=True) is deprecated and will be removed in the next release: "
+            "call ucp_zarr.async_save(...), which returns the future",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return _async_save(
+            state_dict, path, process_group=process_group, storage_options=storage_options, async_group=async_group,
+            overwrite=overwrite, overwrite_incomplete=overwrite_incomplete, hmac_key=hmac_key,
+            chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, max_workers=max_workers, lease_s=lease_s, model=model,
+            unsafe_non_exclusive_store=unsafe_non_exclusive_store,
+        )
+    wait_for_pending_save()
+    comm = Comm(process_group)
+    options = _options(chunk_bytes, shard_bytes, max_workers, overwrite, overwrite_incomplete, lease_s, hmac_key,
+                       unsafe_non_exclusive_store)
+    return prepare(lambda: collect(state_dict, model), open_store(path, storage_options), comm, options, copy=False).finish()
+
+
+def async_save(
+    state_dict: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    async_group: Any = None,
+    overwrite: bool = False,
+    overwrite_incomplete: bool = False,
+    hmac_key: bytes | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    max_workers: int = DEFAULT_WORKERS,
+    lease_s: float = DEFAULT_LEASE_S,
+    model: torch.nn.Module | None = None,
+    unsafe_non_exclusive_store: bool = False,
+) -> Future:
+    """:func:`save` in the background: returns a :class:`~concurrent.futures.Future` of this
+    rank's :class:`~ucp_zarr.protocol.saver.SaveResult` once the state is copied into host
+    memory (training may change it from then on); writing and commit happen in the
+    background, over ``async_group`` (a group of the same ranks reserved for checkpointing,
+    as DCP asks) or else a gloo group created once, by the ranks of ``process_group`` only.
+    Errors surface on the future. Any save first waits for the previous one. The other
+    arguments are :func:`save`'s."""
+    wait_for_pending_save()
+    comm = Comm(process_group)
+    options = _options(chunk_bytes, shard_bytes, max_workers, overwrite, overwrite_incomplete, lease_s, hmac_key,
+                       unsafe_non_exclusive_store)
+    store = open_store(path, storage_options)
+    background = comm
+    if comm.active:
+        background = Comm(async_group if async_group is not None else _background_group(process_group))
+        if background.world != comm.world:
+            raise CheckpointError(f"async_group has {background.world} ranks, process_group {comm.world}: give the same ranks")
+    options = dataclasses.replace(options, write_workers=min(max_workers, BACKGROUND_WRITERS))
+    prepared = prepare(lambda: collect(state_dict, model), store, comm, options, copy=True)
+    global _pending
+    with _pending_lock:
+        _pending = _background.submit(_in_background, prepared.finish, background, _nice())
+        return _pending
+
+
+_async_save = async_save  # (for save, whose keyword of that name hides the function)
+
+
+def _options(
+    chunk_bytes: int, shard_bytes: int, max_workers: int, overwrite: bool, overwrite_incomplete: bool,
+    lease_s: float, hmac_key: bytes | None, unsafe_non_exclusive_store: bool,
+) -> SaveOptions:
+    return SaveOptions(
+        chunk_bytes=chunk_bytes,
+        shard_bytes=shard_bytes,
+        max_workers=max_workers,
+        overwrite=overwrite,
+        overwrite_incomplete=overwrite_incomplete,
+        lease_s=lease_s,
+        hmac_key=hmac_key,
+        unsafe_non_exclusive_store=unsafe_non_exclusive_store,
+    )
+
+
+BACKGROUND_WRITERS = 1
+"""Threads a background save writes with (its host copy is made by ``max_workers``): every
+writer thread competes with training for the GIL, and a lower nice value does not stop a
+writer holding the GIL from delaying a training step."""
+BACKGROUND_NICE = 10
+"""How much higher the nice value (the lower the scheduling priority) of a background save's
+threads is than that of the thread that called :func:`save` (capped at ``MAX_NICE``): on a busy
+host the writer yields the CPU to training steps (its I/O does not wait), however nice the job
+itself already runs."""
+MAX_NICE = 19
+
+
+def _nice() -> int | None:
+    """The calling thread's nice value (None where threads have none)."""
+    if not (hasattr(os, "getpriority") and hasattr(threading, "get_native_id")):
+        return None
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except OSError:
+        return None
+
+
+def _in_background(finish: Any, comm: Comm, caller_nice: int | None) -> SaveResult:
+    """Run ``finish`` on the background thread at ``BACKGROUND_NICE`` below the caller's
+    priority (Linux: per thread, and inherited by the worker threads it starts)."""
+    own = _nice()
+    if own is not None and caller_nice is not None:
+        want = min(caller_nice + BACKGROUND_NICE, MAX_NICE)
+        try:
+            if own != want:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), want)
+        except OSError:  # not permitted here (raising the priority back needs CAP_SYS_NICE): keep it
+            pass
+    return finish(comm)
+
+
+def wait_for_pending_save() -> None:
+    """Block until the last asynchronous save has finished (its errors are on its future)."""
+    with _pending_lock:
+        pending = _pending
+    if pending is not None:
+        pending.exception()
+
+
+def _background_group(group: Any) -> Any:
+    """A gloo group of the ranks of ``group`` for background saves, so that their
+    collectives never interleave with training's. Created on first use by the members of
+    ``group`` alone (``use_local_synchronization``: other ranks need not call anything),
+    and again after the default group was re-created."""
+    import torch.distributed as dist
+
+    default = dist.distributed_c10d._get_default_group()
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else default))
+    held = _async_groups.get(ranks)
+    if held is None or held[0] is not default:
+        held = (default, dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True))
+        _async_groups[ranks] = held
+    return held[1]
+
