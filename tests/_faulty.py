@@ -36,6 +36,7 @@ class FaultyStore(Store):
         self.exclusive_create = inner.exclusive_create
         self.durable = inner.durable
         self.stages_writes = inner.stages_writes
+        self.local_path = inner.local_path
 
     def _op(self, name: str, key: str = "") -> None:
         self.log.ops.append((name, self.url, key))
@@ -93,6 +94,9 @@ class FaultyStore(Store):
 
     def sibling(self, name: str) -> "FaultyStore":
         return FaultyStore(self.inner.sibling(name), self.log)
+
+    def child(self, name: str) -> "FaultyStore":
+        return FaultyStore(self.inner.child(name), self.log)
 
     def adopt(self, src: Store, key: str, tag: str) -> None:
         self._op("adopt", key)

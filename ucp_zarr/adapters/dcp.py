@@ -168,6 +168,7 @@ class _BesideOtherFiles(Store):
         self.exclusive_create = inner.exclusive_create
         self.durable = inner.durable
         self.stages_writes = inner.stages_writes
+        self.local_path = inner.local_path
 
     def write(self, key: str, buffers: Iterable[Buffer | bytes], guard: WriteGuard | None = None) -> int:
         return self.inner.write(key, buffers, guard)
@@ -214,6 +215,9 @@ class _BesideOtherFiles(Store):
 
     def sibling(self, name: str) -> Store:
         return self.inner.sibling(name)
+
+    def child(self, name: str) -> Store:
+        return self.inner.child(name)
 
     def adopt(self, src: Store, key: str, tag: str) -> None:
         self.inner.adopt(src, key, tag)

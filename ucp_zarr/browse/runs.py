@@ -140,7 +140,7 @@ class Run:
         if ck is None:
             if step not in self.committed:
                 raise KeyError(f"no committed step {step} under {self.url}; committed: {self.committed}")
-            ck = open_store_checkpoint(step_store(self.store, step, self.storage_options))
+            ck = open_store_checkpoint(step_store(self.store, step))
         self._open[step] = ck  # (the newest last)
         while len(self._open) > KEEP_OPEN:
             del self._open[next(iter(self._open))]

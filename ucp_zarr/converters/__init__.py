@@ -33,7 +33,6 @@ from ..errors import ConversionError, Keyword
 from ..format.safe_paths import check_no_links_under
 from ..protocol.saver import SaveOptions, SaveResult
 from ..io.factory import open_store
-from ..io.local import LocalStore
 from ..protocol.writer import CONVERT_SHARD_BYTES, total_bytes, write_checkpoint
 from .base import Imported
 
@@ -103,8 +102,8 @@ def convert(
     imported = read_source(src, source, rules=rules, trust=trust, prefix=prefix)
     options = SaveOptions(shard_bytes=shard_bytes, max_workers=max_workers, overwrite=overwrite)
     store = open_store(dst, storage_options)
-    if isinstance(store, LocalStore):
-        check_no_links_under(Path(store.root), f"converting {src}")
+    if store.local_path is not None:
+        check_no_links_under(Path(store.local_path), f"converting {src}")
     return write_checkpoint(
         store, imported.tensors, imported.values, options=options,
         layout=imported.layout, progress=_running_total(progress, total_bytes(imported.tensors)), ties=imported.ties,

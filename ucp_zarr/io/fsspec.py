@@ -262,6 +262,9 @@ class FsspecStore(Store):
             raise ValueError(f"{self.url} has no parent to hold a sibling {name!r}")
         return FsspecStore(f"{parent}/{name}", self.storage_options, self.retry)
 
+    def child(self, name: str) -> "FsspecStore":
+        return FsspecStore(f"{self.url}/{name}", self.storage_options, self.retry)
+
     def adopt(self, src: Store, key: str, tag: str) -> None:
         if not isinstance(src, FsspecStore) or type(src.fs) is not type(self.fs):
             raise TypeError(f"cannot adopt objects of {src.url} into {self.url}")

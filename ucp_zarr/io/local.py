@@ -50,7 +50,7 @@ class LocalStore(Store):
 
     def __init__(self, root: str, batch_sync: bool | None = None) -> None:
         self.root = os.path.abspath(root)
-        self.url = self.root
+        self.url = self.local_path = self.root
         self.stats = IOStats()
         self._dirs: dict[str, int] = {}
         """Every directory this store made or found, with the device (``st_dev``) it is on."""
@@ -290,6 +290,9 @@ class LocalStore(Store):
 
     def sibling(self, name: str) -> "LocalStore":
         return LocalStore(os.path.join(os.path.dirname(self.root), name), self.batch_sync)
+
+    def child(self, name: str) -> "LocalStore":
+        return LocalStore(os.path.join(self.root, name), self.batch_sync)
 
     def adopt(self, src: Store, key: str, tag: str) -> None:
         if not isinstance(src, LocalStore):

@@ -261,6 +261,10 @@ class ObstoreStore(Store):
             raise ValueError(f"{self.url} has no parent to hold a sibling {name!r}")
         return ObstoreStore(f"{posixpath.dirname(self.url)}/{name}", self.storage_options, client=self.client)
 
+    def child(self, name: str) -> "ObstoreStore":
+        """(One client for a run's root and all its steps.)"""
+        return ObstoreStore(f"{self.url}/{name}", self.storage_options, client=self.client)
+
     def adopt(self, src: Store, key: str, tag: str) -> None:
         """A server-side copy (one request; S3 copies objects of up to 5 GiB this way)."""
         if not isinstance(src, ObstoreStore) or src.client is not self.client:

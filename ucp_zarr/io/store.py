@@ -77,6 +77,9 @@ class Store:
     """An object survives a crash of the machine once :meth:`sync` returned."""
     stages_writes: bool = False
     """A guarded :meth:`write` stages the object under :func:`temp_name` first."""
+    local_path: str | None = None
+    """The root's folder on this machine's file system, where the store has one (what may
+    be checked for symbolic links, or handed to tools that take a path)."""
 
     @property
     def name(self) -> str:
@@ -169,6 +172,11 @@ class Store:
 
     def sibling(self, name: str) -> "Store":
         """A store of the same kind at ``name`` beside this one (same parent)."""
+        raise NotImplementedError
+
+    def child(self, name: str) -> "Store":
+        """A store of the same kind, with the same client and options, rooted at the
+        folder ``name`` under this one (a step folder of a run's root)."""
         raise NotImplementedError
 
     def adopt(self, src: "Store", key: str, tag: str) -> None:

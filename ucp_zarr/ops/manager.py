@@ -406,7 +406,7 @@ class CheckpointManager:
         """The store of ``step``'s folder, made once (an fsspec filesystem may be costly to set up)."""
         store = self._stores.get(step)
         if store is None:
-            store = self._stores[step] = step_store(self._store, step, self.storage_options)
+            store = self._stores[step] = step_store(self._store, step)
         return store
 
     def _liveness(self) -> Liveness:

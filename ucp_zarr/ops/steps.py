@@ -35,10 +35,7 @@ from typing import Any
 
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, NotACheckpointError
 from ..format.documents import METADATA_FILE, CheckpointMeta, parse_document
-from ..io.obstore import ObstoreStore
 from ..io.factory import open_store
-from ..io.fsspec import FsspecStore
-from ..io.local import LocalStore
 from ..io.store import Store
 from ..protocol.owned import Owned
 from ..protocol.liveness import (
@@ -85,15 +82,9 @@ def parse_step(name: str) -> int | None:
 # --- the root and its step folders ------------------------------------------------------------
 
 
-def step_store(root: Store, step: int, storage_options: dict[str, Any] | None = None) -> Store:
-    """The store of ``step``'s folder under ``root``."""
-    if isinstance(root, LocalStore):
-        return LocalStore(os.path.join(root.root, step_name(step)))
-    if isinstance(root, FsspecStore):
-        return FsspecStore(f"{root.url}/{step_name(step)}", root.storage_options, root.retry)
-    if isinstance(root, ObstoreStore):  # (one client for the run's bucket)
-        return ObstoreStore(f"{root.url}/{step_name(step)}", root.storage_options, client=root.client)
-    return open_store(f"{root.url.rstrip('/')}/{step_name(step)}", storage_options)
+def step_store(root: Store, step: int) -> Store:
+    """The store of ``step``'s folder under ``root`` (same kind, client and options)."""
+    return root.child(step_name(step))
 
 
 def step_numbers(root: Store) -> list[int]:
