@@ -30,6 +30,7 @@ from ..layout import Box
 from ..layout.pieces import Piece, PieceError, check_pieces, flat_range
 from ..layout.pieces import whole as whole_pieces
 from ..layout.placements import DimSplit, local_runs, runs_to_boxes
+from .hooks import LayoutHooks
 
 
 @dataclass
@@ -103,6 +104,8 @@ class Placed:
     alias: str | None = None
     """The consolidated key it has when the rules' ``rename`` is not applied, when that
     renames it onto ``key`` (an output layer tied to the embedding): recorded as a tie."""
+    hooks: LayoutHooks | None = None
+    """The checks of the layout that placed it (:mod:`.hooks`), which saves and loads call."""
 
 
 @dataclass

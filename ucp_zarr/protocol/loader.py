@@ -23,9 +23,6 @@ from .distributed import Comm
 from ..format.dtypes import is_lossless_cast, stored_dtype_by_name
 from ..errors import DtypeMismatchError, KeyMismatchError, LayoutError, PerRankStateError, ShapeMismatchError
 from .fragments import FlatShard, PerRank, Placed, Shard, is_dtensor, is_fragment_value, to_fragment
-from ..rules.place import check_used
-from ..rules.language import Rules
-from ..rules.params import same_meaning
 from ..format.statedict import ListIndex, Path, from_json, hashable, iter_leaves, key_of, put_path, typed_path
 from ..io.factory import open_store
 from .filling import LOAD_WORKERS, _Read, fill
@@ -201,7 +198,9 @@ class _Planner:
             used = frozenset().union(*(p.used for p in placed))
             gathered = self.comm.all_gather((held, used)) if self.comm.active else [(held, used)]
             held = set().union(*(h for h, _ in gathered))
-            check_used(Rules.from_dict(placed[0].rules), [u for _, u in gathered])
+            hooks = placed[0].hooks
+            if hooks is not None and placed[0].rules is not None:
+                hooks.check_placements(placed[0].rules, [u for _, u in gathered])
         unexpected = [k for k in self.saved if k not in held]
         if strict and (missing or unexpected):
             raise KeyMismatchError(missing, unexpected)
@@ -273,7 +272,8 @@ class _Planner:
         if not is_fragment_value(value):
             raise DtypeMismatchError(f"key {key!r}: the checkpoint holds a tensor, the state dict a {type(value).__name__}")
         frag = to_fragment(key, value)
-        if not other_rules and not same_meaning(entry.rule, frag.meaning):
+        hooks = value.hooks if isinstance(value, Placed) else None
+        if not other_rules and hooks is not None and not hooks.same_form(entry.rule, frag.meaning):
             raise LayoutError(
                 f"tensor {key!r} was saved as {entry.rule} and the rules loading it ({frag.rule!r}) make it "
                 f"{frag.meaning}: another consolidated form (pass allow_other_rules=True to load it anyway)"

@@ -36,6 +36,7 @@ from ..errors import LayoutError
 from .exchange import Exchange, build_exchange, check_sizes
 from ..format.documents import METADATA_FILE, ArrayRef, CheckpointMeta, TensorEntry, consolidated_nodes, dump_document, group_zarr_json
 from .fragments import Fragment, PerRank, Placed, is_fragment_value, to_fragment
+from .hooks import LayoutHooks
 from ..format.integrity import array_digest, document_digest, sign
 from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ..format.optimizer_names import alias, state_names
@@ -116,15 +117,17 @@ class Collected:
     per_rank_values: frozenset[str] = frozenset()
     """Keys of values wrapped in :class:`~ucp_zarr.PerRank`."""
     rules: dict[str, Any] | None = None
-    """The rules that placed this state dict (``Rules.to_dict()``), if any."""
+    """The document of the layout that placed this state dict (``Rules.to_dict()``), if any."""
     used: frozenset[str] = frozenset()
-    """The rule patterns that matched a parameter on this rank."""
+    """What that layout recorded of this rank's placements (the rule patterns that matched)."""
     aliases: dict[str, str] = field(default_factory=dict)
     """Tensor key -> the key its array is named after (see :mod:`..format.optimizer_names`)."""
     structure: Structure | None = None
     """How the state dict nested (stored with the checkpoint)."""
     ties: dict[str, str] = field(default_factory=dict)
     """Alias key -> canonical key of tensors given under several keys (see :mod:`.ties`)."""
+    hooks: LayoutHooks | None = None
+    """That layout's checks (:mod:`.hooks`)."""
 
 
 def collect(state_dict: Mapping[str, Any], model: Any = None) -> Collected:
@@ -137,6 +140,7 @@ def collect(state_dict: Mapping[str, Any], model: Any = None) -> Collected:
     values: dict[str, Any] = {}
     per_rank: set[str] = set()
     rules: dict[str, Any] | None = None
+    hooks: LayoutHooks | None = None
     used: set[str] = set()
     empty: list[tuple[int, tuple[Any, ...]]] = []
     unplaced: list[tuple[str, Any, Fragment]] = []
@@ -163,7 +167,7 @@ def collect(state_dict: Mapping[str, Any], model: Any = None) -> Collected:
             if isinstance(value, Placed):
                 if rules is not None and value.rules != rules:
                     raise LayoutError(f"tensor {leaf.key!r} was placed by other rules than the rest of the state dict")
-                rules = value.rules
+                rules, hooks = value.rules, value.hooks
                 used |= value.used
             if frag.key in fragments:
                 _merge(fragments[frag.key], frag, leaf.key)
@@ -182,7 +186,7 @@ def collect(state_dict: Mapping[str, Any], model: Any = None) -> Collected:
     aliases = {k: a for k, p in paths.items() if (a := alias(k, p, names)) is not None} if names else {}
     structure = structure_of(state_dict, paths, empty)
     ties = find_ties(unplaced) | renamed
-    return Collected(fragments, values, frozenset(per_rank), rules, frozenset(used), aliases, structure, ties)
+    return Collected(fragments, values, frozenset(per_rank), rules, frozenset(used), aliases, structure, ties, hooks)
 
 
 def _merge(into: Fragment, other: Fragment, leaf_key: str) -> None:
@@ -405,20 +409,20 @@ def document_dicts(plan: SavePlan) -> list[tuple[str, dict[str, Any]]]:
 
 
 
-def _agreed_rules(per_rank: list[tuple[dict[str, Any] | None, frozenset[str]]]) -> dict[str, Any] | None:
-    """The rules every rank placed its state dict by (the same on every rank that used
-    any); in strict mode, each of their patterns matched a parameter on some rank."""
-    given = [(r, rules) for r, (rules, _) in enumerate(per_rank) if rules is not None]
+def _agreed_rules(
+    per_rank: list[tuple[dict[str, Any] | None, frozenset[str], LayoutHooks | None]],
+) -> dict[str, Any] | None:
+    """The layout document (rules) every rank placed its state dict by (the same on every
+    rank that used any), its placements checked together by its hooks."""
+    given = [(r, rules, hooks) for r, (rules, _, hooks) in enumerate(per_rank) if rules is not None]
     if not given:
         return None
-    first = given[0][1]
-    for r, rules in given[1:]:
+    first, hooks = given[0][1], given[0][2]
+    for r, rules, _ in given[1:]:
         if rules != first:
             raise LayoutError(f"ranks {given[0][0]} and {r} placed their state dicts by different rules")
-    from ..rules.place import check_used
-    from ..rules.language import Rules
-
-    check_used(Rules.from_dict(first), [used for _, used in per_rank])
+    if hooks is not None:
+        hooks.check_placements(first, [used for _, used, _ in per_rank])
     return first
 
 
@@ -525,7 +529,7 @@ def prepare(
     coordinator: dict[str, Any] = {}
 
     def plan_all(payloads: list[Any], groups: list[range]) -> list[Any]:
-        rules = _agreed_rules([(g[3], g[4]) for g in payloads])
+        rules = _agreed_rules([(g[3], g[4], g[8]) for g in payloads])
         means = _means([g[5] for g in payloads])
         ties = agree_ties([(g[7], g[0]) for g in payloads])  # (an alias is stored as its canonical tensor)
         plan = plan_save([[i for i in g[0] if i.key not in ties] for g in payloads], chunk_bytes=options.chunk_bytes,
@@ -547,7 +551,7 @@ def prepare(
     plan, means = comm.coordinate(
         error,
         "preparing the save",
-        (infos, col.values, col.per_rank_values, col.rules, col.used, averaged, col.structure, col.ties),
+        (infos, col.values, col.per_rank_values, col.rules, col.used, averaged, col.structure, col.ties, col.hooks),
         plan_all,
         split,
         lambda payloads: [(i, *p[1:]) for i, p in zip(shared_infos([p[0] for p in payloads]), payloads)],

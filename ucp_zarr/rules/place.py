@@ -11,11 +11,12 @@ import torch
 
 from ..errors import LayoutError
 from ..protocol.fragments import FlatShard, PerRank, Placed
+from ..protocol.hooks import LayoutHooks
 from ..layout import groups as G
 from ..layout import pieces as P
 from ..format.optimizer_names import number_names
 from .language import Rules
-from .params import ParamRule, RuleError
+from .params import ParamRule, RuleError, same_meaning
 from ..format.statedict import Path, iter_leaves, set_leaf
 
 _STAGE = "\0pipeline stage "
@@ -97,11 +98,28 @@ def place(
     for p in placed:  # (known only once every leaf is placed)
         p.used = used
         p.rules = rules_dict
+        p.hooks = RULES_HOOKS
     _rename_values(out, others, placer)
     if rules.strict and pp_size == 1 and ep_size == 1:
         check_used(rules, [used])
     return out
 
+
+
+class RulesHooks(LayoutHooks):
+    """The rule language's checks, plugged into saves and loads by every tensor
+    :func:`place` places: all ranks' placements together (:func:`check_used`), and whether a
+    stored tensor has the consolidated form the loading rules expect (:func:`same_meaning`)."""
+
+    def check_placements(self, layout: Mapping[str, Any], used_by_rank: list[frozenset[str]]) -> None:
+        check_used(Rules.from_dict(layout), used_by_rank)
+
+    def same_form(self, saved: Mapping[str, Any] | None, loading: Mapping[str, Any] | None) -> bool:
+        return same_meaning(saved, loading)
+
+
+RULES_HOOKS = RulesHooks()
+"""(Stateless: one instance serves every placement.)"""
 
 def _rename_values(out: dict[str, Any], paths: list[tuple[Path, str, tuple[int, int]]], placer: "_Placer") -> None:
     """Values that are no tensors under a parameter's FQN (a module's ``_extra_state``, an int

@@ -1,0 +1,28 @@
+"""What a layout that places state dicts plugs into saving and loading.
+
+As DCP's ``SavePlanner``/``LoadPlanner`` let a layout plug in, a :class:`~ucp_zarr.Placed`
+tensor carries the :class:`LayoutHooks` of the layout that placed it (``ucp_zarr.place``
+gives the rule language's, :class:`ucp_zarr.rules.place.RulesHooks`); the save and the
+load call them where only the layout knows the answer, and the protocol itself knows
+nothing of rules, patterns or what a tensor's stored form means. The layout's own document
+(``Placed.rules``) and each tensor's form (``Placed.meaning``) are opaque JSON to the
+protocol: stored with the checkpoint, handed back to the hooks."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+
+class LayoutHooks:
+    """The checks a layout adds; these defaults accept everything (a layout overrides what it knows)."""
+
+    def check_placements(self, layout: Mapping[str, Any], used_by_rank: list[frozenset[str]]) -> None:
+        """What only every rank's placements together show, given each rank's
+        ``Placed.used`` (a save calls it on the coordinator; a strict load on every rank):
+        raise a :class:`~ucp_zarr.LayoutError` to refuse."""
+
+    def same_form(self, saved: Mapping[str, Any] | None, loading: Mapping[str, Any] | None) -> bool:
+        """Whether a tensor stored in form ``saved`` (its ``Placed.meaning`` at save) holds
+        what a tensor placed in form ``loading`` expects (a load refuses otherwise, unless
+        ``allow_other_rules``)."""
+        return True
