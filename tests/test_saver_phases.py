@@ -22,7 +22,8 @@ import ucp_zarr
 from ucp_zarr.protocol.distributed import Comm
 from ucp_zarr.errors import LayoutError
 from ucp_zarr.protocol.exchange import check_sizes, planned_sizes
-from ucp_zarr.protocol.saver import SaveOptions, collect, prepare
+from ucp_zarr.protocol.collect import collect
+from ucp_zarr.protocol.saver import SaveOptions, prepare
 from ucp_zarr.io.local import LocalStore
 
 
@@ -146,7 +147,7 @@ def _saver() -> Any:
 @pytest.mark.parametrize(
     "phase, where, name",
     [
-        ("collect", _saver, "_infos"),
+        ("collect", _saver, "fragment_infos"),
         ("stage", _saver, "Staging"),
         ("exchange", _saver, "build_exchange"),
         ("write", lambda: _saver().PreparedSave, "_write_data"),  # runs on the rank's own thread

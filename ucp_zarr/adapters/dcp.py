@@ -100,7 +100,8 @@ from ..format.dtypes import stored_dtype_by_name
 from ..protocol.fragments import Fragment
 from ..layout import Box
 from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
-from ..protocol.saver import Collected, SaveOptions, prepare
+from ..protocol.collect import Collected
+from ..protocol.saver import SaveOptions, prepare
 from ..io.factory import open_store
 from ..io.store import Buffer, ReadRequest, Store, WriteGuard
 from ..protocol.transaction import is_checkpoint_object

@@ -42,7 +42,7 @@ folder, so the two are interchangeable; tensors are equal bit for bit):
 The JSON values are stored under single keys (``lr_scheduler``, not ``lr_scheduler.last_epoch``)
 as the converter stores them; :func:`ucp_zarr.save` flattens every mapping, so the save goes
 through the same two calls as ``ucp_zarr.save`` (``saver.prepare(...).finish()``) with the
-values added to what ``saver.collect`` gathered (see :func:`_save`).
+values added to what ``collect.collect`` gathered (see :func:`_save`).
 
 DeepSpeed internals relied on (checked against DeepSpeed 0.19.8)
 -----------------------------------------------------------------
@@ -100,7 +100,8 @@ from ..protocol.distributed import Comm, describe
 from ..format.dtypes import stored_dtype_by_name
 from ..errors import KeyMismatchError, LayoutError, agreed_error
 from ..protocol.fragments import FlatShard, PerRank
-from ..protocol.saver import SaveOptions, SaveResult, collect, prepare
+from ..protocol.collect import collect
+from ..protocol.saver import SaveOptions, SaveResult, prepare
 from ..format.statedict import from_json, to_json
 from ..io.factory import open_store
 from .deepspeed_layout import _Layout, _Param, _layout

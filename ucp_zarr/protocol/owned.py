@@ -20,12 +20,15 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ..format.codec import chunk_key
 from ..errors import FormatError
 from ..format.documents import METADATA_FILE, CheckpointMeta, check_array_path, check_document_path, parse_document
 from ..layout.boxes import grid_indices
+
+if TYPE_CHECKING:
+    from .planner import SavePlan
 
 MAX_SHARDS_PER_ARRAY = 1 << 24
 """A record naming more shards than this for one array is malformed (never enumerated)."""
@@ -123,3 +126,10 @@ def _array(path: Any, shape: Any, shard_shape: Any, where: str) -> OwnedArray:
     if not ok or math.prod(-(-n // s) for n, s in zip(shape, shard_shape)) > MAX_SHARDS_PER_ARRAY:
         raise FormatError(f"{where}: array {path}: shape {str(shape)[:80]} / shards {str(shard_shape)[:80]} are not a grid")
     return OwnedArray(path, tuple(shape), tuple(shard_shape))
+
+
+def owned_by(plan: "SavePlan") -> Owned:
+    """Every object a save of ``plan`` writes: its documents and its arrays' shards."""
+    docs = [f"{g}/{METADATA_FILE}" for g in plan.groups] + [f"{p}/{METADATA_FILE}" for p, _ in plan.arrays.values()]
+    arrays = [OwnedArray(p, m.shape, m.grid.shard_shape) for p, m in plan.arrays.values()]
+    return Owned(tuple(docs), tuple(arrays))

@@ -10,6 +10,9 @@ tensor, the box and the ranks, raised on every rank with nothing committed.
 
 Digests are crc32c of the copy's bytes on the host; a large copy on an accelerator is
 digested where it lives (:func:`device_fingerprint`), so nothing large crosses to the host.
+
+Replicas a layout marks as averaged (:attr:`~ucp_zarr.Placed.average`) may differ: their
+mean over the ranks holding them is saved instead (:func:`replica_means`, :func:`set_means`).
 """
 
 from __future__ import annotations
@@ -107,3 +110,26 @@ def device_fingerprint(raw: torch.Tensor, block: int = 16 << 20) -> int:
         total += int(v.sum())
         weighted += int((v * pos).sum())
     return hash((total, weighted))
+
+
+def replica_means(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The mean of each averaged tensor (:attr:`~ucp_zarr.Placed.average`: replicas that may differ) over the ranks that hold it (accumulated in
+    float64 in rank order)."""
+    copies: dict[str, list[torch.Tensor]] = {}
+    for d in per_rank:
+        for key, t in d.items():
+            copies.setdefault(key, []).append(t)
+    out: dict[str, torch.Tensor] = {}
+    for key, ts in copies.items():
+        total = torch.zeros(ts[0].shape, dtype=torch.float64)
+        for t in ts:
+            total += t.to(torch.float64)
+        out[key] = (total / len(ts)).to(ts[0].dtype)
+    return out
+
+
+def set_means(fragments: dict[str, Fragment], means: dict[str, torch.Tensor]) -> None:
+    """Replace each averaged fragment's tensor by its mean over the ranks."""
+    for key, mean in means.items():
+        box, _ = fragments[key].pieces[0]
+        fragments[key].pieces[0] = (box, mean)

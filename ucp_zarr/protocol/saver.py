@@ -25,8 +25,8 @@ import datetime
 import json
 import logging
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -35,17 +35,16 @@ from .distributed import Comm, describe, raise_failures
 from ..errors import LayoutError
 from .exchange import Exchange, build_exchange, check_sizes
 from ..format.documents import METADATA_FILE, ArrayRef, CheckpointMeta, TensorEntry, consolidated_nodes, dump_document, group_zarr_json
-from .fragments import Fragment, PerRank, Placed, is_fragment_value, to_fragment
+from .collect import Collected, fragment_infos, merge_values
 from .hooks import LayoutHooks
 from ..format.integrity import array_digest, document_digest, sign
 from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
-from ..format.optimizer_names import alias, state_names
 from .planner import FragmentInfo, SavePlan, ShardTask, plan_save, shared_infos
-from .replicas import Digests, check_replicas, replica_digests
+from .replicas import Digests, check_replicas, replica_digests, replica_means, set_means
 from .staging import Staging
-from .ties import agree_ties, find_ties
-from ..format.statedict import Structure, iter_leaves, structure_of, to_json
-from .owned import Owned, OwnedArray
+from .ties import agree_ties
+from ..format.statedict import Structure
+from .owned import owned_by
 from ..io.store import Store
 from .liveness import DEFAULT_LEASE_S, FENCE_INTERVAL_S, Fence
 from .transaction import Transaction, is_internal, require_exclusive_create, target_store
@@ -85,13 +84,6 @@ def begin_transaction(store: Store, plan: SavePlan, options: SaveOptions) -> Tra
     return txn
 
 
-def owned_by(plan: SavePlan) -> Owned:
-    """Every object a save of ``plan`` writes: its documents and its arrays' shards."""
-    docs = [f"{g}/{METADATA_FILE}" for g in plan.groups] + [f"{p}/{METADATA_FILE}" for p, _ in plan.arrays.values()]
-    arrays = [OwnedArray(p, m.shape, m.grid.shard_shape) for p, m in plan.arrays.values()]
-    return Owned(tuple(docs), tuple(arrays))
-
-
 @dataclass(frozen=True)
 class SaveResult:
     """What one rank's part of a save did."""
@@ -106,108 +98,6 @@ class SaveResult:
     def __repr__(self) -> str:  # one line, whatever the number of objects
         return (f"SaveResult(url={self.url!r}, rank={self.rank}, bytes_written={self.bytes_written}, "
                 f"objects=<{len(self.objects)} keys>, save_id={self.save_id!r})")
-
-
-@dataclass
-class Collected:
-    """A state dict as a save sees it: tensors as fragments, other leaves as JSON."""
-
-    fragments: dict[str, Fragment]
-    values: dict[str, Any]
-    per_rank_values: frozenset[str] = frozenset()
-    """Keys of values wrapped in :class:`~ucp_zarr.PerRank`."""
-    rules: dict[str, Any] | None = None
-    """The document of the layout that placed this state dict (``Rules.to_dict()``), if any."""
-    used: frozenset[str] = frozenset()
-    """What that layout recorded of this rank's placements (the rule patterns that matched)."""
-    aliases: dict[str, str] = field(default_factory=dict)
-    """Tensor key -> the key its array is named after (see :mod:`..format.optimizer_names`)."""
-    structure: Structure | None = None
-    """How the state dict nested (stored with the checkpoint)."""
-    ties: dict[str, str] = field(default_factory=dict)
-    """Alias key -> canonical key of tensors given under several keys (see :mod:`.ties`)."""
-    hooks: LayoutHooks | None = None
-    """That layout's checks (:mod:`.hooks`)."""
-
-
-def collect(state_dict: Mapping[str, Any], model: Any = None) -> Collected:
-    """A state dict's tensors as fragments and its other leaves as JSON, by flattened key
-    (a :class:`~ucp_zarr.Placed` tensor under its consolidated key; two placed on one key,
-    such as tied weights, are merged). Optimizer state keyed by parameter number is named
-    after its parameter where the name is knowable (``param_names``, or ``model``)."""
-    paths: dict[str, tuple[Any, ...]] = {}
-    fragments: dict[str, Fragment] = {}
-    values: dict[str, Any] = {}
-    per_rank: set[str] = set()
-    rules: dict[str, Any] | None = None
-    hooks: LayoutHooks | None = None
-    used: set[str] = set()
-    empty: list[tuple[int, tuple[Any, ...]]] = []
-    unplaced: list[tuple[str, Any, Fragment]] = []
-    renamed: dict[str, str] = {}
-    for leaf in iter_leaves(state_dict, empty):
-        value, wrapped = leaf.value, isinstance(leaf.value, PerRank)
-        if wrapped:
-            value = value.value
-        if isinstance(value, Placed) and value.alias is not None:
-            renamed[value.alias] = value.key
-        if isinstance(value, Placed) and not value.stored:
-            used |= value.used
-            continue
-        if is_fragment_value(value):
-            frag = to_fragment(leaf.key, value)
-            if wrapped and not frag.plain:
-                raise LayoutError(
-                    f"tensor {leaf.key!r}: PerRank holds a {type(value).__name__}; per-rank state is a "
-                    "plain tensor (or a JSON value) that each rank holds whole"
-                )
-            frag.per_rank = wrapped
-            if not wrapped and not isinstance(value, Placed):
-                unplaced.append((frag.key, value, frag))
-            if isinstance(value, Placed):
-                if rules is not None and value.rules != rules:
-                    raise LayoutError(f"tensor {leaf.key!r} was placed by other rules than the rest of the state dict")
-                rules, hooks = value.rules, value.hooks
-                used |= value.used
-            if frag.key in fragments:
-                _merge(fragments[frag.key], frag, leaf.key)
-            else:
-                fragments[frag.key] = frag
-                paths[frag.key] = leaf.path
-        else:
-            values[leaf.key] = to_json(value, leaf.key)
-            paths[leaf.key] = leaf.path
-            if wrapped:
-                per_rank.add(leaf.key)
-    clash = sorted(set(fragments) & set(values))
-    if clash:
-        raise LayoutError(f"keys {clash} are both a placed tensor and a value")
-    names = state_names(state_dict, model)  # (after iter_leaves refused cycles and deep nesting)
-    aliases = {k: a for k, p in paths.items() if (a := alias(k, p, names)) is not None} if names else {}
-    structure = structure_of(state_dict, paths, empty)
-    ties = find_ties(unplaced) | renamed
-    return Collected(fragments, values, frozenset(per_rank), rules, frozenset(used), aliases, structure, ties, hooks)
-
-
-def _merge(into: Fragment, other: Fragment, leaf_key: str) -> None:
-    """Two local tensors placed on one consolidated tensor (tied weights): the same boxes
-    must hold the same values; other boxes must not overlap."""
-    key = into.key
-    if (into.shape, into.dtype, into.meaning) != (other.shape, other.dtype, other.meaning):
-        raise LayoutError(
-            f"tensor {key!r}: {leaf_key!r} is placed on it as {list(other.shape)} {other.dtype}, another local "
-            f"tensor as {list(into.shape)} {into.dtype} (or by another kind of rule)"
-        )
-    held = dict(into.pieces)
-    for box, t in other.pieces:
-        if box in held:
-            if not torch.equal(held[box].detach().cpu(), t.detach().cpu()):
-                raise LayoutError(f"tensor {key!r}: {leaf_key!r} and another local tensor tied to it differ")
-            continue
-        if any((i := box.intersect(b)) is not None and not i.is_empty() for b in held):
-            raise LayoutError(f"tensor {key!r}: {leaf_key!r} overlaps another local tensor placed on it")
-        into.pieces.append((box, t))
-        held[box] = t
 
 
 class PreparedSave:
@@ -426,80 +316,6 @@ def _agreed_rules(
     return first
 
 
-def _means(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The mean of each averaged tensor over the ranks that hold it (accumulated in
-    float64 in rank order)."""
-    copies: dict[str, list[torch.Tensor]] = {}
-    for d in per_rank:
-        for key, t in d.items():
-            copies.setdefault(key, []).append(t)
-    out: dict[str, torch.Tensor] = {}
-    for key, ts in copies.items():
-        total = torch.zeros(ts[0].shape, dtype=torch.float64)
-        for t in ts:
-            total += t.to(torch.float64)
-        out[key] = (total / len(ts)).to(ts[0].dtype)
-    return out
-
-
-def _set_means(fragments: dict[str, Fragment], means: dict[str, torch.Tensor]) -> None:
-    """Replace each averaged fragment's tensor by its mean over the ranks."""
-    for key, mean in means.items():
-        box, _ = fragments[key].pieces[0]
-        fragments[key].pieces[0] = (box, mean)
-
-
-def _infos(fragments: dict[str, Fragment], aliases: dict[str, str]) -> list[FragmentInfo]:
-    """What each fragment is, for the planner."""
-    return [
-        FragmentInfo(
-            f.key,
-            f.shape,
-            str(f.dtype).removeprefix("torch."),
-            tuple(b for b, _ in f.pieces),
-            f.flat,
-            f.plain,
-            f.per_rank,
-            None if f.meaning is None else json.dumps(f.meaning, sort_keys=True),
-            f.rule,
-            aliases.get(f.key),
-        )
-        for f in fragments.values()
-    ]
-
-
-def _merge_values(
-    per_rank: list[tuple[dict[str, Any], frozenset[str]]],
-) -> tuple[dict[str, Any], dict[str, dict[int, Any]]]:
-    """Values wrapped in PerRank, or differing between ranks, are per-rank; the others
-    global. A key wrapped on some ranks only is an error."""
-    seen: dict[str, dict[int, Any]] = {}
-    wrapped: dict[str, set[int]] = {}
-    for r, (vals, explicit) in enumerate(per_rank):
-        for k, v in vals.items():
-            seen.setdefault(k, {})[r] = v
-        for k in explicit:
-            wrapped.setdefault(k, set()).add(r)
-    global_values: dict[str, Any] = {}
-    rank_values: dict[str, dict[int, Any]] = {}
-    for k, by_rank in seen.items():
-        if k in wrapped and wrapped[k] != set(by_rank):
-            raise LayoutError(
-                f"value {k!r}: ranks {sorted(wrapped[k])} wrap it in PerRank, ranks "
-                f"{sorted(set(by_rank) - wrapped[k])} do not"
-            )
-        first = next(iter(by_rank.values()))
-        if k not in wrapped and all(_same(v, first) for v in by_rank.values()):
-            global_values[k] = first
-        else:
-            rank_values[k] = by_rank
-    return global_values, rank_values
-
-
-def _same(a: Any, b: Any) -> bool:
-    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
-
-
 def prepare(
     collected: Callable[[], Collected],
     store: Store,
@@ -519,7 +335,7 @@ def prepare(
     averaged: dict[str, torch.Tensor] = {}
     try:
         col = collected()
-        infos = _infos(col.fragments, col.aliases)
+        infos = fragment_infos(col.fragments, col.aliases)
         averaged = {k: f.pieces[0][1].detach().cpu() for k, f in col.fragments.items() if f.average and f.pieces}
     except BaseException as e:
         error = e
@@ -530,13 +346,13 @@ def prepare(
 
     def plan_all(payloads: list[Any], groups: list[range]) -> list[Any]:
         rules = _agreed_rules([(g[3], g[4], g[8]) for g in payloads])
-        means = _means([g[5] for g in payloads])
+        means = replica_means([g[5] for g in payloads])
         ties = agree_ties([(g[7], g[0]) for g in payloads])  # (an alias is stored as its canonical tensor)
         plan = plan_save([[i for i in g[0] if i.key not in ties] for g in payloads], chunk_bytes=options.chunk_bytes,
                          shard_bytes=options.shard_bytes)
         coordinator.update(
             plan=plan,
-            values=_merge_values([(g[1], g[2]) for g in payloads]),
+            values=merge_values([(g[1], g[2]) for g in payloads]),
             order=[f.key for g in payloads for f in g[0]],
             layout={} if rules is None else {"rules": rules},
             structure=Structure.merged([g[6] for g in payloads]),
@@ -557,7 +373,7 @@ def prepare(
         lambda payloads: [(i, *p[1:]) for i, p in zip(shared_infos([p[0] for p in payloads]), payloads)],
     )
     whole = coordinator.get("plan")  # (rank 0: the commit record and the replica check need all of it)
-    _set_means(col.fragments, means)
+    set_means(col.fragments, means)
     values, order, layout = coordinator.get("values", ({}, {})), coordinator.get("order", []), coordinator.get("layout", {})
     txn: Transaction | None = None
     error = None

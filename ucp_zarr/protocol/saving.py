@@ -19,7 +19,8 @@ from ..io.factory import open_store
 from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from .distributed import Comm
 from .liveness import DEFAULT_LEASE_S
-from .saver import SaveOptions, SaveResult, collect, prepare
+from .collect import collect
+from .saver import SaveOptions, SaveResult, prepare
 
 DEFAULT_WORKERS = 4
 
