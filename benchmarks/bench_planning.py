@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import sim_layout as S  # noqa: E402
 
-from ucp_zarr.format.documents import ArrayMeta, CheckpointMeta, TensorEntry, consolidated_nodes, dump_document  # noqa: E402
+from ucp_zarr.format.documents import ArrayMeta, consolidated_nodes, dump_document
+from ucp_zarr.format.commit_record import CheckpointMeta, TensorEntry
 from ucp_zarr.format.integrity import document_digest  # noqa: E402
 from ucp_zarr.protocol.distributed import gc_paused, leader_groups  # noqa: E402
 from ucp_zarr.layout import Box  # noqa: E402

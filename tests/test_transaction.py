@@ -11,14 +11,14 @@ The claims under test:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from _faulty import Crash, FaultyStore, Judge, Log
 
 from ucp_zarr.errors import CheckpointExistsError, IncompleteCheckpointError, NotACheckpointError, OwnershipError
-from ucp_zarr.format.documents import CheckpointMeta, dump_document
+from ucp_zarr.format.documents import dump_document
+from ucp_zarr.format.commit_record import CheckpointMeta
 from ucp_zarr.protocol.owned import Owned, OwnedArray
 from ucp_zarr.io.local import LocalStore
 from ucp_zarr.protocol.liveness import HEARTBEAT, MARKER, OWNED, REPLACE_RECORD, TAKEOVER, Fence, read_owner

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..protocol.reader import CheckpointReader
 from ..errors import FormatError
-from ..format.documents import CheckpointMeta
+from ..format.commit_record import CheckpointMeta
 from ..protocol.fragments import Fragment
 from ..layout import Box
 from ..format.statedict import from_json, to_json

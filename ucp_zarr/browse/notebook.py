@@ -33,7 +33,8 @@ from .inspect import CheckpointSummary, SummaryRow, TensorStats, checkpoint_summ
 
 if TYPE_CHECKING:
     from ..checkpoint import Checkpoint, TensorView
-    from ..format.documents import ArrayMeta, Region, TensorEntry
+    from ..format.documents import ArrayMeta, Region
+    from ..format.commit_record import TensorEntry
 
 MAX_ROWS = 200
 """Array rows a checkpoint's tree shows in full; further groups show their totals only."""

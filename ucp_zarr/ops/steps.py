@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, NotACheckpointError
-from ..format.documents import METADATA_FILE, CheckpointMeta, parse_document
+from ..format.documents import METADATA_FILE, parse_document
+from ..format.commit_record import CheckpointMeta
 from ..io.factory import open_store
 from ..io.store import Store
 from ..protocol.owned import Owned

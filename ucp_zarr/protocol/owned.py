@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from ..format.codec import chunk_key
 from ..errors import FormatError
-from ..format.documents import METADATA_FILE, CheckpointMeta, check_array_path, check_document_path, parse_document
+from ..format.documents import METADATA_FILE, check_array_path, check_document_path, parse_document
+from ..format.commit_record import CheckpointMeta
 from ..layout.boxes import grid_indices
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ import torch
 from .reader import CheckpointReader, open_store_reader
 from ..format.dtypes import stored_dtype_by_name
 from ..errors import KeyMismatchError
-from ..format.documents import CheckpointMeta
+from ..format.commit_record import CheckpointMeta
 from ..format.statedict import STRUCTURE_FORMAT, Structure, from_json
 from ..io.factory import open_store
 from .filling import LOAD_WORKERS

@@ -42,7 +42,8 @@ from ..errors import (
     UnknownKeyError,
     did_you_mean,
 )
-from ..format.documents import ATTRIBUTE, METADATA_FILE, ArrayMeta, CheckpointMeta, TensorEntry, parse_document
+from ..format.documents import ATTRIBUTE, METADATA_FILE, ArrayMeta, parse_document
+from ..format.commit_record import CheckpointMeta, TensorEntry
 from ..format.integrity import array_digest, check_signature, document_digest
 from ..layout import Box
 from ..format.statedict import from_json

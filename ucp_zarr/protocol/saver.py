@@ -34,7 +34,8 @@ from ..io.arrayio import Seal, write_shard
 from .distributed import Comm, describe, raise_failures
 from ..errors import LayoutError
 from .exchange import Exchange, build_exchange, check_sizes
-from ..format.documents import METADATA_FILE, ArrayRef, CheckpointMeta, TensorEntry, consolidated_nodes, dump_document, group_zarr_json
+from ..format.documents import METADATA_FILE, consolidated_nodes, dump_document, group_zarr_json
+from ..format.commit_record import ArrayRef, CheckpointMeta, TensorEntry
 from .collect import Collected, fragment_infos, merge_values
 from .hooks import LayoutHooks
 from ..format.integrity import array_digest, document_digest, sign
