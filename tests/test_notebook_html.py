@@ -27,7 +27,7 @@ from _dist import run
 
 import ucp_zarr
 from ucp_zarr.browse import changes, notebook, plots
-from ucp_zarr.checkpoint import Checkpoint
+from ucp_zarr.browse.checkpoint import Checkpoint
 from ucp_zarr.format.commit_record import CheckpointMeta, TensorEntry
 from ucp_zarr.browse.diff import diff
 from ucp_zarr.io.factory import open_store

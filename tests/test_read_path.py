@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ucp_zarr
-from ucp_zarr.checkpoint import open_store_checkpoint
+from ucp_zarr.browse.checkpoint import open_store_checkpoint
 from ucp_zarr.format.codec import CRC_BYTES, decode_index, encode_index, index_nbytes
 from ucp_zarr.errors import CorruptChunkError
 from ucp_zarr.io.local import LocalStore

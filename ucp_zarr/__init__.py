@@ -36,7 +36,7 @@ from .version import __version__
 if TYPE_CHECKING:
     from .adapters.dcp import ZarrStorageReader, ZarrStorageWriter
     from .api import async_save, save, wait_for_pending_save
-    from .checkpoint import Checkpoint, TensorView, open
+    from .browse.checkpoint import Checkpoint, TensorView, open
     from .converters import convert, export
     from .protocol.fragments import FlatShard, PerRank, Placed, Shard
     from .browse.diff import diff
@@ -57,9 +57,9 @@ _LAZY = {
     "async_save": ".api",
     "save": ".api",
     "wait_for_pending_save": ".api",
-    "Checkpoint": ".checkpoint",
-    "TensorView": ".checkpoint",
-    "open": ".checkpoint",
+    "Checkpoint": ".browse.checkpoint",
+    "TensorView": ".browse.checkpoint",
+    "open": ".browse.checkpoint",
     "convert": ".converters",
     "export": ".converters",
     "FlatShard": ".protocol.fragments",

@@ -1,5 +1,5 @@
 """The Python face: :func:`save`, :func:`async_save` and :func:`load` (the calls live in
-:mod:`.protocol.saving` and :mod:`.protocol.loader`, ``open`` in :mod:`.checkpoint`)."""
+:mod:`.protocol.saving` and :mod:`.protocol.loader`, ``open`` in :mod:`.browse.checkpoint`)."""
 
 from .protocol.loader import load
 from .protocol.saving import BACKGROUND_NICE, DEFAULT_WORKERS, MAX_NICE, async_save, save, wait_for_pending_save

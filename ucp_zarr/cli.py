@@ -36,7 +36,7 @@ from .errors import (
 from .cli_output import UsageError, emit, format_num, format_table, open_checkpoint, progress_bar
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
+    from .browse.checkpoint import Checkpoint
     from .io.store import Store
 
 EXAMPLES = """\
@@ -356,7 +356,7 @@ def _checkpoints_under(store: "Store", storage_options: dict[str, Any] | None) -
     """The checkpoints in the folders below ``store`` (at most ``FIND_DEPTH`` levels, hidden
     ones skipped, none inside another): (relative path, :class:`Checkpoint` or the
     :class:`IncompleteCheckpointError` of one that was never committed), by path."""
-    from .checkpoint import open_store_checkpoint
+    from .browse.checkpoint import open_store_checkpoint
     from .format.documents import METADATA_FILE
     from .io.factory import open_store
     from .protocol.liveness import MARKER

@@ -11,7 +11,7 @@ from typing import Any, Collection, Iterator, TYPE_CHECKING
 
 
 if TYPE_CHECKING:
-    from .checkpoint import Checkpoint
+    from .browse.checkpoint import Checkpoint
 
 
 class UsageError(Exception):
@@ -22,7 +22,7 @@ class UsageError(Exception):
 
 
 def open_checkpoint(path: str, args: argparse.Namespace) -> "Checkpoint":
-    from .checkpoint import open as open_committed
+    from .browse.checkpoint import open as open_committed
 
     return open_committed(path, storage_options=args.storage_options, hmac_key=_key(args))
 

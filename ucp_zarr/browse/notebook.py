@@ -32,7 +32,7 @@ from typing import Any, Collection, Sequence, TYPE_CHECKING
 from .inspect import CheckpointSummary, SummaryRow, TensorStats, checkpoint_summary, group_of
 
 if TYPE_CHECKING:
-    from ..checkpoint import Checkpoint, TensorView
+    from .checkpoint import Checkpoint, TensorView
     from ..format.documents import ArrayMeta, Region
     from ..format.commit_record import TensorEntry
 

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
     from matplotlib.axes import Axes
 
-    from ..checkpoint import Checkpoint, TensorView
+    from .checkpoint import Checkpoint, TensorView
     from .diff import CheckpointDiff
     from .runs import StepHistograms, StepSeries
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
-from ..checkpoint import Checkpoint, open_store_checkpoint
+from .checkpoint import Checkpoint, open_store_checkpoint
 from ..errors import NotACheckpointError
 from ..format.documents import METADATA_FILE
 from .diff import diff

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from ..api import async_save, save
+from ..protocol.saving import async_save, save
 from ..protocol.read_state import read_state_dict
 from ..errors import CheckpointError, NotJSONableError
 from ..ops.steps import delete_step, is_committed

@@ -2,21 +2,21 @@
 :class:`~ucp_zarr.protocol.reader.CheckpointReader` with what browsing adds (the rules it
 was placed by, summaries, statistics and the Jupyter display).
 
-Reading lives in the protocol; this face depends on it and on the browsing layer, and
-nothing below imports this module (the HTML renderers are told the checkpoint, they never
-import it)."""
+Reading lives in the protocol; this face depends on it, on the statistics and on the HTML,
+and only the browsing faces above it (runs, the CLI) import it: the HTML renderers are handed
+a checkpoint, they never import this module."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from .browse.inspect import CheckpointSummary, TensorStats, checkpoint_summary, tensor_stats
-from .browse.notebook import CheckpointTree, checkpoint_html, stats_html, summary_html, tensor_html
-from .io.factory import open_store
-from .io.store import Store
-from .protocol.reader import CheckpointReader, TensorReader, commit_meta
-from .rules.language import Rules
+from .inspect import CheckpointSummary, TensorStats, checkpoint_summary, tensor_stats
+from .notebook import CheckpointTree, checkpoint_html, stats_html, summary_html, tensor_html
+from ..io.factory import open_store
+from ..io.store import Store
+from ..protocol.reader import CheckpointReader, TensorReader, commit_meta
+from ..rules.language import Rules
 
 
 class Checkpoint(CheckpointReader):
