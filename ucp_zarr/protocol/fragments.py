@@ -88,7 +88,8 @@ class Placed:
     replicated: bool = False
     """Equal on every rank that holds it (checked at save): TP-replicated parameters."""
     average: bool = False
-    """Its replicas may differ: the mean over the ranks holding it is saved."""
+    """Its replicas may differ: what the layout's :attr:`hooks` combine them into is saved
+    (the mean over the ranks holding it, by default and for the rule language)."""
     meaning: dict[str, Any] | None = None
     """What the consolidated tensor is (the rule's kind, sub-parameter sizes, vocabulary
     size): stored per tensor, compared at load."""
@@ -133,7 +134,7 @@ class Fragment:
     """A plain tensor wrapped in :class:`PerRank`."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     average: bool = False
-    """Replicas are averaged at save (:attr:`Placed.average`)."""
+    """Its replicas may differ: the layout's hooks combine them at save (:attr:`Placed.average`)."""
     meaning: dict[str, Any] | None = None
     rule: str = ""
     pad: list[torch.Tensor] = field(default_factory=list)

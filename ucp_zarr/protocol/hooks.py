@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import torch
+
 
 class LayoutHooks:
-    """The checks a layout adds; these defaults accept everything (a layout overrides what it knows)."""
+    """The checks a layout adds and how it combines replicas that may differ; these
+    defaults accept everything and combine by the mean (a layout overrides what it knows)."""
 
     def check_placements(self, layout: Mapping[str, Any], used_by_rank: list[frozenset[str]]) -> None:
         """What only every rank's placements together show, given each rank's
@@ -26,3 +29,12 @@ class LayoutHooks:
         what a tensor placed in form ``loading`` expects (a load refuses otherwise, unless
         ``allow_other_rules``)."""
         return True
+
+    def combine(self, key: str, copies: list[torch.Tensor]) -> torch.Tensor:
+        """The one tensor stored for ``key``, whose holders' copies may differ
+        (:attr:`~ucp_zarr.Placed.average`), from every holder's copy in rank order (on the
+        coordinator): here their mean, accumulated in float64 in rank order."""
+        total = torch.zeros(copies[0].shape, dtype=torch.float64)
+        for t in copies:
+            total += t.to(torch.float64)
+        return (total / len(copies)).to(copies[0].dtype)

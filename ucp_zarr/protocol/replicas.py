@@ -11,8 +11,9 @@ tensor, the box and the ranks, raised on every rank with nothing committed.
 Digests are crc32c of the copy's bytes on the host; a large copy on an accelerator is
 digested where it lives (:func:`device_fingerprint`), so nothing large crosses to the host.
 
-Replicas a layout marks as averaged (:attr:`~ucp_zarr.Placed.average`) may differ: their
-mean over the ranks holding them is saved instead (:func:`replica_means`, :func:`set_means`).
+Replicas a layout marks as averaged (:attr:`~ucp_zarr.Placed.average`) may differ: the
+tensor the layout's hooks combine them into (their mean, by default) is saved instead
+(:func:`combine_replicas`, :func:`set_combined`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from ..format.codec import checksum
 from ..errors import LayoutError
 from .fragments import Fragment
+from .hooks import LayoutHooks
 from ..layout import Box
 from .planner import Replicated, SavePlan
 
@@ -112,24 +114,18 @@ def device_fingerprint(raw: torch.Tensor, block: int = 16 << 20) -> int:
     return hash((total, weighted))
 
 
-def replica_means(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The mean of each averaged tensor (:attr:`~ucp_zarr.Placed.average`: replicas that may differ) over the ranks that hold it (accumulated in
-    float64 in rank order)."""
+def combine_replicas(per_rank: list[dict[str, torch.Tensor]], hooks: LayoutHooks) -> dict[str, torch.Tensor]:
+    """Each combined tensor (:attr:`~ucp_zarr.Placed.average`: replicas that may differ)
+    as the layout's ``hooks`` combine the copies of the ranks holding it, in rank order."""
     copies: dict[str, list[torch.Tensor]] = {}
     for d in per_rank:
         for key, t in d.items():
             copies.setdefault(key, []).append(t)
-    out: dict[str, torch.Tensor] = {}
-    for key, ts in copies.items():
-        total = torch.zeros(ts[0].shape, dtype=torch.float64)
-        for t in ts:
-            total += t.to(torch.float64)
-        out[key] = (total / len(ts)).to(ts[0].dtype)
-    return out
+    return {key: hooks.combine(key, ts) for key, ts in copies.items()}
 
 
-def set_means(fragments: dict[str, Fragment], means: dict[str, torch.Tensor]) -> None:
-    """Replace each averaged fragment's tensor by its mean over the ranks."""
-    for key, mean in means.items():
+def set_combined(fragments: dict[str, Fragment], combined: dict[str, torch.Tensor]) -> None:
+    """Replace each combined fragment's tensor by the tensor its replicas combined into."""
+    for key, t in combined.items():
         box, _ = fragments[key].pieces[0]
-        fragments[key].pieces[0] = (box, mean)
+        fragments[key].pieces[0] = (box, t)

@@ -41,7 +41,7 @@ from .hooks import LayoutHooks
 from ..format.integrity import array_digest, document_digest, sign
 from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from .planner import FragmentInfo, SavePlan, ShardTask, plan_save, shared_infos
-from .replicas import Digests, check_replicas, replica_digests, replica_means, set_means
+from .replicas import Digests, check_replicas, combine_replicas, replica_digests, set_combined
 from .staging import Staging
 from .ties import agree_ties
 from ..format.statedict import Structure
@@ -333,11 +333,11 @@ def prepare(
     error: BaseException | None = None
     col = Collected({}, {})
     infos: list[FragmentInfo] = []
-    averaged: dict[str, torch.Tensor] = {}
+    differing: dict[str, torch.Tensor] = {}  # (copies the layout's hooks combine)
     try:
         col = collected()
         infos = fragment_infos(col.fragments, col.aliases)
-        averaged = {k: f.pieces[0][1].detach().cpu() for k, f in col.fragments.items() if f.average and f.pieces}
+        differing = {k: f.pieces[0][1].detach().cpu() for k, f in col.fragments.items() if f.average and f.pieces}
     except BaseException as e:
         error = e
     # 2. plan on one coordinator (rank 0): it receives every rank's fragment list (through
@@ -347,7 +347,8 @@ def prepare(
 
     def plan_all(payloads: list[Any], groups: list[range]) -> list[Any]:
         rules = _agreed_rules([(g[3], g[4], g[8]) for g in payloads])
-        means = replica_means([g[5] for g in payloads])
+        hooks = next((g[8] for g in payloads if g[8] is not None), None) or LayoutHooks()
+        combined = combine_replicas([g[5] for g in payloads], hooks)
         ties = agree_ties([(g[7], g[0]) for g in payloads])  # (an alias is stored as its canonical tensor)
         plan = plan_save([[i for i in g[0] if i.key not in ties] for g in payloads], chunk_bytes=options.chunk_bytes,
                          shard_bytes=options.shard_bytes)
@@ -359,22 +360,22 @@ def prepare(
             structure=Structure.merged([g[6] for g in payloads]),
             ties=ties,
         )
-        return [(part, {k: means[k] for r in g for k in payloads[r][5]}) for part, g in zip(plan.parts(groups), groups)]
+        return [(part, {k: combined[k] for r in g for k in payloads[r][5]}) for part, g in zip(plan.parts(groups), groups)]
 
     def split(answer: Any, group: range, payloads: list[Any]) -> list[Any]:
-        part, means = answer
-        return [(p, {k: means[k] for k in g[5]}) for p, g in zip(part.parts([(r,) for r in group]), payloads)]
+        part, combined = answer
+        return [(p, {k: combined[k] for k in g[5]}) for p, g in zip(part.parts([(r,) for r in group]), payloads)]
 
-    plan, means = comm.coordinate(
+    plan, combined = comm.coordinate(
         error,
         "preparing the save",
-        (infos, col.values, col.per_rank_values, col.rules, col.used, averaged, col.structure, col.ties, col.hooks),
+        (infos, col.values, col.per_rank_values, col.rules, col.used, differing, col.structure, col.ties, col.hooks),
         plan_all,
         split,
         lambda payloads: [(i, *p[1:]) for i, p in zip(shared_infos([p[0] for p in payloads]), payloads)],
     )
     whole = coordinator.get("plan")  # (rank 0: the commit record and the replica check need all of it)
-    set_means(col.fragments, means)
+    set_combined(col.fragments, combined)
     values, order, layout = coordinator.get("values", ({}, {})), coordinator.get("order", []), coordinator.get("layout", {})
     txn: Transaction | None = None
     error = None
