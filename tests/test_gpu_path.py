@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ucp_zarr
-from ucp_zarr.protocol import checkpoint, staging
+from ucp_zarr.protocol import reader, staging
 from ucp_zarr.layout import Box
 from ucp_zarr.protocol.replicas import device_fingerprint
 
@@ -66,7 +66,7 @@ def test_device_fingerprint_is_the_same_in_any_block_size(device: str) -> None:
 def test_row_blocks_tile_the_box(offset: tuple[int, ...], shape: tuple[int, ...], limit: int) -> None:
     shape = shape[: len(offset)]
     box = Box(offset, shape)
-    blocks = checkpoint.row_blocks(box, 4, limit)
+    blocks = reader.row_blocks(box, 4, limit)
     assert sum(b.numel for b in blocks) == box.numel
     for i, b in enumerate(blocks):
         assert box.contains(b)
@@ -83,14 +83,14 @@ def test_reads_into_another_dtype_stage_bounded_blocks(
     w = torch.randn(1000, 300).half()
     ucp_zarr.save({"w": w}, tmp_path / "ck")
     sizes: list[int] = []
-    original = checkpoint.Checkpoint._read_into
+    original = reader.CheckpointReader._read_into
 
     def recording(self, key, box, dest, rank):  # type: ignore[no-untyped-def]
         sizes.append(dest.nbytes)
         return original(self, key, box, dest, rank)
 
-    monkeypatch.setattr(checkpoint.Checkpoint, "_read_into", recording)
-    monkeypatch.setattr(checkpoint, "STAGE_BYTES", 16 << 10)
+    monkeypatch.setattr(reader.CheckpointReader, "_read_into", recording)
+    monkeypatch.setattr(reader, "STAGE_BYTES", 16 << 10)
     out = {"w": torch.full((1000, 300), -1.0, device=device)}  # float32: converted through host blocks
     ucp_zarr.load(out, tmp_path / "ck")
     assert out["w"].device.type == device and torch.equal(out["w"].cpu(), w.float())
