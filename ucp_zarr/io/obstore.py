@@ -159,19 +159,24 @@ class ObstoreStore(Store):
                 raise FileExistsError(f"{self.url}/{key} exists") from None
         self.stats.add_write(key, len(data))
 
-    def _get(self, key: str, options: dict[str, Any] | None = None) -> bytes:
+    def _get_buffer(self, key: str, options: dict[str, Any] | None = None) -> Any:
+        """The object (or the range ``options`` name) in obstore's own buffer (``obstore.Bytes``,
+        with the buffer protocol): no copy."""
         got = self._call(f"reading {self.url}/{key}", lambda: obstore.get(self.client, self._path(key), options=options))
-        data = bytes(self._call(f"reading {self.url}/{key}", got.bytes))
+        data = self._call(f"reading {self.url}/{key}", got.bytes)
         self.stats.add_read(len(data))
         return data
+
+    def _get(self, key: str, options: dict[str, Any] | None = None) -> bytes:
+        return bytes(self._get_buffer(key, options))
 
     def read(self, key: str) -> bytes:
         return self._get(key)
 
-    def read_small(self, key: str, limit: int) -> bytes | None:
+    def read_small(self, key: str, limit: int) -> Buffer | None:
         # one ranged request for at most limit + 1 bytes: more than limit means a larger object
-        data = self._get(key, {"range": (0, limit + 1)})
-        return data if len(data) <= limit else None
+        data = memoryview(self._get_buffer(key, {"range": (0, limit + 1)}))  # (a view of obstore's buffer: no copy)
+        return data if data.nbytes <= limit else None
 
     def read_tail(self, key: str, nbytes: int) -> bytes:
         data = self._get(key, {"range": {"suffix": nbytes}})

@@ -123,8 +123,9 @@ class Store:
     def read_tail(self, key: str, nbytes: int) -> bytes:
         raise NotImplementedError
 
-    def read_small(self, key: str, limit: int) -> bytes | None:
-        """The whole object in one request if it has at most ``limit`` bytes, else None; None
+    def read_small(self, key: str, limit: int) -> Buffer | None:
+        """The whole object (bytes, or a view of the store's own buffer) in one request if it
+        has at most ``limit`` bytes, else None; None
         also where a request costs little (a local file: reading the index, then the data
         straight into the destination, measured as fast) or a store cannot tell cheaply.
         :class:`FileNotFoundError` if absent."""
