@@ -300,20 +300,17 @@ def document_dicts(plan: SavePlan) -> list[tuple[str, dict[str, Any]]]:
 
 
 
-def _agreed_rules(
-    per_rank: list[tuple[dict[str, Any] | None, frozenset[str], LayoutHooks | None]],
-) -> dict[str, Any] | None:
+def _agreed_rules(per_rank: list[tuple[dict[str, Any] | None, frozenset[str]]], hooks: LayoutHooks) -> dict[str, Any] | None:
     """The layout document (rules) every rank placed its state dict by (the same on every
-    rank that used any), its placements checked together by its hooks."""
-    given = [(r, rules, hooks) for r, (rules, _, hooks) in enumerate(per_rank) if rules is not None]
+    rank that used any), its placements checked together by the layout's ``hooks``."""
+    given = [(r, rules) for r, (rules, _) in enumerate(per_rank) if rules is not None]
     if not given:
         return None
-    first, hooks = given[0][1], given[0][2]
-    for r, rules, _ in given[1:]:
+    first = given[0][1]
+    for r, rules in given[1:]:
         if rules != first:
             raise LayoutError(f"ranks {given[0][0]} and {r} placed their state dicts by different rules")
-    if hooks is not None:
-        hooks.check_placements(first, [used for _, used, _ in per_rank])
+    hooks.check_placements(first, [used for _, used in per_rank])
     return first
 
 
@@ -346,8 +343,8 @@ def prepare(
     coordinator: dict[str, Any] = {}
 
     def plan_all(payloads: list[Any], groups: list[range]) -> list[Any]:
-        rules = _agreed_rules([(g[3], g[4], g[8]) for g in payloads])
-        hooks = next((g[8] for g in payloads if g[8] is not None), None) or LayoutHooks()
+        hooks = next((g[8] for g in payloads if g[8] is not None), None) or LayoutHooks()  # (the layout's, once)
+        rules = _agreed_rules([(g[3], g[4]) for g in payloads], hooks)
         combined = combine_replicas([g[5] for g in payloads], hooks)
         ties = agree_ties([(g[7], g[0]) for g in payloads])  # (an alias is stored as its canonical tensor)
         plan = plan_save([[i for i in g[0] if i.key not in ties] for g in payloads], chunk_bytes=options.chunk_bytes,
