@@ -29,6 +29,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Collection, Sequence, TYPE_CHECKING
 
+from ..protocol.reader import human_bytes
 from .inspect import CheckpointSummary, SummaryRow, TensorStats, checkpoint_summary, group_of
 
 if TYPE_CHECKING:
@@ -68,15 +69,6 @@ _STYLE = (  # ".ucpz.ucpz.ucpz" outranks JupyterLab's table rules (specificity 0
 
 # --------------------------------------------------------------------------------------
 # small formatters
-
-
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            break
-        n /= 1024
-    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
 
 
 def _n(count: int, noun: str) -> str:

@@ -535,11 +535,12 @@ def _spans(offset: int, size: int, step: int, chunk: int) -> list[tuple[int, int
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    """``1536`` -> ``"1.5 KiB"`` (the checkpoint's repr, the CLI and the Jupyter HTML)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            break
         n /= 1024
-    return f"{n} B"
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
 
 
 def commit_meta(store: Store, hmac_key: bytes | None = None) -> tuple[Store, CheckpointMeta]:
