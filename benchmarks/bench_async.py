@@ -1,14 +1,14 @@
 """Asynchronous save: what it blocks, and what its background write costs a training loop.
 
-    python benchmarks/bench_async.py [--d-model 512] [--layers 6] [--repeat 3] [--dir DIR] [--json OUT]
+    python benchmarks/bench_async.py [--d-model 512] [--layers 6] [--repeat 3] [--device cpu] [--dir DIR] [--json OUT]
 
 A small transformer (``nn.TransformerEncoder``, AdamW, fp32) trains on random tokens on the
-CPU, one process. Per repeat:
+CPU (or ``--device cuda``), one process. Per repeat:
 
 * **blocking stage**: ``ucp_zarr.async_save(state, path)`` until it returns,
-  against a plain copy of the same state to host memory (``t.clone()`` of every tensor,
-  the least an asynchronous save must do before training may change the tensors), and a
-  copy into preallocated buffers (``dst.copy_(t)``), alternating in order;
+  against a plain copy of the same state to host memory (``t.to("cpu", copy=True)`` of every
+  tensor, the least an asynchronous save must do before training may change the tensors), and
+  a copy into preallocated (on CUDA: pinned) host buffers (``dst.copy_(t)``), alternating in order;
 * **training slowdown**: the training step time while the background write runs (from the
   return of the save until its future is done), against the step time of the steps right
   before the save, on the same warmed-up loop; every step is kept, so the summary gives
@@ -64,8 +64,9 @@ def state_bytes(state: Any) -> int:
 
 
 def clone(state: Any) -> Any:
+    """A host copy of every tensor (on the CPU: ``clone()``)."""
     if isinstance(state, torch.Tensor):
-        return state.detach().clone()
+        return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
         return {k: clone(v) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
@@ -73,9 +74,20 @@ def clone(state: Any) -> Any:
     return state
 
 
+def pinned(state: Any) -> Any:
+    """``state`` with every tensor in pinned host memory."""
+    if isinstance(state, torch.Tensor):
+        return state.pin_memory()
+    if isinstance(state, dict):
+        return {k: pinned(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(pinned(v) for v in state)
+    return state
+
+
 def copy_into(dst: Any, src: Any) -> None:
     if isinstance(src, torch.Tensor):
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=True)
     elif isinstance(src, dict):
         for k, v in src.items():
             copy_into(dst[k], v)
@@ -96,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "spin against other processes and a step's time swings 10x)",
     )
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model trains")
     ap.add_argument("--dir", default="/work/bench_tmp")
     ap.add_argument("--json", help="write the raw results here")
     args = ap.parse_args(argv)
@@ -103,10 +116,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = Model(args.d_model, args.layers)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    model = Model(args.d_model, args.layers).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, 8000, (args.batch, args.seq))
-    y = torch.randint(0, 8000, (args.batch, args.seq))
+    x = torch.randint(0, 8000, (args.batch, args.seq), device=device)
+    y = torch.randint(0, 8000, (args.batch, args.seq), device=device)
 
     def step() -> float:
         t0 = time.perf_counter()
@@ -114,6 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
+        sync()
         return time.perf_counter() - t0
 
     for _ in range(5):  # warm up, and create the optimizer state
@@ -127,11 +143,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     os.makedirs(work)
     print(
         f"ucp_zarr {ucp_zarr.__version__}; transformer d={args.d_model} x {args.layers} layers, state {size / MiB:.0f} MiB; "
+        f"on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; "
         f"torch threads {torch.get_num_threads()}, {os.cpu_count()} CPUs",
         flush=True,
     )
     ucp_zarr.async_save(state(), os.path.join(work, "warm")).result()  # first calls, untimed
-    pre = clone(state())
+    pre = pinned(clone(state())) if device.type == "cuda" else clone(state())
     res: dict[str, Any] = {"bytes": size, "blocking": [], "clone": [], "copy_into": [], "background": [],
                            "steps_before": [], "steps_during": [], "all_before": [], "all_during": [], "all_after": []}
     try:
@@ -148,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 elif what == "copy_into":
                     t0 = time.perf_counter()
                     copy_into(pre, state())
+                    sync()
                     res["copy_into"].append(time.perf_counter() - t0)
                 else:
                     t0 = time.perf_counter()

@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/gpu_check.py [--mib 1024] [--repeat 3] [--dir DIR] [--json OUT]
 
 1. **Tests**: ``tests/test_gpu_path.py`` (every test taking ``device`` runs on CPU and on CUDA;
-   two more need two GPUs). With a GPU, a CUDA case that skips is a failure of this script.
+   two more need two GPUs), the CUDA targets of ``tests/test_load_targets.py`` and
+   ``read_state_dict(..., device=)``. With a GPU, a CUDA case that skips is a failure of this script.
 2. **Benchmark** (GPU only), a state of fp32 and bf16 tensors of ``--mib`` MiB on ``cuda``:
 
    * ``save``: ``ucp_zarr.save`` from the device until durable, MiB/s (shards staged through
@@ -44,7 +45,9 @@ if importlib.util.find_spec("ucp_zarr") is None:  # run from a checkout without 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 MiB = 1 << 20
-TESTS = ["tests/test_gpu_path.py"]
+# the CUDA cases: the GPU path, loading into CUDA targets (conjugate, strided), read_state_dict(device=)
+TESTS = ["tests/test_gpu_path.py", "tests/test_load_targets.py",
+         "tests/test_resume_fresh.py::test_read_state_dict_keys_and_device"]
 
 
 def run_tests(gpu: bool) -> bool:
