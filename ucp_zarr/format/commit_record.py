@@ -134,8 +134,13 @@ class CheckpointMeta:
     def consolidated_document(self, path: str) -> bytes | None:
         """The bytes of the document ``path`` (``.../zarr.json``) as the consolidated copy
         holds it, or None; the caller checks them against :attr:`documents`."""
-        node = self.consolidated.get(path.removesuffix("/" + METADATA_FILE))
+        node = self.consolidated_node(path)
         return None if node is None else dump_document(node)
+
+    def consolidated_node(self, path: str) -> Any:
+        """The document ``path`` as the consolidated copy holds it (parsed JSON; not to be
+        changed), or None; its bytes are :meth:`consolidated_document`'s."""
+        return self.consolidated.get(path.removesuffix("/" + METADATA_FILE))
 
     def attributes(self) -> dict[str, Any]:
         """``attributes.ucp_zarr`` of the root document."""

@@ -42,7 +42,7 @@ from ..errors import (
     UnknownKeyError,
     did_you_mean,
 )
-from ..format.documents import ATTRIBUTE, METADATA_FILE, ArrayMeta, parse_document
+from ..format.documents import ATTRIBUTE, METADATA_FILE, ArrayMeta, dump_document, parse_document
 from ..format.commit_record import CheckpointMeta, TensorEntry
 from ..format.integrity import array_digest, check_signature, document_digest
 from ..layout import Box
@@ -142,6 +142,15 @@ class CheckpointReader:
                 f"tensor {key!r} has no copy of rank {rank}; saved ranks: {sorted(entry.ranks or ())}"
             ) from None
 
+    def document_json(self, path: str) -> Any:
+        """A metadata document as parsed JSON (not to be changed), checked as :meth:`document`
+        checks it: the consolidated copy, already parsed with the commit record, when its
+        bytes match the digest, else the stored object."""
+        node = self.meta.consolidated_node(path)
+        if node is not None and document_digest(dump_document(node)) == self.meta.documents.get(path):
+            return node
+        return parse_document(self.document(path, stored=True), f"{self.store.url}/{path}")
+
     def document(self, path: str, *, stored: bool = False) -> bytes:
         """A metadata document (``<path>``), checked against its digest in the commit record:
         the root's consolidated copy when it matches, else (or with ``stored``) the object."""
@@ -168,7 +177,7 @@ class CheckpointReader:
         with self._lock:
             meta = self._arrays.get(path)
         if meta is None:
-            meta = ArrayMeta.from_zarr_json(parse_document(self.document(f"{path}/{METADATA_FILE}"), where), where)
+            meta = ArrayMeta.from_zarr_json(self.document_json(f"{path}/{METADATA_FILE}"), where)
             with self._lock:
                 self._arrays[path] = meta
         entry = self._entry(key)
@@ -197,12 +206,13 @@ class CheckpointReader:
                 self._heads[(path, shard)] = head
         return head
 
-    def _read_into(self, key: str, box: Box, raw: np.ndarray, rank: int | None) -> None:
+    def _read_into(self, key: str, box: Box, raw: np.ndarray, rank: int | None, meta: ArrayMeta | None = None) -> None:
         """Fill ``raw`` (storage dtype, shape of ``box``, any strides) with ``box`` of ``key``.
         A shard that ``box`` covers whole, whose index is not known yet, is read in one
         request: its chunks straight into ``raw`` and its index from its end where the store
-        can (:func:`read_whole_shard`), else, when small, the whole object."""
-        meta = self.array_meta(key, rank)
+        can (:func:`read_whole_shard`), else, when small, the whole object. ``meta``: the
+        array's metadata, when the caller has it (:meth:`array_meta`)."""
+        meta = meta or self.array_meta(key, rank)
         path = self._path(key, rank)
         for shard in meta.grid.shards_overlapping(box):
             with self._lock:
@@ -218,9 +228,9 @@ class CheckpointReader:
             read_box(self.store, path, meta, box, raw, shard, self._head(path, meta, shard, whole), whole)
 
     def _check_box(
-        self, key: str, box: Box | None, rank: int | None, corners: bool = True
+        self, key: str, box: Box | None, rank: int | None, corners: bool = True, meta: ArrayMeta | None = None
     ) -> tuple[ArrayMeta, Box]:
-        meta = self.array_meta(key, rank)
+        meta = meta or self.array_meta(key, rank)
         box = box or Box.whole(meta.shape)
         if box.ndim != len(meta.shape) or any(s > n for s, n in zip(box.stop, meta.shape)):
             raise IndexError(f"tensor {key!r}: box {box} is outside its shape {list(meta.shape)}")
@@ -236,7 +246,7 @@ class CheckpointReader:
         ``uint8``; :func:`ucp_zarr.browse.values.widen` turns them into float32)."""
         meta, box = self._check_box(key, box, rank)
         out = np.empty(box.shape, dtype=meta.dtype.numpy_dtype)
-        self._read_into(key, box, out, rank)
+        self._read_into(key, box, out, rank, meta)
         return out
 
     def select_numpy(self, key: str, index: Any, rank: int | None = None) -> np.ndarray:
@@ -297,14 +307,14 @@ class CheckpointReader:
                     f"tensor {key!r}: the checkpoint holds {src}, the destination is {out.dtype}; converting "
                     "loses information (pass allow_lossy_cast=True to convert anyway)"
                 )
-        meta, box = self._check_box(key, box, rank, corners=out is None)
+        meta, box = self._check_box(key, box, rank, corners=out is None, meta=meta)
         if out is None:
             out = torch.empty(box.shape, dtype=meta.dtype.torch_dtype)
-            self._read_into(key, box, as_storage(out, meta).numpy(), rank)
+            self._read_into(key, box, as_storage(out, meta).numpy(), rank, meta)
             return out
         raw = writable_view(out, meta)
         if raw is not None:
-            self._read_into(key, box, raw, rank)
+            self._read_into(key, box, raw, rank, meta)
             if not out.is_inference():
                 increment_version(out)  # (as copy_ does: autograd sees the change)
             return out
@@ -313,7 +323,7 @@ class CheckpointReader:
         with torch.no_grad(), torch.inference_mode() if out.is_inference() else contextlib.nullcontext():
             for block in row_blocks(box, meta.dtype.itemsize, STAGE_BYTES):
                 tmp = torch.empty(block.shape, dtype=meta.dtype.torch_dtype)
-                self._read_into(key, block, as_storage(tmp, meta).numpy(), rank)
+                self._read_into(key, block, as_storage(tmp, meta).numpy(), rank, meta)
                 out[block.relative_to(box).slices()].copy_(tmp)
         return out
 
