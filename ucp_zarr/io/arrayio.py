@@ -37,7 +37,7 @@ from ..format.codec import (
 from ..errors import CorruptChunkError, FormatError
 from ..format.documents import ArrayMeta
 from ..layout import Box, ChunkGrid
-from .store import Store, WriteGuard
+from .store import Store, WriteGuard, copy_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -518,7 +518,7 @@ def _copy_out(whole: memoryview, offset: int, bufs: list[memoryview], where: str
         n = b.nbytes
         if offset + n > len(whole):
             raise CorruptChunkError(f"{where} is truncated: its index points beyond its {len(whole)} bytes")
-        b[:] = whole[offset : offset + n]
+        copy_bytes(b, whole[offset : offset + n])
         offset += n
 
 

@@ -14,6 +14,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol, Sequence
 
+import numpy as np
+
 
 Buffer = memoryview
 ReadRequest = tuple[int, Sequence[memoryview]]
@@ -200,8 +202,22 @@ def fill(where: str, requests: Sequence[ReadRequest], datas: Sequence[Any]) -> N
             raise OSError(f"{where}: short read of {view.nbytes} bytes at {offset}, wanted {want}")
         pos = 0
         for b in bufs:
-            flat = b.cast("B") if b.format != "B" or b.ndim != 1 else b
-            flat[:] = view[pos : pos + flat.nbytes]
-            pos += flat.nbytes
+            copy_bytes(b, view[pos : pos + b.nbytes])
+            pos += b.nbytes
+
+
+COPY_WITHOUT_GIL_BYTES = 64 << 10
+"""Copies from this size on go through numpy, which lets go of the GIL while it copies (the
+other threads of a load decode, check and copy meanwhile); smaller ones stay memoryview
+copies, cheaper to start."""
+
+
+def copy_bytes(dst: memoryview, src: memoryview) -> None:
+    """Copy ``src`` (flat bytes) into ``dst`` (a contiguous buffer of as many bytes), without
+    the GIL when large."""
+    if dst.nbytes >= COPY_WITHOUT_GIL_BYTES:
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+    else:
+        (dst.cast("B") if dst.format != "B" or dst.ndim != 1 else dst)[:] = src
 
 
