@@ -212,7 +212,7 @@ class CheckpointReader:
         request: its chunks straight into ``raw`` and its index from its end where the store
         can (:func:`read_whole_shard`), else, when small, the whole object. ``meta``: the
         array's metadata, when the caller has it (:meth:`array_meta`)."""
-        meta = meta or self.array_meta(key, rank)
+        meta = self.array_meta(key, rank) if meta is None else meta
         path = self._path(key, rank)
         for shard in meta.grid.shards_overlapping(box):
             with self._lock:
@@ -230,7 +230,7 @@ class CheckpointReader:
     def _check_box(
         self, key: str, box: Box | None, rank: int | None, corners: bool = True, meta: ArrayMeta | None = None
     ) -> tuple[ArrayMeta, Box]:
-        meta = meta or self.array_meta(key, rank)
+        meta = self.array_meta(key, rank) if meta is None else meta
         box = box or Box.whole(meta.shape)
         if box.ndim != len(meta.shape) or any(s > n for s, n in zip(box.stop, meta.shape)):
             raise IndexError(f"tensor {key!r}: box {box} is outside its shape {list(meta.shape)}")
