@@ -206,13 +206,12 @@ class CheckpointReader:
                 self._heads[(path, shard)] = head
         return head
 
-    def _read_into(self, key: str, box: Box, raw: np.ndarray, rank: int | None, meta: ArrayMeta | None = None) -> None:
+    def _read_into(self, key: str, box: Box, raw: np.ndarray, rank: int | None) -> None:
         """Fill ``raw`` (storage dtype, shape of ``box``, any strides) with ``box`` of ``key``.
         A shard that ``box`` covers whole, whose index is not known yet, is read in one
         request: its chunks straight into ``raw`` and its index from its end where the store
-        can (:func:`read_whole_shard`), else, when small, the whole object. ``meta``: the
-        array's metadata, when the caller has it (:meth:`array_meta`)."""
-        meta = self.array_meta(key, rank) if meta is None else meta
+        can (:func:`read_whole_shard`), else, when small, the whole object."""
+        meta = self.array_meta(key, rank)
         path = self._path(key, rank)
         for shard in meta.grid.shards_overlapping(box):
             with self._lock:
@@ -228,9 +227,9 @@ class CheckpointReader:
             read_box(self.store, path, meta, box, raw, shard, self._head(path, meta, shard, whole), whole)
 
     def _check_box(
-        self, key: str, box: Box | None, rank: int | None, corners: bool = True, meta: ArrayMeta | None = None
+        self, key: str, box: Box | None, rank: int | None, corners: bool = True
     ) -> tuple[ArrayMeta, Box]:
-        meta = self.array_meta(key, rank) if meta is None else meta
+        meta = self.array_meta(key, rank)
         box = box or Box.whole(meta.shape)
         if box.ndim != len(meta.shape) or any(s > n for s, n in zip(box.stop, meta.shape)):
             raise IndexError(f"tensor {key!r}: box {box} is outside its shape {list(meta.shape)}")
@@ -246,7 +245,7 @@ class CheckpointReader:
         ``uint8``; :func:`ucp_zarr.browse.values.widen` turns them into float32)."""
         meta, box = self._check_box(key, box, rank)
         out = np.empty(box.shape, dtype=meta.dtype.numpy_dtype)
-        self._read_into(key, box, out, rank, meta)
+        self._read_into(key, box, out, rank)
         return out
 
     def select_numpy(self, key: str, index: Any, rank: int | None = None) -> np.ndarray:
@@ -307,14 +306,14 @@ class CheckpointReader:
                     f"tensor {key!r}: the checkpoint holds {src}, the destination is {out.dtype}; converting "
                     "loses information (pass allow_lossy_cast=True to convert anyway)"
                 )
-        meta, box = self._check_box(key, box, rank, corners=out is None, meta=meta)
+        meta, box = self._check_box(key, box, rank, corners=out is None)
         if out is None:
             out = torch.empty(box.shape, dtype=meta.dtype.torch_dtype)
-            self._read_into(key, box, as_storage(out, meta).numpy(), rank, meta)
+            self._read_into(key, box, as_storage(out, meta).numpy(), rank)
             return out
         raw = writable_view(out, meta)
         if raw is not None:
-            self._read_into(key, box, raw, rank, meta)
+            self._read_into(key, box, raw, rank)
             if not out.is_inference():
                 increment_version(out)  # (as copy_ does: autograd sees the change)
             return out
@@ -323,7 +322,7 @@ class CheckpointReader:
         with torch.no_grad(), torch.inference_mode() if out.is_inference() else contextlib.nullcontext():
             for block in row_blocks(box, meta.dtype.itemsize, STAGE_BYTES):
                 tmp = torch.empty(block.shape, dtype=meta.dtype.torch_dtype)
-                self._read_into(key, block, as_storage(tmp, meta).numpy(), rank, meta)
+                self._read_into(key, block, as_storage(tmp, meta).numpy(), rank)
                 out[block.relative_to(box).slices()].copy_(tmp)
         return out
 
