@@ -1,5 +1,5 @@
 """An asynchronous save in one process: its host copy (made by all workers above
-``PARALLEL_FILL_BYTES``) is the state at the call, whatever training does next; its
+``PARALLEL_FILL_BYTES`` when torch copies on one thread) is the state at the call, whatever training does next; its
 background thread runs at a lower priority than training."""
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def _state() -> dict:
     }
 
 
-def _copy_is_the_state_at_the_call(path: str) -> None:
+def _copy_is_the_state_at_the_call(path: str, threads: int) -> None:
+    torch.set_num_threads(threads)  # 1: the copy is cut among the workers; more: one parallel copy_ each
     sd = _state()
     assert sum(t.nbytes for t in sd.values() if isinstance(t, torch.Tensor)) > PARALLEL_FILL_BYTES
     want = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
@@ -49,11 +50,12 @@ def _copy_is_the_state_at_the_call(path: str) -> None:
             assert out[k] == v
 
 
-def test_async_copy_is_the_state_at_the_call(tmp_path) -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_async_copy_is_the_state_at_the_call(tmp_path, threads) -> None:
     # in a child: tensors this large start torch's OpenMP pool, and a process forked later by
     # another test (test_bad_input's sandboxed children) would hang in it
     code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_async_save as t; " \
-           f"t._copy_is_the_state_at_the_call({str(tmp_path / 'ck')!r})"
+           f"t._copy_is_the_state_at_the_call({str(tmp_path / 'ck')!r}, {threads})"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 

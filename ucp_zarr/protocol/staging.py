@@ -27,7 +27,8 @@ ALIGN = 64
 POOL_BYTES = 256 << 20
 """The host memory a synchronous save of device tensors stages at once (or one shard, if larger)."""
 PARALLEL_FILL_BYTES = 16 << 20
-"""An asynchronous save's host copy is made by all its workers from this size on."""
+"""An asynchronous save's host copy is made by all its workers from this size on (when torch
+copies on one thread: see :func:`fill_workers`)."""
 
 
 def aligned(n: int) -> int:
@@ -94,6 +95,7 @@ class Staging:
             fills.append((dst, akey, box))
             self.boxes.setdefault(akey, []).append((box, dst))
             pos += size
+        workers = fill_workers(workers)
         if pin or workers <= 1 or self.nbytes < PARALLEL_FILL_BYTES:
             for dst, akey, box in fills:
                 self._fill(dst, akey, box, pin)
@@ -160,6 +162,13 @@ class Staging:
         """This rank's data of ``box`` of array ``akey``, in the storage dtype (a view)."""
         t, held = self.holding(akey, box)
         return t[box.relative_to(held).slices()]
+
+
+def fill_workers(workers: int) -> int:
+    """Threads an asynchronous save's host copy is made by: one when torch copies with
+    several intra-op threads (each ``copy_`` is parallel already, as ``clone()`` is), else
+    ``workers``."""
+    return 1 if torch.get_num_threads() > 1 else workers
 
 
 def _balanced(fills: list[tuple[torch.Tensor, str, Box]], workers: int) -> list[tuple[torch.Tensor, str, Box]]:
