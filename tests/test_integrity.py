@@ -400,3 +400,54 @@ def test_cli_verify_with_a_key_file(tmp_path, capsys):
     shard.write_bytes(bytes(raw))
     assert cli(["verify", str(path)]) == 1  # without the key: the crc32c catches it
     assert "FAILED" in capsys.readouterr().err
+
+
+# --- shards of column-block chunks, read whole ----------------------------------------------
+
+
+def _column_blocks() -> dict[str, torch.Tensor]:
+    """Tensors whose default chunks are blocks of columns (none lands in a row-major target
+    directly): a shard read whole is checked chunk by chunk and copied in one strided pass."""
+    g = torch.Generator().manual_seed(5)
+    return {
+        "w": torch.randn(256, 1024, generator=g),
+        "bf": torch.randn(256, 2048, generator=g).bfloat16(),
+        "f64": torch.randn(256, 1024, generator=g).double(),  # stored chunks of 8-byte values at 4-byte offsets
+        "t3": torch.randn(8, 64, 512, generator=g),
+    }
+
+
+def test_column_block_chunks_read_whole_land_bit_exact(tmp_path):
+    sd = _column_blocks()
+    ucp_zarr.save(sd, tmp_path / "ck")
+    ck = ucp_zarr.open(tmp_path / "ck")
+    for key, t in sd.items():
+        grid = ck.array_meta(key).grid
+        assert grid.chunk_shape[1:] != grid.shard_shape[1:], (key, grid)  # (what this test is about)
+    contiguous = {k: torch.full_like(v, -1) for k, v in sd.items()}
+    transposed = {k: torch.full(v.shape[::-1], -1, dtype=v.dtype).permute(*reversed(range(v.ndim))) for k, v in sd.items()}
+    for target in (contiguous, transposed):
+        ucp_zarr.load(target, tmp_path / "ck")
+        for k, v in sd.items():
+            assert torch.equal(target[k].contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "replaced with a valid crc"])
+def test_each_column_block_chunk_of_a_shard_read_whole_is_checked(tmp_path, damage):
+    sd = _column_blocks()
+    ucp_zarr.save(sd, tmp_path / "ck")
+    grid = ucp_zarr.open(tmp_path / "ck").array_meta("w").grid
+    shard = _shard(tmp_path / "ck", "w")
+    raw = bytearray(shard.read_bytes())
+    n = int(np.prod(grid.chunk_shape)) * 4
+    row = 3  # the fourth chunk of the shard, in C order of its chunk grid
+    at = row * (n + CRC_BYTES)
+    raw[at + 100] ^= 1
+    if damage == "replaced with a valid crc":
+        raw[at + n : at + n + CRC_BYTES] = crc_bytes(bytes(raw[at : at + n]))
+    shard.write_bytes(bytes(raw))
+    local = np.unravel_index(row, grid.chunks_per_shard)
+    origin = tuple(int(i) * c for i, c in zip(local, grid.chunk_shape))
+    match = rf"chunk at \({origin[0]}, {origin[1]}\).*" + ("the data is corrupt" if damage == "flipped byte" else "chunk was replaced")
+    with pytest.raises(ucp_zarr.CorruptChunkError, match=match):
+        ucp_zarr.load({k: torch.zeros_like(v) for k, v in sd.items()}, tmp_path / "ck")

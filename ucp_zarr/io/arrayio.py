@@ -439,6 +439,9 @@ def read_whole_shard(
     another size, or the chunks take more than one request: the caller then reads the index
     first (:func:`read_shard_head`)."""
     index, size = written_index(meta, shard, seal)
+    grid_view = _tiled_target(meta, box, out, shard, seal)
+    if grid_view is not None:
+        return _read_tiled_shard(store, path, meta, box, out, shard, seal, index, size, grid_view)
     pieces = _chunk_pieces(meta, box, out, shard, index)
     direct = all(p.direct is not None for p in pieces)
     if size - _head_nbytes(meta, seal) > (MAX_REQUEST_BYTES if direct else MAX_STAGED_BYTES):
@@ -455,6 +458,69 @@ def read_whole_shard(
         _land(pieces, out, meta, head, where)
     else:  # another layout than this library's writer gives: read again by its index
         read_box(store, path, meta, box, out, shard, head)
+    return head
+
+
+def _tiled_target(meta: ArrayMeta, box: Box, out: np.ndarray, shard: Sequence[int], seal: Seal) -> np.ndarray | None:
+    """Where ``shard`` lands in ``out``, viewed as ``(shard chunks, chunk)`` per dim interleaved
+    (``(n0, c0, n1, c1, ...)``), when its chunks tile it exactly (the shard lies inside the
+    array), none of them can land in ``out`` directly (their rows are not whole rows of a
+    contiguous target) and the shard is not authenticated (its chunks then have SHA-256s to
+    check one by one); else None."""
+    grid = meta.grid
+    sbox = grid.shard_box(shard)
+    if seal.authenticated or not out.ndim or sbox.shape != grid.shard_shape:
+        return None
+    if any(s % c for s, c in zip(grid.shard_shape, grid.chunk_shape)):
+        return None
+    region = out[sbox.relative_to(box).slices()]
+    if grid.chunk_shape[1:] == grid.shard_shape[1:] and region.flags.c_contiguous:
+        return None  # every chunk lands directly: no copy at all
+    shape, strides = [], []
+    for n, c, st in zip(grid.chunks_per_shard, grid.chunk_shape, region.strides):
+        shape += [n, c]
+        strides += [c * st, st]
+    return np.lib.stride_tricks.as_strided(region, shape, strides, writeable=True)
+
+
+def _read_tiled_shard(
+    store: Store, path: str, meta: ArrayMeta, box: Box, out: np.ndarray, shard: Sequence[int], seal: Seal,
+    index: np.ndarray, size: int, target: np.ndarray,
+) -> ShardHead | None:
+    """:func:`read_whole_shard` of a shard whose chunks tile it (see :func:`_tiled_target`):
+    the object into this thread's staging buffer in one request, every chunk's crc32c checked
+    against the data and the trailer, then one strided copy of all chunks into ``target``."""
+    if size - _head_nbytes(meta, seal) > MAX_STAGED_BYTES:
+        return None
+    stage = _stage(size)[:size]
+    key, where = _shard_where(store, path, shard)
+    try:
+        if not store.readv_whole(key, [(0, [memoryview(stage)])], size):
+            return None
+    except (OSError, FormatError):
+        return None  # (missing, short, not a file: the two-request path names what is wrong)
+    head = decode_shard_head(store, path, meta, shard, seal, stage, expected=index)
+    if head.index is not index:  # another layout than this library's writer gives: read again by its index
+        read_box(store, path, meta, box, out, shard, head)
+        return head
+    grid = meta.grid
+    n = math.prod(grid.chunks_per_shard)
+    stored = int(index[0, 1])  # a chunk's bytes and its crc32c
+    nbytes = stored - CRC_BYTES
+    raw = memoryview(stage)
+    chunks = stage[: n * stored].reshape(n, stored)
+    crcs = chunks[:, nbytes:].copy().view("<u4").reshape(n)
+    computed = np.fromiter((checksum(raw[i * stored : i * stored + nbytes]) for i in range(n)), dtype=np.uint32, count=n)
+    for row in np.flatnonzero((computed != crcs) | (crcs != head.trailer.crcs)):  # (the checks that name it)
+        at = int(row) * stored
+        local = np.unravel_index(int(row), grid.chunks_per_shard)
+        origin = tuple(int(i) * s + int(j) * c for i, s, j, c in zip(shard, grid.shard_shape, local, grid.chunk_shape))
+        chunk_where = f"{where} (tensor {meta.key!r}, chunk at {origin})"
+        verify_chunk(raw[at : at + nbytes], raw[at + nbytes : at + stored], chunk_where)
+        head.trailer.check_chunk(int(row), raw[at + nbytes : at + stored], raw[at : at + nbytes], chunk_where)
+    ndim = len(grid.chunk_shape)
+    data = chunks[:, :nbytes].view(out.dtype).reshape(*grid.chunks_per_shard, *grid.chunk_shape)
+    target[...] = data.transpose([a for d in range(ndim) for a in (d, ndim + d)])
     return head
 
 
