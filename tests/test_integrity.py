@@ -414,6 +414,7 @@ def _column_blocks() -> dict[str, torch.Tensor]:
         "bf": torch.randn(256, 2048, generator=g).bfloat16(),
         "f64": torch.randn(256, 1024, generator=g).double(),  # stored chunks of 8-byte values at 4-byte offsets
         "t3": torch.randn(8, 64, 512, generator=g),
+        "big": torch.randn(2048, 4096, generator=g),  # a shard above MAX_STAGED_BYTES: index first, then bands
     }
 
 
@@ -432,15 +433,16 @@ def test_column_block_chunks_read_whole_land_bit_exact(tmp_path):
             assert torch.equal(target[k].contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)), k
 
 
+@pytest.mark.parametrize("key, row", [("w", 3), ("big", 37)])
 @pytest.mark.parametrize("damage", ["flipped byte", "replaced with a valid crc"])
-def test_each_column_block_chunk_of_a_shard_read_whole_is_checked(tmp_path, damage):
+def test_each_column_block_chunk_of_a_shard_read_whole_is_checked(tmp_path, damage, key, row):
     sd = _column_blocks()
     ucp_zarr.save(sd, tmp_path / "ck")
-    grid = ucp_zarr.open(tmp_path / "ck").array_meta("w").grid
-    shard = _shard(tmp_path / "ck", "w")
+    grid = ucp_zarr.open(tmp_path / "ck").array_meta(key).grid
+    shard = _shard(tmp_path / "ck", key)
     raw = bytearray(shard.read_bytes())
     n = int(np.prod(grid.chunk_shape)) * 4
-    row = 3  # the fourth chunk of the shard, in C order of its chunk grid
+    # (row: a chunk of the shard, in C order of its chunk grid)
     at = row * (n + CRC_BYTES)
     raw[at + 100] ^= 1
     if damage == "replaced with a valid crc":

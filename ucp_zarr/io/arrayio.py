@@ -414,6 +414,10 @@ def read_box(
     checked index and trailer (:func:`read_shard_head`); ``whole``, when given, the shard's
     object already read (:func:`read_small_shard`), which the chunks are copied from."""
     key, where = _shard_where(store, path, shard)
+    if whole is None:
+        target = _tiled_target(meta, box, out, shard, head.trailer.shas is not None)
+        if target is not None and _read_tiled_bands(store, key, where, meta, shard, head, target):
+            return
     pieces = _chunk_pieces(meta, box, out, shard, head.index)
     if not pieces:
         return
@@ -439,7 +443,7 @@ def read_whole_shard(
     another size, or the chunks take more than one request: the caller then reads the index
     first (:func:`read_shard_head`)."""
     index, size = written_index(meta, shard, seal)
-    grid_view = _tiled_target(meta, box, out, shard, seal)
+    grid_view = _tiled_target(meta, box, out, shard, seal.authenticated)
     if grid_view is not None:
         return _read_tiled_shard(store, path, meta, box, out, shard, seal, index, size, grid_view)
     pieces = _chunk_pieces(meta, box, out, shard, index)
@@ -461,7 +465,9 @@ def read_whole_shard(
     return head
 
 
-def _tiled_target(meta: ArrayMeta, box: Box, out: np.ndarray, shard: Sequence[int], seal: Seal) -> np.ndarray | None:
+def _tiled_target(
+    meta: ArrayMeta, box: Box, out: np.ndarray, shard: Sequence[int], authenticated: bool
+) -> np.ndarray | None:
     """Where ``shard`` lands in ``out``, viewed as ``(shard chunks, chunk)`` per dim interleaved
     (``(n0, c0, n1, c1, ...)``), when its chunks tile it exactly (the shard lies inside the
     array), none of them can land in ``out`` directly (their rows are not whole rows of a
@@ -469,7 +475,7 @@ def _tiled_target(meta: ArrayMeta, box: Box, out: np.ndarray, shard: Sequence[in
     check one by one); else None."""
     grid = meta.grid
     sbox = grid.shard_box(shard)
-    if seal.authenticated or not out.ndim or sbox.shape != grid.shard_shape:
+    if authenticated or not out.ndim or sbox.shape != grid.shard_shape or not box.contains(sbox):
         return None
     if any(s % c for s, c in zip(grid.shard_shape, grid.chunk_shape)):
         return None
@@ -503,25 +509,61 @@ def _read_tiled_shard(
     if head.index is not index:  # another layout than this library's writer gives: read again by its index
         read_box(store, path, meta, box, out, shard, head)
         return head
+    n = math.prod(meta.grid.chunks_per_shard)
+    _land_tiled(stage, 0, n, meta, head, shard, where, target)
+    return head
+
+
+def _land_tiled(
+    stage: np.ndarray, first: int, n: int, meta: ArrayMeta, head: ShardHead, shard: Sequence[int], where: str,
+    target: np.ndarray,
+) -> None:
+    """Check chunks ``first`` to ``first + n`` of a tiled shard (C order of its chunk grid,
+    whole bands along its first dim), stored back to back at the start of ``stage``, against
+    their crc32c and the trailer; then copy them into ``target`` (those bands of
+    :func:`_tiled_target`'s view) in one strided pass."""
     grid = meta.grid
-    n = math.prod(grid.chunks_per_shard)
-    stored = int(index[0, 1])  # a chunk's bytes and its crc32c
+    stored = math.prod(grid.chunk_shape) * meta.dtype.itemsize + CRC_BYTES  # a chunk's bytes and its crc32c
     nbytes = stored - CRC_BYTES
     raw = memoryview(stage)
     chunks = stage[: n * stored].reshape(n, stored)
     crcs = chunks[:, nbytes:].copy().view("<u4").reshape(n)
     computed = np.fromiter((checksum(raw[i * stored : i * stored + nbytes]) for i in range(n)), dtype=np.uint32, count=n)
-    for row in np.flatnonzero((computed != crcs) | (crcs != head.trailer.crcs)):  # (the checks that name it)
-        at = int(row) * stored
-        local = np.unravel_index(int(row), grid.chunks_per_shard)
-        origin = tuple(int(i) * s + int(j) * c for i, s, j, c in zip(shard, grid.shard_shape, local, grid.chunk_shape))
+    recorded = head.trailer.crcs[first : first + n]
+    for i in np.flatnonzero((computed != crcs) | (crcs != recorded)):  # (the checks that name it)
+        at, row = int(i) * stored, first + int(i)
+        local = np.unravel_index(row, grid.chunks_per_shard)
+        origin = tuple(int(a) * s + int(b) * c for a, s, b, c in zip(shard, grid.shard_shape, local, grid.chunk_shape))
         chunk_where = f"{where} (tensor {meta.key!r}, chunk at {origin})"
         verify_chunk(raw[at : at + nbytes], raw[at + nbytes : at + stored], chunk_where)
-        head.trailer.check_chunk(int(row), raw[at + nbytes : at + stored], raw[at : at + nbytes], chunk_where)
+        head.trailer.check_chunk(row, raw[at + nbytes : at + stored], raw[at : at + nbytes], chunk_where)
     ndim = len(grid.chunk_shape)
-    data = chunks[:, :nbytes].view(out.dtype).reshape(*grid.chunks_per_shard, *grid.chunk_shape)
+    data = chunks[:, :nbytes].view(target.dtype).reshape(-1, *grid.chunks_per_shard[1:], *grid.chunk_shape)
     target[...] = data.transpose([a for d in range(ndim) for a in (d, ndim + d)])
-    return head
+
+
+def _read_tiled_bands(
+    store: Store, key: str, where: str, meta: ArrayMeta, shard: Sequence[int], head: ShardHead, target: np.ndarray
+) -> bool:
+    """Fill ``target`` (:func:`_tiled_target`) from a shard laid out as this library's writer
+    lays it out (False, nothing read, for any other index), a few whole bands of its chunk
+    grid per request (at most ``MAX_STAGED_BYTES``), each landed by :func:`_land_tiled`."""
+    grid = meta.grid
+    cps = grid.chunks_per_shard
+    stored = math.prod(grid.chunk_shape) * meta.dtype.itemsize + CRC_BYTES
+    n = math.prod(cps)
+    if not (np.array_equal(head.index[:, 0], np.arange(n, dtype="<u8") * stored) and (head.index[:, 1] == stored).all()):
+        return False
+    band = math.prod(cps[1:]) * stored
+    if band > MAX_STAGED_BYTES:
+        return False
+    step = MAX_STAGED_BYTES // band
+    for b0 in range(0, cps[0], step):
+        b1 = min(cps[0], b0 + step)
+        stage = _stage((b1 - b0) * band)[: (b1 - b0) * band]
+        _readv(store, key, where, meta, [(b0 * band, [memoryview(stage)])])
+        _land_tiled(stage, b0 * (band // stored), (b1 - b0) * (band // stored), meta, head, shard, where, target[b0:b1])
+    return True
 
 
 def written_index(meta: ArrayMeta, shard: Sequence[int], seal: Seal) -> tuple[np.ndarray, int]:
