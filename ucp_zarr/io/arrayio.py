@@ -523,7 +523,7 @@ def _land_tiled(
     their crc32c and the trailer; then copy them into ``target`` (those bands of
     :func:`_tiled_target`'s view) in one strided pass."""
     grid = meta.grid
-    stored = math.prod(grid.chunk_shape) * meta.dtype.itemsize + CRC_BYTES  # a chunk's bytes and its crc32c
+    stored = _stored_nbytes(meta)
     nbytes = stored - CRC_BYTES
     raw = memoryview(stage)
     chunks = stage[: n * stored].reshape(n, stored)
@@ -548,11 +548,9 @@ def _read_tiled_bands(
     """Fill ``target`` (:func:`_tiled_target`) from a shard laid out as this library's writer
     lays it out (False, nothing read, for any other index), a few whole bands of its chunk
     grid per request (at most ``MAX_STAGED_BYTES``), each landed by :func:`_land_tiled`."""
-    grid = meta.grid
-    cps = grid.chunks_per_shard
-    stored = math.prod(grid.chunk_shape) * meta.dtype.itemsize + CRC_BYTES
-    n = math.prod(cps)
-    if not (np.array_equal(head.index[:, 0], np.arange(n, dtype="<u8") * stored) and (head.index[:, 1] == stored).all()):
+    cps = meta.grid.chunks_per_shard
+    stored = _stored_nbytes(meta)
+    if not np.array_equal(head.index, _written_rows(meta, shard)):
         return False
     band = math.prod(cps[1:]) * stored
     if band > MAX_STAGED_BYTES:
@@ -569,13 +567,23 @@ def _read_tiled_bands(
 def written_index(meta: ArrayMeta, shard: Sequence[int], seal: Seal) -> tuple[np.ndarray, int]:
     """The index :func:`write_shard` gives ``shard`` (every chunk inside the array, in C
     order, back to back from the object's start) and the size of its object."""
+    index = _written_rows(meta, shard)
+    stored = int((index[:, 0] != MISSING).sum())
+    return index, stored * _stored_nbytes(meta) + _head_nbytes(meta, seal)
+
+
+def _written_rows(meta: ArrayMeta, shard: Sequence[int]) -> np.ndarray:
+    """The index of :func:`written_index`, without the object's size."""
     inside = _inside_rows(meta, shard)
-    chunk_nbytes = math.prod(meta.grid.chunk_shape) * meta.dtype.itemsize + CRC_BYTES
     index = empty_index(meta.grid.chunks_per_shard)
-    stored = int(inside.sum())
-    index[inside, 0] = np.arange(stored, dtype="<u8") * chunk_nbytes
-    index[inside, 1] = chunk_nbytes
-    return index, stored * chunk_nbytes + _head_nbytes(meta, seal)
+    index[inside, 0] = np.arange(int(inside.sum()), dtype="<u8") * _stored_nbytes(meta)
+    index[inside, 1] = _stored_nbytes(meta)
+    return index
+
+
+def _stored_nbytes(meta: ArrayMeta) -> int:
+    """A stored chunk's bytes: its data and its crc32c."""
+    return math.prod(meta.grid.chunk_shape) * meta.dtype.itemsize + CRC_BYTES
 
 
 def _run_buffers(run: list[_Piece]) -> list[memoryview]:
