@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import email.utils
 import http.client
+import json
 import os
 import shutil
 import signal
@@ -116,6 +117,24 @@ def _http_answers(host: str, port: int, timeout: float = 1.0) -> bool:
         conn.getresponse().read()
         return True
     except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
+def _volume_server_registered(host: str, master_port: int, timeout: float = 1.0) -> bool:
+    """True once the master lists a volume server (whose first heartbeat carries its volumes).
+
+    Until then the S3 gateway may already answer but fails reads of stored objects with
+    HTTP 500 ("InternalError"): it cannot locate their volume. After a restart on a busy
+    machine that window lasted longer than a client's retries.
+    """
+    conn = http.client.HTTPConnection(host, master_port, timeout=timeout)
+    try:
+        conn.request("GET", "/dir/status")
+        status = json.loads(conn.getresponse().read())
+        return any(rack.get("DataNodes") for dc in status["Topology"]["DataCenters"] or () for rack in dc["Racks"])
+    except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError):
         return False
     finally:
         conn.close()
@@ -349,7 +368,9 @@ class SeaweedServer:
                     f"weed mini exited with code {self._proc.returncode} during start-up "
                     f"(log {self.log_path}):\n{self.log_tail()}"
                 )
-            if _http_answers(LOOPBACK, self.s3_port, timeout=1.0):
+            if _http_answers(LOOPBACK, self.s3_port, timeout=1.0) and _volume_server_registered(
+                LOOPBACK, self.ports["master.port"]
+            ):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(
