@@ -1821,6 +1821,7 @@ STRUCTURAL = st.one_of(
 @example(doc="layers.0.weight/model/zarr.json", change=Structural("grid", ([16, 12], [5, 12])))
 @example(doc="layers.0.weight/model/zarr.json", change=Structural("grid", ([16384, 16384], [16384, 16384])))
 @example(doc="layers.0.weight/model/zarr.json", change=Structural("both_shapes", [2**62, 12]))
+@example(doc="layers.0.weight/model/zarr.json", change=Structural("grid", ([4194304, 1], [1, 1])))
 def test_array_document_structural_changes_redigested(doc: str, change: Structural) -> None:
     """What zarr's model of an array document sees (big-endian bytes codec, index at the
     start, extra zstd/gzip/transpose codecs, another data_type for the torch_dtype, shapes

@@ -46,6 +46,10 @@ MAX_REQUEST_BYTES = 64 << 20
 """Neighbouring chunks are fetched in one request up to this size."""
 MAX_STAGED_BYTES = 16 << 20
 """...or up to this size when some of them land in the staging buffer (see :func:`_stage`)."""
+MAX_UNREAD_HEAD_BYTES = 1 << 20
+"""A shard whose trailer and index take more (over ~50,000 chunks) is read after its index:
+:func:`read_whole_shard` would allocate what its array document claims before the object's
+size is known, and a forged grid claims gigabytes for a shard of a few bytes."""
 
 _local = threading.local()
 
@@ -440,8 +444,11 @@ def read_whole_shard(
     then the trailer and index from the object's end. Returns the shard's checked head; a
     shard whose index records another layout is read again by it. None, with nothing read,
     where the store cannot read an object of a known size in one request, the object has
-    another size, or the chunks take more than one request: the caller then reads the index
-    first (:func:`read_shard_head`)."""
+    another size, the chunks take more than one request or the index is large
+    (:data:`MAX_UNREAD_HEAD_BYTES`): the caller then reads the index first
+    (:func:`read_shard_head`)."""
+    if _head_nbytes(meta, seal) > MAX_UNREAD_HEAD_BYTES:
+        return None
     index, size = written_index(meta, shard, seal)
     grid_view = _tiled_target(meta, box, out, shard, seal.authenticated)
     if grid_view is not None:
