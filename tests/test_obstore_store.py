@@ -12,6 +12,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -107,7 +108,79 @@ def test_a_load_of_whole_shards_makes_one_request_per_shard(seaweed, monkeypatch
 
     assert shard_requests() == 4
     monkeypatch.setattr(O.ObstoreStore, "readv_whole", lambda self, key, requests, size: False)
+    monkeypatch.setattr(O.ObstoreStore, "read_whole", lambda self, key, size: None)
     assert shard_requests() == 8
+
+
+def test_whole_read_hands_over_obstores_own_buffer(store: O.ObstoreStore) -> None:
+    data = bytes(range(256)) * 64
+    store.write("w", [data])
+    store.stats = type(store.stats)()
+    assert store.own_buffers and store.read_whole("w", len(data) - 1) is None  # another size
+    assert store.stats.bytes_read == 0
+    got = store.read_whole("w", len(data))
+    assert isinstance(got, memoryview) and bytes(got) == data
+    assert store.stats.read_calls == 1 and store.stats.bytes_read == len(data)
+
+
+def _column_blocks() -> dict[str, torch.Tensor]:
+    """Tensors whose default chunks are blocks of columns (none lands in a row-major target
+    directly); "big" is a shard above the local staging buffer's bound (16 MiB)."""
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w": torch.randn(256, 1024, generator=g),
+        "bf": torch.randn(256, 2048, generator=g).bfloat16(),
+        "t3": torch.randn(8, 64, 512, generator=g),
+        "big": torch.randn(2048, 2560, generator=g),
+    }
+
+
+def test_column_block_shards_land_from_obstores_buffer_each_chunk_checked(seaweed, monkeypatch) -> None:
+    """A shard whose chunks are blocks of columns is one GET, landed in one strided pass
+    from obstore's own buffer (never copied into a staging buffer first): bit-exact in
+    contiguous and transposed targets; a flipped byte or a chunk replaced with a valid
+    crc32c is refused naming the chunk."""
+    from ucp_zarr.format.codec import CRC_BYTES, crc_bytes
+
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+    options = seaweed.storage_options()
+    sd = _column_blocks()
+    ucp_zarr.save(sd, url, storage_options=options)
+    ck = ucp_zarr.open(url, storage_options=options)
+    for key in sd:
+        grid = ck.array_meta(key).grid
+        assert grid.chunk_shape[1:] != grid.shard_shape[1:] and grid.shard_shape == tuple(sd[key].shape), (key, grid)
+    requests, filled = [], []
+    monkeypatch.setattr(O.obstore, "get", lambda *a, _f=O.obstore.get, **k: requests.append(a[1]) or _f(*a, **k))
+    monkeypatch.setattr(O, "fill", lambda where, *a, _f=O.fill: filled.append(where) or _f(where, *a))
+    contiguous = {k: torch.full_like(v, -1) for k, v in sd.items()}
+    transposed = {k: torch.full(v.shape[::-1], -1, dtype=v.dtype).permute(*reversed(range(v.ndim))) for k, v in sd.items()}
+    for target in (contiguous, transposed):
+        requests.clear()
+        ucp_zarr.load(target, url, storage_options=options)
+        for k, v in sd.items():
+            assert torch.equal(target[k].contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)), k
+        assert sum("/c/" in r for r in requests) == len(sd), requests
+    assert not [w for w in filled if "/c/" in w], filled
+
+    store = open_store(url, options)
+    key = "big"
+    grid = ck.array_meta(key).grid
+    shard = f"{ck.array_path(key)}/c/0/0"
+    good = store.read(shard)
+    n = int(np.prod(grid.chunk_shape)) * 4
+    row = 5  # a chunk of the shard, in C order of its chunk grid
+    at = row * (n + CRC_BYTES)
+    local = np.unravel_index(row, grid.chunks_per_shard)
+    origin = tuple(int(i) * c for i, c in zip(local, grid.chunk_shape))
+    for damage, says in (("flipped byte", "the data is corrupt"), ("valid crc", "chunk was replaced")):
+        raw = bytearray(good)
+        raw[at + 100] ^= 1
+        if damage == "valid crc":
+            raw[at + n : at + n + CRC_BYTES] = crc_bytes(bytes(raw[at : at + n]))
+        store.write(shard, [bytes(raw)])
+        with pytest.raises(ucp_zarr.CorruptChunkError, match=rf"chunk at \({origin[0]}, {origin[1]}\).*{says}"):
+            ucp_zarr.load({k: torch.zeros_like(v) for k, v in sd.items()}, url, storage_options=options)
 
 
 def test_a_large_object_is_a_multipart_upload_of_copied_parts(seaweed, monkeypatch) -> None:

@@ -501,15 +501,22 @@ def _read_tiled_shard(
     index: np.ndarray, size: int, target: np.ndarray,
 ) -> ShardHead | None:
     """:func:`read_whole_shard` of a shard whose chunks tile it (see :func:`_tiled_target`):
-    the object into this thread's staging buffer in one request, every chunk's crc32c checked
-    against the data and the trailer, then one strided copy of all chunks into ``target``."""
-    if size - _head_nbytes(meta, seal) > MAX_STAGED_BYTES:
+    the object in one request (into this thread's staging buffer, or the store's own buffer
+    where reads come in one: no copy), every chunk's crc32c checked against the data and the
+    trailer, then one strided copy of all chunks into ``target``."""
+    if size - _head_nbytes(meta, seal) > (MAX_REQUEST_BYTES if store.own_buffers else MAX_STAGED_BYTES):
         return None
-    stage = _stage(size)[:size]
     key, where = _shard_where(store, path, shard)
     try:
-        if not store.readv_whole(key, [(0, [memoryview(stage)])], size):
-            return None
+        if store.own_buffers:
+            data = store.read_whole(key, size)
+            if data is None:
+                return None
+            stage = np.frombuffer(data, dtype=np.uint8)
+        else:
+            stage = _stage(size)[:size]
+            if not store.readv_whole(key, [(0, [memoryview(stage)])], size):
+                return None
     except (OSError, FormatError):
         return None  # (missing, short, not a file: the two-request path names what is wrong)
     head = decode_shard_head(store, path, meta, shard, seal, stage, expected=index)

@@ -88,6 +88,7 @@ class ObstoreStore(Store):
 
     exclusive_create = True
     durable = True
+    own_buffers = True
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, client: Any = None) -> None:
         self.url = url.rstrip("/")
@@ -194,14 +195,21 @@ class ObstoreStore(Store):
         fill(f"{self.url}/{key}", requests, datas)
         self.stats.add_read(sum(sizes), _runs(starts, ends))
 
-    def readv_whole(self, key: str, requests: Sequence[ReadRequest], size: int) -> bool:
+    def read_whole(self, key: str, size: int) -> Buffer | None:
         # one GET; its response head gives the size before the body is read
         where = f"{self.url}/{key}"
         got = self._call(f"reading {where}", lambda: obstore.get(self.client, self._path(key)))
         if got.meta["size"] != size:
-            return False
-        fill(where, requests, [self._call(f"reading {where}", got.bytes)])
+            return None
+        data = memoryview(self._call(f"reading {where}", got.bytes))  # (a view of obstore's buffer)
         self.stats.add_read(size, 1)
+        return data
+
+    def readv_whole(self, key: str, requests: Sequence[ReadRequest], size: int) -> bool:
+        data = self.read_whole(key, size)
+        if data is None:
+            return False
+        fill(f"{self.url}/{key}", requests, [data])
         return True
 
     def exists(self, key: str) -> bool:

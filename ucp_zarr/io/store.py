@@ -79,6 +79,9 @@ class Store:
     """An object survives a crash of the machine once :meth:`sync` returned."""
     stages_writes: bool = False
     """A guarded :meth:`write` stages the object under :func:`temp_name` first."""
+    own_buffers: bool = False
+    """Reads come back in the store's own buffer (an object store client's), so a read into
+    the caller's memory is one more copy: :meth:`read_whole` hands that buffer over instead."""
     local_path: str | None = None
     """The root's folder on this machine's file system, where the store has one (what may
     be checked for symbolic links, or handed to tools that take a path)."""
@@ -141,6 +144,12 @@ class Store:
         False, reading nothing, if it has another size or the store cannot tell without a
         request of its own (then the caller reads the object's index first)."""
         return False
+
+    def read_whole(self, key: str, size: int) -> Buffer | None:
+        """The whole object in one request, in the store's own buffer (no copy), if it has
+        exactly ``size`` bytes; None, reading nothing more, if it has another size. Only
+        stores with :attr:`own_buffers`."""
+        raise NotImplementedError
 
     def exists(self, key: str) -> bool:
         raise NotImplementedError
