@@ -81,3 +81,55 @@ def test_load_does_not_import_zarr(tmp_path) -> None:
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+_EDITS = [
+    lambda d: None,  # the written document
+    lambda d: d["attributes"].__setitem__("note", "x"),  # other attributes: the same array
+    lambda d: d.__setitem__("fill_value", 0.0),
+    lambda d: d.__setitem__("shape", [4, 6.0]),
+    lambda d: d["attributes"]["ucp_zarr"].__setitem__("key", "v"),
+    lambda d: d["codecs"][0]["configuration"].__setitem__("chunk_shape", [2, 6]),
+    lambda d: d.__setitem__("dimension_names", ["x", "y"]),
+    lambda d: d.__setitem__("zarr_format", 2),
+]
+
+
+@pytest.mark.parametrize("edit", _EDITS)
+def test_from_committed_is_the_committed_documents_parse_or_none(doc: dict, edit) -> None:
+    """``from_committed`` (a load's one-serialisation parse of the root's consolidated copy)
+    gives what ``from_zarr_json`` gives for the committed document, or None (the reader then
+    checks and parses the document the long way): never another array."""
+    from ucp_zarr.format.documents import dump_document
+    from ucp_zarr.format.integrity import document_digest
+
+    committed = document_digest(dump_document(doc))
+    d = copy.deepcopy(doc)
+    edit(d)
+    meta = ArrayMeta.from_committed(d, "w", committed)
+    assert meta is None or meta == ArrayMeta.from_zarr_json(doc, "w")
+    if json.dumps(d) == json.dumps(doc) or d["attributes"].get("note"):
+        assert meta == ArrayMeta.from_zarr_json(doc, "w")  # (what it describes is the committed array)
+
+
+def test_load_serialises_each_array_document_once(tmp_path, monkeypatch) -> None:
+    """A load parses each array document from the root's consolidated copy with one JSON
+    serialisation (the digest check and the field check in one), not three."""
+    import ucp_zarr.format.documents as documents
+
+    sd = {f"t{i}": torch.full((3, 5), float(i)) for i in range(6)}
+    ucp_zarr.save(sd, tmp_path / "ck")
+    calls = {"dump": 0, "compare": 0}
+    dump, compare = documents.dump_document, documents._zarr_text
+
+    def counted(name, fn):
+        def wrapper(*args):
+            calls[name] += 1
+            return fn(*args)
+        return wrapper
+
+    monkeypatch.setattr(documents, "dump_document", counted("dump", dump))
+    monkeypatch.setattr(documents, "_zarr_text", counted("compare", compare))
+    out = ucp_zarr.load({k: torch.zeros(3, 5) for k in sd}, tmp_path / "ck")
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+    assert calls == {"dump": len(sd), "compare": 0}

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .dtypes import StoredDtype, stored_dtype_by_name
+from .integrity import document_digest
 from ..errors import FormatError
 from ..layout import ChunkGrid
 
@@ -168,6 +169,40 @@ class ArrayMeta:
         what this library writes for the array it describes (every Zarr field equal, type
         for type, to the document :meth:`to_zarr_json` gives; no other field), which is a
         valid Zarr v3 document. Pure Python: a load parses a document per array."""
+        meta = cls._parse(doc, where)
+        expected = meta.to_zarr_json()
+        if _zarr_text(doc) != _zarr_text(expected):  # (JSON text: C speed, and 1, 1.0, true differ)
+            for name in sorted((set(doc) | set(expected)) - {"attributes"}):
+                got, want = doc.get(name, _ABSENT), expected.get(name, _ABSENT)
+                if _zarr_text({name: got}) != _zarr_text({name: want}):
+                    shown = "absent" if got is _ABSENT else repr(got)[:200]
+                    raise FormatError(
+                        f"{where}: {name} is {shown}, but an array of torch dtype {meta.dtype.name} in this "
+                        f"format has {'no ' + name if want is _ABSENT else repr(want)}; refusing to read what "
+                        "this library did not write"
+                    )
+        return meta
+
+    @classmethod
+    def from_committed(cls, doc: Any, where: str, digest: str) -> "ArrayMeta | None":
+        """``doc`` parsed, when the document this library writes for what it describes
+        (:meth:`to_zarr_json`, as :func:`dump_document` serialises it) has ``digest``: that
+        document is then, byte for byte, the committed one, so the result is what
+        :meth:`from_zarr_json` gives for it, at one serialisation instead of three. None
+        when not (another writer's key order, or ``doc`` is not the committed document): the
+        caller then checks the committed document's bytes and parses them with
+        :meth:`from_zarr_json`."""
+        try:
+            meta = cls._parse(doc, where)
+        except FormatError:
+            return None
+        return meta if document_digest(dump_document(meta.to_zarr_json())) == digest else None
+
+    @classmethod
+    def _parse(cls, doc: Any, where: str) -> "ArrayMeta":
+        """The fields of an array's zarr.json, each validated, and the grid within this
+        format's limits; :class:`FormatError` where one is missing or malformed (the Zarr
+        fields are compared with the document they imply by the callers)."""
         if not isinstance(doc, dict) or doc.get("zarr_format") != 3 or doc.get("node_type") != "array":
             raise FormatError(f"{where} is not a Zarr v3 array document")
         try:
@@ -200,17 +235,6 @@ class ArrayMeta:
             raise
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError, OverflowError) as e:
             raise FormatError(f"malformed array metadata {where}: {e!r}") from e
-        expected = meta.to_zarr_json()
-        if _zarr_text(doc) != _zarr_text(expected):  # (JSON text: C speed, and 1, 1.0, true differ)
-            for name in sorted((set(doc) | set(expected)) - {"attributes"}):
-                got, want = doc.get(name, _ABSENT), expected.get(name, _ABSENT)
-                if _zarr_text({name: got}) != _zarr_text({name: want}):
-                    shown = "absent" if got is _ABSENT else repr(got)[:200]
-                    raise FormatError(
-                        f"{where}: {name} is {shown}, but an array of torch dtype {dtype.name} in this format "
-                        f"has {'no ' + name if want is _ABSENT else repr(want)}; refusing to read what this "
-                        "library did not write"
-                    )
         if math.prod(grid.chunk_shape) * dtype.itemsize > MAX_CHUNK_BYTES:
             raise FormatError(f"{where}: chunks of {list(grid.chunk_shape)} exceed {MAX_CHUNK_BYTES} bytes")
         if math.prod(grid.chunks_per_shard) > MAX_CHUNKS_PER_SHARD:

@@ -177,7 +177,7 @@ class CheckpointReader:
         with self._lock:
             meta = self._arrays.get(path)
         if meta is None:
-            meta = ArrayMeta.from_zarr_json(self.document_json(f"{path}/{METADATA_FILE}"), where)
+            meta = self._parse_array_meta(f"{path}/{METADATA_FILE}", where)
             with self._lock:
                 self._arrays[path] = meta
         entry = self._entry(key)
@@ -191,6 +191,18 @@ class CheckpointReader:
         if (entry.ranks is not None) != (meta.rank is not None) or (rank is not None and meta.rank not in (None, rank)):
             raise FormatError(f"{where}: per-rank copy of rank {meta.rank}, the index says {rank}")
         return meta
+
+    def _parse_array_meta(self, doc_path: str, where: str) -> ArrayMeta:
+        """An array document, checked as :meth:`document_json` checks it and parsed as
+        :meth:`ArrayMeta.from_zarr_json` parses it: from the consolidated copy in one
+        serialisation when the document it describes has the committed digest
+        (:meth:`ArrayMeta.from_committed`), else from the checked document."""
+        node, want = self.meta.consolidated_node(doc_path), self.meta.documents.get(doc_path)
+        if node is not None and want is not None:
+            meta = ArrayMeta.from_committed(node, where, want)
+            if meta is not None:
+                return meta
+        return ArrayMeta.from_zarr_json(self.document_json(doc_path), where)
 
     def _head(self, path: str, meta: ArrayMeta, shard: tuple[int, ...], whole: memoryview | None = None) -> ShardHead:
         """The shard's checked index and trailer, read once (from ``whole``, the shard's object,
