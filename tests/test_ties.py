@@ -66,14 +66,14 @@ def test_a_load_fills_tied_memory_once_and_untied_targets_both(tmp_path: Path, m
     model, opt = _trained()
     ucp_zarr.save({"model": model.state_dict()}, tmp_path / "ck")
     filled: list[str] = []
-    read = CheckpointReader.read
+    prepare = CheckpointReader.prepare_read  # (every read into a target: read calls it too)
 
-    def counting(self: CheckpointReader, key: str, *args: object, **kw: object) -> torch.Tensor:
-        if kw.get("out") is not None:
+    def counting(self: CheckpointReader, key: str, box: object = None, out: object = None, *args: object, **kw: object) -> object:
+        if out is not None:
             filled.append(key)
-        return read(self, key, *args, **kw)
+        return prepare(self, key, box, out, *args, **kw)
 
-    monkeypatch.setattr(CheckpointReader, "read", counting)
+    monkeypatch.setattr(CheckpointReader, "prepare_read", counting)
     fresh = TiedLM()
     ucp_zarr.load({"model": fresh.state_dict()}, tmp_path / "ck")  # strict: both keys are the checkpoint's
     assert fresh.head.weight is fresh.emb.weight and torch.equal(fresh.emb.weight, model.emb.weight)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -35,20 +35,33 @@ class _Read:
 
 def fill(ck: CheckpointReader, reads: list[_Read], rank: int, lossy: bool, max_workers: int) -> None:
     """Fill every target of ``reads``, ``max_workers`` at a time; targets that share memory
-    one after the other, then checked (see :func:`_fill_shared`)."""
+    one after the other, then checked (see :func:`_fill_shared`). Each read is prepared
+    here, in the calling thread (checks, views, padding zeroed), so that the pool runs
+    only the reading (see :meth:`CheckpointReader.prepare_read`)."""
     shared = shared_memory(reads)
     alone = [r for i, r in enumerate(reads) if not any(i in group for group in shared)]
-    jobs: list[Any] = [lambda r=r: _read_fragment(ck, r, rank, lossy) for r in alone]
+    jobs: list[Callable[[], None]] = []
+    with torch.no_grad():
+        for r in alone:
+            for box, view in r.frag.pieces:
+                jobs.append(ck.prepare_read(r.key, box, view, _rank(r, rank), allow_lossy_cast=lossy)[1])
+            for pad in r.frag.pad:  # padding (of a padded vocabulary) has no saved counterpart
+                pad.zero_()
     jobs += [lambda g=group: _fill_shared(ck, [reads[i] for i in g], rank, lossy) for group in shared]
     with ThreadPoolExecutor(max_workers) as pool:
         list(pool.map(lambda job: job(), jobs))
 
 
+def _rank(r: _Read, rank: int) -> int | None:
+    """The copy of per-rank state ``r`` reads: this rank's."""
+    return rank if r.per_rank else None
+
+
 def _read_fragment(ck: CheckpointReader, r: _Read, rank: int, lossy: bool) -> None:
     with torch.no_grad():
         for box, view in r.frag.pieces:
-            ck.read(r.key, box, out=view, rank=rank if r.per_rank else None, allow_lossy_cast=lossy)
-        for pad in r.frag.pad:  # padding (of a padded vocabulary) has no saved counterpart
+            ck.read(r.key, box, out=view, rank=_rank(r, rank), allow_lossy_cast=lossy)
+        for pad in r.frag.pad:
             pad.zero_()
 
 
@@ -61,7 +74,7 @@ def _fill_shared(ck: CheckpointReader, reads: list[_Read], rank: int, lossy: boo
         _read_fragment(ck, r, rank, lossy)
     for r in reads[:-1]:
         for box, view in r.frag.pieces:
-            want = ck.read(r.key, box, rank=rank if r.per_rank else None).to(view.dtype)
+            want = ck.read(r.key, box, rank=_rank(r, rank)).to(view.dtype)
             if not same_bits(view, want):
                 others = ", ".join(repr(o.leaf) for o in reads if o is not r)
                 raise LayoutError(
