@@ -100,11 +100,6 @@ def writable_view(t: "torch.Tensor", meta: ArrayMeta) -> np.ndarray | None:
     return raw
 
 
-def _bytes_of(t: "torch.Tensor") -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.numpy()).cast("B") if t.dim() else memoryview(t.reshape(1).numpy()).cast("B")
-
-
 def _array_bytes(a: np.ndarray) -> memoryview:
     """The bytes of a C-contiguous array, without a copy."""
     return memoryview(a.reshape(-1).view(np.uint8))
@@ -125,26 +120,25 @@ class Seal:
 
 
 def _chunk_buffers(
-    chunk_shape: tuple[int, ...], part: "torch.Tensor", stage: Callable[[], "torch.Tensor"]
+    chunk_shape: tuple[int, ...], part: np.ndarray, stage: Callable[[], np.ndarray]
 ) -> tuple[memoryview, int]:
     """The stored form of a chunk whose part inside the array is ``part`` (padded with zeros
     to ``chunk_shape`` at the array's edge) and its crc32c.
 
     A chunk that is a contiguous block of its source is returned as a view of it (no copy);
     any other chunk is copied into ``stage()`` (valid until the next call with it)."""
-    edge = tuple(part.shape) != chunk_shape
-    if not edge and part.is_contiguous():
-        data = _bytes_of(part)
+    if part.shape == chunk_shape and part.flags.c_contiguous:
+        data = _array_bytes(part)
         return data, checksum(data)
-    nbytes = math.prod(chunk_shape) * part.element_size()
-    buf = stage()
-    full = buf[:nbytes].view(part.dtype).view(chunk_shape)
-    if edge:
-        full.zero_()
+    nbytes = math.prod(chunk_shape) * part.itemsize
+    buf = stage()[:nbytes]
+    full = buf.view(part.dtype).reshape(chunk_shape)
+    if part.shape != chunk_shape:
+        full[...] = 0
         full[tuple(slice(0, n) for n in part.shape)] = part
     else:
-        full.copy_(part)
-    data = memoryview(buf.numpy())[:nbytes]
+        full[...] = part
+    data = memoryview(buf)
     return data, checksum(data)
 
 
@@ -187,21 +181,22 @@ def write_shard(
     of the global tensor (in the storage dtype, see :func:`as_storage`) and must contain the
     shard's part of the array, behind ``guard`` (see :meth:`.store.Store.write`). Returns
     the shard's seal (see :func:`..format.codec.array_digest`)."""
-    import torch
-
     grid = meta.grid
     sbox = grid.shard_box(shard)
     if not src_box.contains(sbox):
         raise ValueError(f"tensor {meta.key!r}: source {src_box} does not cover shard {sbox}")
     key = f"{path}/{chunk_key(shard)}"
     cps = grid.chunks_per_shard
+    # numpy from here on: a torch call releases the GIL (each one a handoff between the
+    # writer threads), numpy's indexing does not
+    array = src.numpy()
     # One staging buffer per shard, made when a chunk is no contiguous block of ``src``:
     # Store.write consumes each buffer before pulling the next.
-    made: list[torch.Tensor] = []
+    made: list[np.ndarray] = []
 
-    def stage() -> torch.Tensor:
+    def stage() -> np.ndarray:
         if not made:
-            made.append(torch.empty(math.prod(grid.chunk_shape) * meta.dtype.itemsize, dtype=torch.uint8))
+            made.append(np.empty(math.prod(grid.chunk_shape) * meta.dtype.itemsize, dtype=np.uint8))
         return made[0]
 
     sealed: list[bytes] = []
@@ -217,7 +212,7 @@ def write_shard(
                 if shas is not None:
                     shas.append(bytes(32))
                 continue
-            data, crc = _chunk_buffers(grid.chunk_shape, src[where], stage)
+            data, crc = _chunk_buffers(grid.chunk_shape, array[where], stage)
             if shas is not None:
                 shas.append(hashlib.sha256(data).digest())
             crcs.append(crc)
