@@ -40,13 +40,7 @@ def fill(ck: CheckpointReader, reads: list[_Read], rank: int, lossy: bool, max_w
     only the reading (see :meth:`CheckpointReader.prepare_read`)."""
     shared = shared_memory(reads)
     alone = [r for i, r in enumerate(reads) if not any(i in group for group in shared)]
-    jobs: list[Callable[[], None]] = []
-    with torch.no_grad():
-        for r in alone:
-            for box, view in r.frag.pieces:
-                jobs.append(ck.prepare_read(r.key, box, view, _rank(r, rank), allow_lossy_cast=lossy)[1])
-            for pad in r.frag.pad:  # padding (of a padded vocabulary) has no saved counterpart
-                pad.zero_()
+    jobs = [job for r in alone for job in _prepare(ck, r, rank, lossy)]
     jobs += [lambda g=group: _fill_shared(ck, [reads[i] for i in g], rank, lossy) for group in shared]
     with ThreadPoolExecutor(max_workers) as pool:
         list(pool.map(lambda job: job(), jobs))
@@ -57,12 +51,21 @@ def _rank(r: _Read, rank: int) -> int | None:
     return rank if r.per_rank else None
 
 
-def _read_fragment(ck: CheckpointReader, r: _Read, rank: int, lossy: bool) -> None:
+def _prepare(ck: CheckpointReader, r: _Read, rank: int, lossy: bool) -> list[Callable[[], None]]:
+    """The reads that fill ``r``'s pieces, prepared (see :meth:`CheckpointReader.prepare_read`);
+    its padding zeroed."""
     with torch.no_grad():
-        for box, view in r.frag.pieces:
-            ck.read(r.key, box, out=view, rank=_rank(r, rank), allow_lossy_cast=lossy)
-        for pad in r.frag.pad:
+        jobs = [
+            ck.prepare_read(r.key, box, view, _rank(r, rank), allow_lossy_cast=lossy)[1] for box, view in r.frag.pieces
+        ]
+        for pad in r.frag.pad:  # padding (of a padded vocabulary) has no saved counterpart
             pad.zero_()
+    return jobs
+
+
+def _read_fragment(ck: CheckpointReader, r: _Read, rank: int, lossy: bool) -> None:
+    for job in _prepare(ck, r, rank, lossy):
+        job()
 
 
 def _fill_shared(ck: CheckpointReader, reads: list[_Read], rank: int, lossy: bool) -> None:
