@@ -46,6 +46,9 @@ MAX_REQUEST_BYTES = 64 << 20
 """Neighbouring chunks are fetched in one request up to this size."""
 MAX_STAGED_BYTES = 16 << 20
 """...or up to this size when some of them land in the staging buffer (see :func:`_stage`)."""
+WRITE_BATCH_BYTES = 1 << 20
+"""A shard's chunks that need a copy are written in runs of up to this size (see
+:func:`_tiled_batches`)."""
 MAX_UNREAD_HEAD_BYTES = 1 << 20
 """A shard whose trailer and index take more (over ~50,000 chunks) is read after its index:
 :func:`read_whole_shard` would allocate what its array document claims before the object's
@@ -181,52 +184,125 @@ def write_shard(
     of the global tensor (in the storage dtype, see :func:`as_storage`) and must contain the
     shard's part of the array, behind ``guard`` (see :meth:`.store.Store.write`). Returns
     the shard's seal (see :func:`..format.codec.array_digest`)."""
+    # numpy from here on: a torch call releases the GIL (each one a handoff between the
+    # writer threads), numpy's indexing does not
+    return write_shard_array(store, path, meta, shard, src.numpy(), src_box, seal, guard)[0]
+
+
+def write_shard_array(
+    store: Store,
+    path: str,
+    meta: ArrayMeta,
+    shard: Sequence[int],
+    array: np.ndarray,
+    src_box: Box,
+    seal: Seal,
+    guard: WriteGuard | None = None,
+) -> tuple[bytes, int]:
+    """:func:`write_shard` from a numpy array (torch-free); returns the seal and the size of
+    the object written."""
     grid = meta.grid
     sbox = grid.shard_box(shard)
     if not src_box.contains(sbox):
         raise ValueError(f"tensor {meta.key!r}: source {src_box} does not cover shard {sbox}")
     key = f"{path}/{chunk_key(shard)}"
-    cps = grid.chunks_per_shard
-    # numpy from here on: a torch call releases the GIL (each one a handoff between the
-    # writer threads), numpy's indexing does not
-    array = src.numpy()
-    # One staging buffer per shard, made when a chunk is no contiguous block of ``src``:
-    # Store.write consumes each buffer before pulling the next.
-    made: list[np.ndarray] = []
-
-    def stage() -> np.ndarray:
-        if not made:
-            made.append(np.empty(math.prod(grid.chunk_shape) * meta.dtype.itemsize, dtype=np.uint8))
-        return made[0]
-
+    tiles = _tiled_source(grid, array[sbox.relative_to(src_box).slices()])
     sealed: list[bytes] = []
 
     def buffers() -> Iterator[memoryview | bytes]:
-        index = empty_index(cps)
         crcs: list[int] = []
         shas: list[bytes] | None = [] if seal.authenticated else None
-        offset = 0
-        for n, where in enumerate(_shard_chunks(grid, shard, src_box)):
-            if where is None:  # beyond the array's edge: absent from the index, zero in the trailer
-                crcs.append(0)
-                if shas is not None:
-                    shas.append(bytes(32))
-                continue
-            data, crc = _chunk_buffers(grid.chunk_shape, array[where], stage)
-            if shas is not None:
-                shas.append(hashlib.sha256(data).digest())
-            crcs.append(crc)
-            index[n] = (offset, data.nbytes + CRC_BYTES)
-            offset += data.nbytes + CRC_BYTES
-            yield data
-            yield crc.to_bytes(CRC_BYTES, "little")
+        if tiles is not None:
+            yield from _tiled_batches(grid, tiles, crcs, shas)
+        else:
+            yield from _chunks_one_by_one(grid, shard, src_box, array, crcs, shas)
         trailer = encode_trailer(seal.save_id, key, crcs, shas, seal.hmac_key)
         sealed[:] = [trailer[-32:]]
         yield trailer
-        yield encode_index(index)
+        yield encode_index(_written_rows(meta, shard))
 
-    store.write(key, _Replayable(buffers), guard)
-    return sealed[0]
+    nbytes = store.write(key, _Replayable(buffers), guard)
+    return sealed[0], nbytes
+
+
+def _tiled_source(grid: ChunkGrid, region: np.ndarray) -> np.ndarray | None:
+    """``region`` (a shard's part of the source), when its chunks tile it exactly (the shard
+    lies inside the array), unless every chunk is a contiguous block of it already (then
+    each is written from the source, with no copy); else None."""
+    if not region.ndim or region.shape != grid.shard_shape or any(s % c for s, c in zip(grid.shard_shape, grid.chunk_shape)):
+        return None
+    if grid.chunk_shape[1:] == grid.shard_shape[1:] and region.flags.c_contiguous:
+        return None
+    return region
+
+
+def _tiled_runs(grid: ChunkGrid, region: np.ndarray, limit: int) -> Iterator[tuple[int, np.ndarray]]:
+    """The chunks of a tiled shard (:func:`_tiled_source`) in runs of consecutive chunks (C
+    order of its chunk grid) of at most ``limit`` stored bytes (or one chunk): each run's
+    number of chunks and a view of them in ``region``, shaped ``(run, chunk shape)`` with
+    the run's chunk axes first (``(k, n1, ..., c0, c1, ...)``)."""
+    cps, chunk = grid.chunks_per_shard, grid.chunk_shape
+    stored = math.prod(chunk) * region.itemsize + CRC_BYTES
+    # the first axis whose trailing chunk grid fits the limit: a run varies it, fixes those before
+    axis = next((d for d in range(len(cps)) if math.prod(cps[d + 1 :]) * stored <= limit), len(cps) - 1)
+    tail = math.prod(cps[axis + 1 :])
+    step = max(1, limit // (tail * stored))
+    shape_tail = [*cps[axis + 1 :], *chunk]
+    strides_tail = [c * st for c, st in zip(chunk[axis + 1 :], region.strides[axis + 1 :])] + list(region.strides)
+    for lead in itertools.product(*map(range, cps[:axis])):
+        for k0 in range(0, cps[axis], step):
+            k1 = min(cps[axis], k0 + step)
+            start = region[tuple(slice(i * c, None) for i, c in zip((*lead, k0), chunk))]
+            view = np.lib.stride_tricks.as_strided(
+                start, [k1 - k0, *shape_tail], [chunk[axis] * region.strides[axis], *strides_tail], writeable=False
+            )
+            yield (k1 - k0) * tail, view
+
+
+def _tiled_batches(
+    grid: ChunkGrid, region: np.ndarray, crcs: list[int], shas: list[bytes] | None
+) -> Iterator[memoryview]:
+    """The stored chunks of a tiled shard (:func:`_tiled_source`), a run of them at a time
+    (:func:`_tiled_runs`, up to ``WRITE_BATCH_BYTES``: small enough to stay in the CPU's
+    cache from the copy to the write): one strided copy of the run into this thread's
+    staging buffer laid out as stored (each chunk followed by its crc32c), whose crc32c (and
+    SHA-256) are appended to ``crcs`` (``shas``). One buffer per run, valid until the next
+    is pulled: one write, not one per chunk. The mirror of :func:`_land_tiled`."""
+    nbytes = math.prod(grid.chunk_shape) * region.itemsize
+    stored = nbytes + CRC_BYTES
+    for n, run in _tiled_runs(grid, region, WRITE_BATCH_BYTES):
+        stage = _stage(n * stored)[: n * stored]
+        chunks = stage.reshape(n, stored)
+        chunks[:, :nbytes].view(region.dtype).reshape(run.shape)[...] = run
+        raw = memoryview(stage)
+        batch = [checksum(raw[i * stored : i * stored + nbytes]) for i in range(n)]
+        chunks[:, nbytes:] = np.asarray(batch, dtype="<u4").view(np.uint8).reshape(n, CRC_BYTES)
+        if shas is not None:
+            shas.extend(hashlib.sha256(raw[i * stored : i * stored + nbytes]).digest() for i in range(n))
+        crcs.extend(batch)
+        yield raw
+
+
+def _chunks_one_by_one(
+    grid: ChunkGrid, shard: Sequence[int], src_box: Box, array: np.ndarray, crcs: list[int], shas: list[bytes] | None
+) -> Iterator[memoryview | bytes]:
+    """The stored chunks of ``shard``, each with its crc32c (appended to ``crcs``, and its
+    SHA-256 to ``shas``): a chunk that is a contiguous block of ``array`` straight from it,
+    any other (an edge chunk, padded) through this thread's staging buffer, valid until the
+    next is pulled. A chunk beyond the array's edge is absent (zero in ``crcs``)."""
+    chunk_nbytes = math.prod(grid.chunk_shape) * array.itemsize
+    for where in _shard_chunks(grid, shard, src_box):
+        if where is None:
+            crcs.append(0)
+            if shas is not None:
+                shas.append(bytes(32))
+            continue
+        data, crc = _chunk_buffers(grid.chunk_shape, array[where], lambda: _stage(chunk_nbytes))
+        if shas is not None:
+            shas.append(hashlib.sha256(data).digest())
+        crcs.append(crc)
+        yield data
+        yield crc.to_bytes(CRC_BYTES, "little")
 
 
 # --- read ----------------------------------------------------------------------------------
