@@ -65,9 +65,10 @@ def _thread_nice() -> int:
 
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priorities here")
 def test_background_save_yields_the_cpu(tmp_path, monkeypatch) -> None:
-    """The background save's threads (the one that writes included) run ``BACKGROUND_NICE``
-    below the priority of the thread that called ``save``, whatever that is (the whole job
-    may run under ``nice``): the caller's own is unchanged."""
+    """The background save's threads (the one that writes included, with ``writer="thread"``;
+    for the writer process see test_writer_process) run ``BACKGROUND_NICE`` below the
+    priority of the thread that called ``save``, whatever that is (the whole job may run
+    under ``nice``): the caller's own is unchanged."""
     from ucp_zarr.io.local import LocalStore
 
     writers: list[int] = []
@@ -86,7 +87,7 @@ def test_background_save_yields_the_cpu(tmp_path, monkeypatch) -> None:
         def run() -> None:
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-                ucp_zarr.async_save({"w": torch.ones(4)}, path).result()
+                ucp_zarr.async_save({"w": torch.ones(4)}, path, writer="thread").result()
                 seen.append(_thread_nice())
             except BaseException as e:  # (raised below, in the test's thread)
                 seen.append(e)
@@ -107,8 +108,9 @@ def test_background_save_yields_the_cpu(tmp_path, monkeypatch) -> None:
 
 
 def test_background_save_writes_on_one_thread(tmp_path, monkeypatch) -> None:
-    """Every writer thread competes with training for the GIL: a background save writes its
-    objects from ``BACKGROUND_WRITERS`` (1) thread, however many ``max_workers`` copy."""
+    """Every writer thread competes with training for the GIL: a background save written by
+    this process (``writer="thread"``) writes its objects from ``BACKGROUND_WRITERS`` (1)
+    thread, however many ``max_workers`` copy."""
     from ucp_zarr.io.local import LocalStore
 
     threads: set[int] = set()
@@ -120,7 +122,7 @@ def test_background_save_writes_on_one_thread(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(LocalStore, "write", write)
     sd = {f"w{i}": torch.full((64, 64), float(i)) for i in range(12)}
-    ucp_zarr.async_save(sd, tmp_path / "ck", max_workers=4).result()
+    ucp_zarr.async_save(sd, tmp_path / "ck", max_workers=4, writer="thread").result()
     assert len(threads) == api.BACKGROUND_WRITERS == 1 and threading.get_ident() not in threads
     out = {k: torch.zeros(64, 64) for k in sd}
     ucp_zarr.load(out, tmp_path / "ck")

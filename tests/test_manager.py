@@ -295,7 +295,7 @@ def test_async_error_surfaces_on_the_next_call(tmp_path, monkeypatch, surface):
     def fail(*args: Any, **kwargs: Any) -> None:
         raise OSError("disk full (injected)")
 
-    monkeypatch.setattr(ucp_zarr.protocol.saver, "write_shard", fail)
+    monkeypatch.setattr(ucp_zarr.protocol.saver.PreparedSave, "_write_data", fail)
     fut = _save(m, 2, async_save=True)
     fut.exception(timeout=30)  # failed in the background ...
     monkeypatch.undo()

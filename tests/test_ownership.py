@@ -35,7 +35,7 @@ from ucp_zarr.ops.steps import collect_staging_copies
 from ucp_zarr.io.factory import open_store
 from ucp_zarr.io.fsspec import FsspecStore
 from ucp_zarr.io.local import LocalStore
-from ucp_zarr.protocol.liveness import MARKER, Liveness, Owner, host_identity
+from ucp_zarr.protocol.liveness import MARKER, Liveness, Owner, host_identity, process_alive, process_start
 from ucp_zarr.protocol.transaction import Transaction
 
 
@@ -240,6 +240,35 @@ def test_an_owner_in_another_pid_namespace_is_judged_by_its_lease_only():
     assert not gone.is_dead(elsewhere, renewed=990.0)  # its process cannot be seen: lease fresh
     assert not gone.is_dead(unknown, renewed=990.0)
     assert gone.is_dead(elsewhere, renewed=930.0) and gone.is_dead(unknown, renewed=None)  # lease expired
+
+
+def test_an_owner_is_alive_while_its_writer_process_is():
+    host, boot, ns = host_identity()
+    writer_alive = Liveness((host, boot, ns), alive=lambda pid, start: pid == 222, writers_exit_s=0.2)
+    owner = Owner("a" * 32, host, boot, 111, 1, 900.0, 60.0, pid_ns=ns, writers=((222, 5),))
+    assert not writer_alive.is_dead(owner, renewed=None)  # its own process is gone, its writer is not (yet)
+    exits: list[int] = []
+    writer_exits = Liveness((host, boot, ns), alive=lambda pid, start: pid == 222 and len(exits.append(1) or exits) < 5)
+    assert writer_exits.is_dead(owner, renewed=None) and len(exits) == 5  # waited for it
+    assert Owner.from_bytes(owner.to_bytes(), "test") == owner  # (the marker keeps it)
+    assert "writer process 222" in owner.describe()
+    assert Liveness((host, boot, ns), alive=lambda pid, start: False).is_dead(owner, renewed=None)
+
+
+def test_a_zombie_process_is_dead():
+    """A process that exited but is not reaped yet (as an orphan under a PID 1 that never
+    reaps) writes nothing more: its saves can be taken over."""
+    proc = subprocess.Popen(["true"])
+    start = process_start(proc.pid)
+    deadline = time.monotonic() + 10
+    while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        assert not process_alive(proc.pid, start) and not process_alive(proc.pid, None)
+    finally:
+        proc.wait()
+    assert process_alive(os.getpid(), process_start(os.getpid()))
 
 
 def _unshare() -> tuple[str, ...]:

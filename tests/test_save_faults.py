@@ -50,20 +50,26 @@ def _flat(rank: int) -> ucp_zarr.FlatShard:
 
 def case_stage_fails(root: Path, rank: int) -> None:
     # rank 1 cannot allocate the host buffer of its staged copies (an asynchronous save
-    # stages everything before it returns); only the staging module's allocation fails
-    original = torch.empty
+    # stages everything before it returns); only the staging module's allocation fails,
+    # in private memory (a thread writes) and in shared memory (the writer process does)
+    import ucp_zarr.protocol.staging as staging
+
+    original, shared = torch.empty, staging.SharedMemory
 
     def failing_empty(*args: Any, **kwargs: Any) -> torch.Tensor:
         if sys._getframe(1).f_globals.get("__name__") == "ucp_zarr.protocol.staging":
             raise RuntimeError("injected: no host memory for the staging buffer")
         return original(*args, **kwargs)
 
+    def failing_shared(nbytes: int) -> Any:
+        raise RuntimeError("injected: no host memory for the staging buffer")
+
     if rank == 1:
-        torch.empty = failing_empty
+        torch.empty, staging.SharedMemory = failing_empty, failing_shared
     try:
         ucp_zarr.async_save({"w": _rows(rank)}, root / "stage_fails").result()
     finally:
-        torch.empty = original
+        torch.empty, staging.SharedMemory = original, shared
 
 
 def case_exchange_fails(root: Path, rank: int) -> None:

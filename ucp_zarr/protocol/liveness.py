@@ -36,6 +36,9 @@ UNREADABLE_SAVE_ID = "0" * 32
 
 DEFAULT_LEASE_S = 120.0
 """How long a save on another host counts as alive after its last heartbeat."""
+WRITERS_EXIT_S = 30.0
+"""How long a save whose process is gone may wait for its writer processes to exit (they are
+killed with it; see :attr:`Liveness.writers_exit_s`)."""
 FENCE_INTERVAL_S = 2.0
 """How often (at most) a writing rank re-reads the owner marker."""
 SELF_FENCE = 0.75
@@ -62,12 +65,22 @@ class Owner:
     pid_ns: str = ""
     """The PID namespace ``pid`` is a process of (``pid:[4026531836]``); empty where
     unknown (then only the lease tells whether the owner is alive)."""
+    writers: tuple[tuple[int, int | None], ...] = ()
+    """Other processes of the same namespace that write the save's objects for ``pid`` (its
+    background writer process, :mod:`..io.writer_process`): pid and start, as ``pid``'s. The
+    owner counts as alive while any of them is."""
 
     @classmethod
-    def this_process(cls, save_id: str, lease_s: float, staged: str | None = None) -> "Owner":
+    def this_process(
+        cls, save_id: str, lease_s: float, staged: str | None = None, writers: tuple[int, ...] = ()
+    ) -> "Owner":
+        """This process as the owner; ``writers``: the pids of its processes writing for it."""
         host, boot, pid_ns = host_identity()
         pid = os.getpid()
-        return cls(save_id, host, boot, pid, process_start(pid), time.time(), lease_s, staged=staged, pid_ns=pid_ns)
+        return cls(
+            save_id, host, boot, pid, process_start(pid), time.time(), lease_s, staged=staged, pid_ns=pid_ns,
+            writers=tuple((w, process_start(w)) for w in writers),
+        )
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -81,6 +94,7 @@ class Owner:
                 None if d.get("pid_start") is None else int(d["pid_start"]),
                 float(d["started"]), float(d["lease_s"]), str(d.get("library", "")),
                 None if d.get("staged") is None else str(d["staged"]), str(d.get("pid_ns", "")),
+                tuple((int(w), None if start is None else int(start)) for w, start in d.get("writers", [])),
             )
             if not _SAVE_ID.fullmatch(owner.save_id):  # (save ids name protocol files)
                 raise ValueError(f"save_id {owner.save_id[:40]!r} is not 32 hex digits")
@@ -91,8 +105,9 @@ class Owner:
             return cls(UNREADABLE_SAVE_ID, f"(unreadable record {where})", "", -1, None, 0.0, 0.0)
 
     def describe(self) -> str:
+        writers = f" (and its writer process {', '.join(str(w) for w, _ in self.writers)})" if self.writers else ""
         return (
-            f"save {self.save_id} of process {self.pid} on host {self.host!r}, started "
+            f"save {self.save_id} of process {self.pid}{writers} on host {self.host!r}, started "
             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.started))}"
         )
 
@@ -113,24 +128,32 @@ def host_identity() -> tuple[str, str, str]:
     return socket.gethostname(), boot, pid_ns
 
 
-def process_start(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot), to tell it from a later
-    process that reuses its id; None where /proc is unavailable."""
+def _stat(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command's name (state first); None
+    where there is no such process (or no /proc)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), to tell it from a later
+    process that reuses its id; None where /proc is unavailable."""
+    fields = _stat(pid)
+    return None if fields is None else int(fields[19])
 
 
 def process_alive(pid: int, start: int | None) -> bool:
-    """Whether process ``pid`` (started at ``start``) still runs on this host."""
+    """Whether process ``pid`` (started at ``start``) still runs on this host (a zombie,
+    exited but not yet reaped, does not: it can write nothing more)."""
     if pid <= 0:
         return False
     if os.path.isdir("/proc"):
-        now_start = process_start(pid)
-        return now_start is not None and (start is None or now_start == start)
+        fields = _stat(pid)
+        return fields is not None and fields[0] not in (b"Z", b"X") and (start is None or int(fields[19]) == start)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -148,6 +171,8 @@ class Liveness:
     """This process's :func:`host_identity`."""
     alive: Callable[[int, int | None], bool] = process_alive
     clock: Callable[[], float] = time.time
+    writers_exit_s: float = WRITERS_EXIT_S
+    """How long to wait for the writer processes of an owner whose own process is gone."""
 
     @classmethod
     def here(cls) -> "Liveness":
@@ -155,13 +180,22 @@ class Liveness:
 
     def is_dead(self, owner: Owner, renewed: float | None) -> bool:
         """Provably dead: it aborted; or in this PID namespace (same host, boot and
-        namespace, all known) its process is gone; or, anywhere else, its lease has expired
-        (measured from its last heartbeat, else its start). A process this one cannot see
-        is never judged by ``/proc``."""
+        namespace, all known) its process and its writer processes are gone (those die with
+        it, but one in the middle of a system call, such as an ``fsync``, only once that
+        returns: waited for up to ``writers_exit_s``); or, anywhere else, its lease has
+        expired (measured from its last heartbeat, else its start). A process this one
+        cannot see is never judged by ``/proc``."""
         if owner.pid < 0 or renewed == -math.inf:
             return True
         if owner.pid_ns and (owner.host, owner.boot_id, owner.pid_ns) == tuple(self.host):
-            return not self.alive(owner.pid, owner.pid_start)
+            if self.alive(owner.pid, owner.pid_start):
+                return False
+            until = time.monotonic() + self.writers_exit_s
+            while any(self.alive(pid, start) for pid, start in owner.writers):
+                if time.monotonic() >= until:
+                    return False
+                time.sleep(0.01)
+            return True
         last = max(owner.started, renewed or 0.0)
         return self.clock() > last + owner.lease_s
 
@@ -214,6 +248,11 @@ class Heartbeat:
         if not self._lapsed and time.monotonic() - self._renewed > self.lease_s * SELF_FENCE:
             self._lapsed = True
         return self._lapsed
+
+    def deadline(self) -> float:
+        """The ``time.monotonic()`` after which the lease counts as lapsed unless renewed
+        before (-inf once lapsed)."""
+        return -math.inf if self.lapsed() else self._renewed + self.lease_s * SELF_FENCE
 
     def _beat(self) -> None:
         started = time.monotonic()  # before the write: others date the lease from its content
@@ -285,3 +324,14 @@ class Fence:
                 self._failed = e
                 raise
             self._checked = time.monotonic()
+
+    def valid_until(self) -> float:
+        """The ``time.monotonic()`` until which :meth:`check` (not forced) passes without
+        reading the store, as far as is known now: the next owner check, or the lease's
+        :meth:`~Heartbeat.deadline` if that comes first (-inf after a failure). Another process
+        writing for this save may skip asking until then (see :mod:`~ucp_zarr.io.writer_process`)."""
+        with self._lock:
+            if self._failed is not None:
+                return -math.inf
+            until = self._checked + self.interval_s
+        return until if self.lease is None else min(until, self.lease.deadline())

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from ..io.arrayio import Seal, write_shard
+from ..io.writer_process import DocumentJob, ShardJob, WriterProcess
 from .distributed import Comm, describe, raise_failures
 from ..errors import LayoutError
 from .exchange import Exchange, build_exchange, check_sizes
@@ -71,8 +72,9 @@ class SaveOptions:
     :func:`~.transaction.require_exclusive_create`)."""
 
 
-def begin_transaction(store: Store, plan: SavePlan, options: SaveOptions) -> Transaction:
-    """Claim ``store`` for a save of ``plan`` (the coordinator's part of phase 2)."""
+def begin_transaction(store: Store, plan: SavePlan, options: SaveOptions, writers: tuple[int, ...] = ()) -> Transaction:
+    """Claim ``store`` for a save of ``plan`` (the coordinator's part of phase 2), written
+    by this process and ``writers``."""
     require_exclusive_create(store, options.unsafe_non_exclusive_store)
     txn = Transaction(
         store,
@@ -80,6 +82,7 @@ def begin_transaction(store: Store, plan: SavePlan, options: SaveOptions) -> Tra
         overwrite=options.overwrite,
         overwrite_incomplete=options.overwrite_incomplete,
         lease_s=options.lease_s,
+        writers=writers,
     )
     txn.begin()
     return txn
@@ -121,6 +124,7 @@ class PreparedSave:
         structure: Structure | None = None,
         ties: dict[str, str] | None = None,
         whole: SavePlan | None = None,
+        writer: tuple[WriterProcess, int] | None = None,
     ) -> None:
         self.store = store
         self.comm = comm
@@ -140,6 +144,10 @@ class PreparedSave:
         """The whole plan, on the coordinator (``plan`` is this rank's part; a process
         saving alone may pass its whole plan as ``plan``)."""
         self._docs: tuple[SavePlan, list[tuple[str, dict[str, Any], bytes]]] | None = None
+        self.writer = writer
+        """The process (and its pid, which the claim names) that writes the shards staged
+        in shared memory and the documents (a background save to a local store, see
+        :mod:`..io.writer_process`); else this process's threads do."""
 
     def finish(self, comm: Comm | None = None) -> SaveResult:
         """Exchange boundary pieces, write this rank's documents and shards, commit (over
@@ -198,6 +206,11 @@ class PreparedSave:
     def _write_documents(self, rank: int, fence: Fence) -> None:
         """Write this rank's group and array documents behind the fence, durably."""
         docs = [(k, b) for k, _, b in self._documents(self.plan) if self.plan.doc_writers.get(k) == rank]
+        if self.writer is not None and docs:
+            seal = Seal(self.save_id, self.options.hmac_key is not None, self.options.hmac_key)
+            process, pid = self.writer
+            process.write(self.target, [DocumentJob(k, d) for k, d in docs], fence, seal, None, self.options.max_workers, pid)
+            return
         with ThreadPoolExecutor(self.options.write_workers or self.options.max_workers) as pool:
             _first_failure([pool.submit(self.target.write, k, [d], fence) for k, d in docs])
         self.target.sync()
@@ -227,12 +240,38 @@ class PreparedSave:
             return write_shard(self.target, path, meta, task.shard, buf, sbox, seal, fence)
 
         tasks = [(n, t) for n, t in plan.numbered() if t.writer == rank]
-        with ThreadPoolExecutor(self.options.write_workers or self.options.max_workers) as pool:
-            jobs = {n: pool.submit(write_task, n, t) for n, t in tasks}
-            _first_failure(list(jobs.values()))
-            seals = {n: job.result() for n, job in jobs.items()}
+        memory = self.staging.memory
+        remote = {n: job for n, job in ((n, self._shard_job(t)) for n, t in tasks) if job is not None}
+        seals: dict[int, bytes] = {}
+        try:
+            with ThreadPoolExecutor(self.options.write_workers or self.options.max_workers) as pool:
+                jobs = {n: pool.submit(write_task, n, t) for n, t in tasks if n not in remote}
+                if remote:
+                    assert self.writer is not None and memory is not None
+                    process, pid = self.writer
+                    written = process.write(self.target, list(remote.values()), fence, seal, memory,
+                                            self.options.max_workers, pid)
+                    seals.update((n, s) for n, s in zip(remote, written) if s is not None)
+                _first_failure(list(jobs.values()))
+                seals.update((n, job.result()) for n, job in jobs.items())
+        finally:
+            if memory is not None:
+                memory.close()
         self.target.sync()
         return seals
+
+    def _shard_job(self, task: ShardTask) -> ShardJob | None:
+        """``task`` for the writer process: a shard wholly staged in the shared memory."""
+        memory = self.staging.memory
+        if self.writer is None or memory is None or task.sources:
+            return None
+        path, meta = self.plan.arrays[task.key]
+        src, held = self.staging.holding(task.key, meta.grid.shard_box(task.shard))
+        at = memory.offset(src.data_ptr(), src.numel() * src.element_size())
+        if at is None or not src.is_contiguous():
+            return None
+        size = src.element_size()
+        return ShardJob(path, meta, tuple(task.shard), at, tuple(src.shape), tuple(st * size for st in src.stride()), held)
 
     def _root(self, gathered: list[Any]) -> bytes:
         """The commit record, from the whole plan and every rank's shard seals."""
@@ -321,11 +360,13 @@ def prepare(
     options: SaveOptions,
     *,
     copy: bool,
+    writer: WriterProcess | None = None,
 ) -> PreparedSave:
     """The blocking stage of a save of what ``collected()`` returns (phases 1-3).
 
     With ``copy`` (async saves) every box this rank will write or send is copied into host
-    memory; otherwise only non-CPU tensors are."""
+    memory; otherwise only non-CPU tensors are. With ``writer``, the copies are made in
+    shared memory, and that process writes them (see :mod:`..io.writer_process`)."""
     # 1. collect
     error: BaseException | None = None
     col = Collected({}, {})
@@ -376,9 +417,15 @@ def prepare(
     values, order, layout = coordinator.get("values", ({}, {})), coordinator.get("order", []), coordinator.get("layout", {})
     txn: Transaction | None = None
     error = None
-    if comm.rank == 0:
+    writer_pid = None
+    if writer is not None:  # (before the claim, which names it)
         try:
-            txn = begin_transaction(store, whole, options)
+            writer_pid = writer.start()
+        except BaseException as e:
+            error = e
+    if comm.rank == 0 and error is None:
+        try:
+            txn = begin_transaction(store, whole, options, () if writer_pid is None else (writer_pid,))
         except BaseException as e:
             error = e
     claim = comm.agree(error, f"starting a checkpoint at {store.url}", (txn.save_id, txn.staged) if txn else None)
@@ -391,7 +438,7 @@ def prepare(
     digests: Digests = []
     try:
         digests = replica_digests(plan, col.fragments)
-        staging = Staging(plan, col.fragments, comm.rank, copy, workers=options.max_workers)
+        staging = Staging(plan, col.fragments, comm.rank, copy, workers=options.max_workers, shared=writer is not None)
         exchange = build_exchange(plan, comm.rank, staging)
         check_sizes(plan, comm.rank, exchange)
     except BaseException as e:
@@ -411,4 +458,5 @@ def prepare(
     return PreparedSave(
         store, comm, options, plan, txn, save_id, staged, staging, exchange, values, order, layout,
         structure=coordinator.get("structure"), ties=coordinator.get("ties"), whole=whole,
+        writer=None if writer is None else (writer, writer_pid),
     )

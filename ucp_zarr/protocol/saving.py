@@ -5,6 +5,7 @@ adapters call them from here."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import threading
@@ -15,6 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import CheckpointError
+from ..io import writer_process
 from ..io.factory import open_store
 from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from .distributed import Comm
@@ -123,14 +125,22 @@ def async_save(
     lease_s: float = DEFAULT_LEASE_S,
     model: torch.nn.Module | None = None,
     unsafe_non_exclusive_store: bool = False,
+    writer: str = "process",
 ) -> Future:
     """:func:`save` in the background: returns a :class:`~concurrent.futures.Future` of this
     rank's :class:`~ucp_zarr.protocol.saver.SaveResult` once the state is copied into host
     memory (training may change it from then on); writing and commit happen in the
     background, over ``async_group`` (a group of the same ranks reserved for checkpointing,
     as DCP asks) or else a gloo group created once, by the ranks of ``process_group`` only.
-    Errors surface on the future. Any save first waits for the previous one. The other
-    arguments are :func:`save`'s."""
+    Errors surface on the future. Any save first waits for the previous one.
+
+    ``writer`` says where the objects are written: ``"process"`` (the default) by a child
+    process (:mod:`~ucp_zarr.io.writer_process`, started once) from a host copy in shared
+    memory, where the store is a local file system on Linux and the state needs no pinned
+    copy (else as ``"thread"``), so that the writing never holds the GIL the training loop
+    needs; ``"thread"`` by a thread of this process. The other arguments are :func:`save`'s."""
+    if writer not in ("process", "thread"):
+        raise ValueError(f"writer must be 'process' or 'thread', not {writer!r}")
     wait_for_pending_save()
     comm = Comm(process_group)
     options = _options(chunk_bytes, shard_bytes, max_workers, overwrite, overwrite_incomplete, lease_s, hmac_key,
@@ -142,10 +152,11 @@ def async_save(
         if background.world != comm.world:
             raise CheckpointError(f"async_group has {background.world} ranks, process_group {comm.world}: give the same ranks")
     options = dataclasses.replace(options, write_workers=min(max_workers, BACKGROUND_WRITERS))
-    prepared = prepare(lambda: collect(state_dict, model), store, comm, options, copy=True)
+    child = _writer if writer == "process" and writer_process.available(store) else None
+    prepared = prepare(lambda: collect(state_dict, model), store, comm, options, copy=True, writer=child)
     global _pending
     with _pending_lock:
-        _pending = _background.submit(_in_background, prepared.finish, background, _nice())
+        _pending = _background.submit(_in_background, prepared.finish, background, writer_process.thread_nice())
         return _pending
 
 
@@ -179,28 +190,16 @@ host the writer yields the CPU to training steps (its I/O does not wait), howeve
 itself already runs."""
 MAX_NICE = 19
 
-
-def _nice() -> int | None:
-    """The calling thread's nice value (None where threads have none)."""
-    if not (hasattr(os, "getpriority") and hasattr(threading, "get_native_id")):
-        return None
-    try:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    except OSError:
-        return None
+_writer = writer_process.WriterProcess(nice_offset=BACKGROUND_NICE)
+"""Writes background saves to local stores (started by the first, see :mod:`..io.writer_process`)."""
+atexit.register(_writer.close)  # (after the last background save: its thread is joined first)
 
 
 def _in_background(finish: Any, comm: Comm, caller_nice: int | None) -> SaveResult:
     """Run ``finish`` on the background thread at ``BACKGROUND_NICE`` below the caller's
     priority (Linux: per thread, and inherited by the worker threads it starts)."""
-    own = _nice()
-    if own is not None and caller_nice is not None:
-        want = min(caller_nice + BACKGROUND_NICE, MAX_NICE)
-        try:
-            if own != want:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), want)
-        except OSError:  # not permitted here (raising the priority back needs CAP_SYS_NICE): keep it
-            pass
+    if caller_nice is not None:
+        writer_process.set_thread_nice(min(caller_nice + BACKGROUND_NICE, MAX_NICE))
     return finish(comm)
 
 

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..io.arrayio import as_storage
+from ..io.writer_process import SharedMemory
 from .fragments import Fragment
 from ..layout import Box
 from .planner import SavePlan
@@ -66,7 +67,7 @@ class Staging:
 
     def __init__(
         self, plan: SavePlan, fragments: dict[str, Fragment], rank: int, copy: bool, pool_bytes: int | None = None,
-        workers: int = 1,
+        workers: int = 1, shared: bool = False,
     ) -> None:
         self.plan = plan
         self.fragments = fragments
@@ -75,6 +76,9 @@ class Staging:
         self.leased: dict[tuple[str, Box], torch.Tensor] = {}
         self._lock = threading.Lock()
         self.nbytes = 0
+        self.memory: SharedMemory | None = None
+        """The shared memory of the copies (with ``shared``, where they need no pinning):
+        a writer process reads them there."""
         written, sent = self._wanted(rank)
         self.pool: HostPool | None = None
         lazy = [(a, b) for a, b in written if self._lazy(a)]
@@ -87,7 +91,11 @@ class Staging:
         pin = _pin([self._fragment(a) for a, _ in todo])
         sizes = [aligned(box.numel * self._fragment(akey).dtype.itemsize) for akey, box in todo]
         self.nbytes = sum(sizes)
-        buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
+        if shared and not pin:
+            self.memory = SharedMemory(self.nbytes)
+            buf = torch.frombuffer(self.memory.map, dtype=torch.uint8)[: self.nbytes]
+        else:
+            buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)
         pos = 0
         fills: list[tuple[torch.Tensor, str, Box]] = []
         for (akey, box), size in zip(todo, sizes):

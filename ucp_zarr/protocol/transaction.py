@@ -18,7 +18,9 @@ overwrite those the replaced commit record names (:mod:`.owned`). A checkpoint n
 subfolder, a foreign Zarr group and any other file survive all of them.
 
 **Liveness.** Leftovers of another save are removed only when that save is provably dead:
-in the same PID namespace of the same boot of the same host its process is gone; anywhere
+in the same PID namespace of the same boot of the same host its process is gone (exited,
+reaped or a zombie), and so are the writer processes the marker names (a background save's,
+see :mod:`..io.writer_process`: they die with it); anywhere
 else (another host, container or PID namespace, where its process cannot be seen) its
 lease expired (the owner renews ``.ucp_zarr_heartbeat.<save id>`` every ``lease_s / 4``);
 or the caller says so (``overwrite_incomplete=True``). Taking over from a dead owner ``X``
@@ -213,7 +215,8 @@ class Transaction:
 
     Only the coordinating rank runs it; the other ranks learn :attr:`save_id` and
     :attr:`staged` from it and write into :func:`target_store` behind a :class:`Fence`.
-    ``owned`` names every object the save will write (recorded before any is written).
+    ``owned`` names every object the save will write (recorded before any is written);
+    ``writers`` the processes that write them for this one (see :attr:`Owner.writers`).
     """
 
     def __init__(
@@ -226,6 +229,7 @@ class Transaction:
         lease_s: float = DEFAULT_LEASE_S,
         save_id: str | None = None,
         liveness: Liveness | None = None,
+        writers: tuple[int, ...] = (),
     ) -> None:
         self.store = store
         self.owned = owned or Owned()
@@ -234,7 +238,7 @@ class Transaction:
         self.lease_s = lease_s
         self.save_id = save_id or uuid.uuid4().hex
         self.liveness = liveness or Liveness.here()
-        self.me = Owner.this_process(self.save_id, lease_s)
+        self.me = Owner.this_process(self.save_id, lease_s, writers=writers)
         self.staged: str | None = None
         """The staging sibling's name when overwriting a committed checkpoint."""
         self.target = store

@@ -71,6 +71,9 @@ class InMemory:
 class _SourceStaging:
     """What :class:`~.saver.PreparedSave` writes from: boxes read from the sources."""
 
+    memory = None
+    """(No shared memory: this process writes the shards.)"""
+
     def __init__(self, plan: SavePlan, sources: Mapping[str, TensorSource], progress: Callable[[int], None] | None):
         self.plan = plan
         self.sources = sources
