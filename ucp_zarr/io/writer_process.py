@@ -10,7 +10,8 @@ hands its writes to a child process:
 * the host copy is staged in shared memory (:class:`SharedMemory`, a ``memfd``) that the
   child maps, so nothing is copied or pickled but the job descriptions;
 * the child writes the shards and documents given to it (:meth:`WriterProcess.write`) with
-  a few threads of its own, syncs them, and answers with each shard's seal;
+  a few threads of its own, syncs them, and answers once, with every object's size and
+  each shard's seal (each message would cost the training process a turn of the GIL);
 * before it puts an object in place the child asks the save's guard, which stays in the
   training process (:class:`~ucp_zarr.protocol.liveness.Fence`: claim and lease), so the
   checks are those of an in-process write; its answer says until when it would pass
@@ -240,13 +241,12 @@ class WriterProcess:
                 except BaseException as e:
                     failure = failure or e
                     conn.send(("checked", msg[1], False, -math.inf))
-            elif msg[0] == "wrote":
-                _, n, key, nbytes, sealed = msg
-                store.stats.add_write(key, nbytes)
-                seals[n] = sealed
             elif msg[0] == "failed":
                 failure = failure or _error(msg[1], store)
-            elif msg[0] == "finished":
+            elif msg[0] == "finished":  # (what it wrote, in one message: every message costs this process the GIL)
+                for n, key, nbytes, sealed in msg[1]:
+                    store.stats.add_write(key, nbytes)
+                    seals[n] = sealed
                 return seals, failure
 
 
@@ -331,6 +331,7 @@ def _save(
     seal: Seal, view: mmap.mmap | None, workers: int,
 ) -> None:
     memory = None if view is None else np.frombuffer(view, dtype=np.uint8)
+    wrote: list[tuple[int, str, int, bytes | None]] = []
 
     def run(n: int, job: ShardJob | DocumentJob) -> None:
         if isinstance(job, DocumentJob):
@@ -342,8 +343,7 @@ def _save(
             src = np.ndarray(job.shape, dtype, buffer=memory, offset=job.offset, strides=job.strides)
             sealed, nbytes = write_shard_array(store, job.path, job.meta, job.shard, src, job.src_box, seal, guard)
             key = f"{job.path}/{chunk_key(job.shard)}"
-        with send:
-            conn.send(("wrote", n, key, nbytes, sealed))
+        wrote.append((n, key, nbytes, sealed))  # (list.append: atomic)
 
     try:
         with ThreadPoolExecutor(max(1, workers)) as pool:
@@ -367,7 +367,7 @@ def _save(
     finally:
         memory = None
         with send:
-            conn.send(("finished",))
+            conn.send(("finished", wrote))
         if view is not None:
             try:
                 view.close()
