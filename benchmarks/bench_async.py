@@ -11,7 +11,8 @@ CPU (or ``--device cuda``), one process. Per repeat:
   a copy into preallocated (on CUDA: pinned) host buffers (``dst.copy_(t)``), alternating in order;
 * **training slowdown**: the training step time while the background write runs (from the
   return of the save until its future is done), against the step time of the steps right
-  before the save, on the same warmed-up loop; every step is kept, so the summary gives
+  before the save, on the same warmed-up loop; the same save written by a thread of the
+  training process (``writer="thread"``) alongside, as the reference; every step is kept, so the summary gives
   the distribution (median, p90, max over all repeats) of the steps before, during and
   after the write (the steps after show the loop's own spread with nothing in the background).
 
@@ -150,11 +151,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ucp_zarr.async_save(state(), os.path.join(work, "warm")).result()  # first calls, untimed
     pre = pinned(clone(state())) if device.type == "cuda" else clone(state())
     res: dict[str, Any] = {"bytes": size, "blocking": [], "clone": [], "copy_into": [], "background": [],
+                           "thread_background": [], "thread_steps_during": [],
                            "steps_before": [], "steps_during": [], "all_before": [], "all_during": [], "all_after": []}
     try:
         for rep in range(args.repeat):
             before = [step() for _ in range(8)]
-            order = ["clone", "copy_into", "save"] if rep % 2 == 0 else ["save", "copy_into", "clone"]
+            order = ["clone", "copy_into", "save", "thread"]
+            order = order if rep % 2 == 0 else order[::-1]
             during: list[float] = []
             for what in order:
                 if what == "clone":
@@ -167,6 +170,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     copy_into(pre, state())
                     sync()
                     res["copy_into"].append(time.perf_counter() - t0)
+                elif what == "thread":  # the same save written by a thread of this process
+                    fut = ucp_zarr.async_save(state(), os.path.join(work, f"th{rep}"), writer="thread")
+                    t1 = time.perf_counter()
+                    thread_steps: list[float] = []
+                    while not fut.done():
+                        thread_steps.append(step())
+                    fut.result()
+                    res["thread_background"].append(time.perf_counter() - t1)
+                    res["thread_steps_during"].append(statistics.median(thread_steps) if thread_steps else float("nan"))
                 else:
                     t0 = time.perf_counter()
                     fut = ucp_zarr.async_save(state(), os.path.join(work, f"ck{rep}"))
@@ -196,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"\nblocking stage / clone = {s['blocking_vs_clone']:.2f}x (target <= 1.2), / copy into preallocated = "
         f"{s['blocking_vs_copy']:.2f}x; training step during the background write = {s['slowdown']:.2f}x the step "
-        f"before it (target <= 1.05)"
+        f"before it (target <= 1.05)" + (f"; written by a thread instead: {s['thread_slowdown']:.2f}x" if "thread_slowdown" in s else "")
     )
     for k in ("before", "during", "after"):
         print(f"steps {k:6s} the write (ms, {s[k + '_n']} steps): median {s[k + '_median_ms']:.0f}, "
@@ -238,6 +250,18 @@ def summary(res: dict[str, Any]) -> dict[str, float]:
         "slowdown_max": max(d / b for d, b in zip(res["steps_during"], res["steps_before"])),
         "step_ms": 1000 * med(res["steps_before"]),
         "background_ms": 1000 * med(res["background"]),
+        **_thread_summary(res),
+    }
+
+
+def _thread_summary(res: dict[str, Any]) -> dict[str, float]:
+    """The step during the same save written by a thread of the training process (``writer="thread"``)."""
+    pairs = [(d / b) for d, b in zip(res.get("thread_steps_during", []), res["steps_before"]) if d == d]
+    if not pairs:
+        return {}
+    return {
+        "thread_slowdown": statistics.median(pairs), "thread_slowdown_min": min(pairs),
+        "thread_slowdown_max": max(pairs), "thread_background_ms": 1000 * statistics.median(res["thread_background"]),
     }
 
 

@@ -167,6 +167,11 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
                     f"step {s['step_ms']:.0f} ms, write {s['background_ms']:.0f} ms",
                     f"{s['slowdown']:.2f}x {rng(s['slowdown_min'], s['slowdown_max'])}", "<= 1.05x",
                     verdict(s["slowdown"] <= 1.05)))
+        if "thread_slowdown" in s:
+            out.append(("training step during the write, written by a thread (writer=\"thread\")",
+                        f"{s['thread_slowdown']:.2f}x the step before", f"write {s['thread_background_ms']:.0f} ms",
+                        f"{s['thread_slowdown']:.2f}x {rng(s['thread_slowdown_min'], s['thread_slowdown_max'])}",
+                        "(reference)", ""))
         if "during_median_ms" in s:
             for q in ("median", "p90", "max"):
                 out.append((f"training step {q}, during / before the write", f"{s[f'during_{q}_ms']:.0f} ms "
@@ -267,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = {
         "limits": ("bench_limits", ["--sizes", "16,64,256" if q else "16,64,256,1024", "--repeat", "3" if q else "5"]),
         "distributed": ("bench_distributed", ["--gib", "0.5" if q else "1.0", "--repeat", "2" if q else "3"]),
-        "async": ("bench_async", ["--repeat", "2" if q else "3"]),
+        "async": ("bench_async", ["--repeat", "3" if q else "6"]),
         "codecs": ("bench_codecs", ["--mib", "256" if q else "1024", "--repeat", "2" if q else "3"]),
         "planning": ("bench_planning", ["--plot", os.path.join(args.out, "planning.png"),
                                         "--worlds", *(["64", "256", "1024"] if q else ["4096", "8192", "16384", "32768"])]),
