@@ -23,6 +23,7 @@ competes with the training step's threads for them, which is what this measures.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import math
@@ -112,6 +113,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model trains")
     ap.add_argument("--dir", default="/work/bench_tmp")
     ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() after the warm-up, as a training script may: the full collections a save "
+                         "brings on then skip the ~285,000 objects of torch and the model (profiles.md)")
     args = ap.parse_args(argv)
     import ucp_zarr
 
@@ -149,8 +153,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flush=True,
     )
     ucp_zarr.async_save(state(), os.path.join(work, "warm")).result()  # first calls, untimed
+    if args.gc_freeze:
+        gc.freeze()
     pre = pinned(clone(state())) if device.type == "cuda" else clone(state())
-    res: dict[str, Any] = {"bytes": size, "blocking": [], "clone": [], "copy_into": [], "background": [],
+    res: dict[str, Any] = {"bytes": size, "gc_freeze": args.gc_freeze, "blocking": [], "clone": [], "copy_into": [], "background": [],
                            "thread_background": [], "thread_steps_during": [],
                            "steps_before": [], "steps_during": [], "all_before": [], "all_during": [], "all_after": []}
     try:
