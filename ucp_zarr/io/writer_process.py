@@ -194,6 +194,7 @@ class WriterProcess:
         theirs.close()
         if isinstance(started[0], BaseException):
             release.set()
+            ours.close()
             raise started[0]
         self._proc, self._release = started[0], release
         self._conn = Connection(ours.detach())
