@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model trains")
     ap.add_argument("--dir", default="/work/bench_tmp")
     ap.add_argument("--json", help="write the raw results here")
+    ap.add_argument("--paced", type=float, default=None, metavar="BYTES_PER_S",
+                    help="also run the save paced (write_bytes_per_s) in every repeat")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() after the warm-up, as a training script may: the full collections a save "
                          "brings on then skip the ~285,000 objects of torch and the model (profiles.md)")
@@ -157,12 +159,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         gc.freeze()
     pre = pinned(clone(state())) if device.type == "cuda" else clone(state())
     res: dict[str, Any] = {"bytes": size, "gc_freeze": args.gc_freeze, "blocking": [], "clone": [], "copy_into": [], "background": [],
-                           "thread_background": [], "thread_steps_during": [],
+                           "thread_background": [], "thread_steps_during": [], "paced_background": [],
+                           "paced_steps_during": [], "paced_rate": args.paced,
                            "steps_before": [], "steps_during": [], "all_before": [], "all_during": [], "all_after": []}
     try:
         for rep in range(args.repeat):
             before = [step() for _ in range(8)]
-            order = ["clone", "copy_into", "save", "thread"]
+            order = ["clone", "copy_into", "save", "thread"] + (["paced"] if args.paced else [])
             order = order if rep % 2 == 0 else order[::-1]
             during: list[float] = []
             for what in order:
@@ -176,15 +179,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     copy_into(pre, state())
                     sync()
                     res["copy_into"].append(time.perf_counter() - t0)
-                elif what == "thread":  # the same save written by a thread of this process
-                    fut = ucp_zarr.async_save(state(), os.path.join(work, f"th{rep}"), writer="thread")
+                elif what in ("thread", "paced"):  # the same save written by a thread of this process, or paced
+                    kw = {"writer": "thread"} if what == "thread" else {"write_bytes_per_s": args.paced}
+                    fut = ucp_zarr.async_save(state(), os.path.join(work, f"{what}{rep}"), **kw)
                     t1 = time.perf_counter()
-                    thread_steps: list[float] = []
+                    other: list[float] = []
                     while not fut.done():
-                        thread_steps.append(step())
+                        other.append(step())
                     fut.result()
-                    res["thread_background"].append(time.perf_counter() - t1)
-                    res["thread_steps_during"].append(statistics.median(thread_steps) if thread_steps else float("nan"))
+                    res[f"{what}_background"].append(time.perf_counter() - t1)
+                    res[f"{what}_steps_during"].append(statistics.median(other) if other else float("nan"))
                 else:
                     t0 = time.perf_counter()
                     fut = ucp_zarr.async_save(state(), os.path.join(work, f"ck{rep}"))
@@ -215,6 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"\nblocking stage / clone = {s['blocking_vs_clone']:.2f}x (target <= 1.2), / copy into preallocated = "
         f"{s['blocking_vs_copy']:.2f}x; training step during the background write = {s['slowdown']:.2f}x the step "
         f"before it (target <= 1.05)" + (f"; written by a thread instead: {s['thread_slowdown']:.2f}x" if "thread_slowdown" in s else "")
+        + (f"; paced: {s['paced_slowdown']:.2f}x, write {s['paced_background_ms']:.0f} ms" if "paced_slowdown" in s else "")
     )
     for k in ("before", "during", "after"):
         print(f"steps {k:6s} the write (ms, {s[k + '_n']} steps): median {s[k + '_median_ms']:.0f}, "
@@ -256,18 +261,20 @@ def summary(res: dict[str, Any]) -> dict[str, float]:
         "slowdown_max": max(d / b for d, b in zip(res["steps_during"], res["steps_before"])),
         "step_ms": 1000 * med(res["steps_before"]),
         "background_ms": 1000 * med(res["background"]),
-        **_thread_summary(res),
+        **_variant_summary(res, "thread"),
+        **_variant_summary(res, "paced"),
     }
 
 
-def _thread_summary(res: dict[str, Any]) -> dict[str, float]:
-    """The step during the same save written by a thread of the training process (``writer="thread"``)."""
-    pairs = [(d / b) for d, b in zip(res.get("thread_steps_during", []), res["steps_before"]) if d == d]
+def _variant_summary(res: dict[str, Any], what: str) -> dict[str, float]:
+    """The step during the same save written by a thread of the training process
+    (``what="thread"``: ``writer="thread"``) or paced (``"paced"``: ``write_bytes_per_s``)."""
+    pairs = [(d / b) for d, b in zip(res.get(f"{what}_steps_during", []), res["steps_before"]) if d == d]
     if not pairs:
         return {}
     return {
-        "thread_slowdown": statistics.median(pairs), "thread_slowdown_min": min(pairs),
-        "thread_slowdown_max": max(pairs), "thread_background_ms": 1000 * statistics.median(res["thread_background"]),
+        f"{what}_slowdown": statistics.median(pairs), f"{what}_slowdown_min": min(pairs),
+        f"{what}_slowdown_max": max(pairs), f"{what}_background_ms": 1000 * statistics.median(res[f"{what}_background"]),
     }
 
 

@@ -50,6 +50,7 @@ from ..format.documents import ArrayMeta
 from ..layout import Box
 from .arrayio import Seal, write_shard_array
 from .local import LocalStore
+from .pace import Pace
 from .store import WriteGuard
 
 
@@ -139,9 +140,11 @@ class WriterProcess:
         memory: SharedMemory | None,
         workers: int,
         pid: int,
+        bytes_per_s: float | None = None,
     ) -> list[bytes | None]:
         """Write ``jobs`` into ``store`` behind ``guard``, durably (:meth:`LocalStore.sync`),
-        by the child ``pid`` (the :meth:`start` that the save's claim recorded); return each
+        by the child ``pid`` (the :meth:`start` that the save's claim recorded), at most
+        ``bytes_per_s`` (:class:`~.pace.Pace`); return each
         job's seal (None for a document). Raises the first failure (the rest are not
         started); the objects written so far are counted in ``store.stats``."""
         with self._lock:
@@ -152,7 +155,7 @@ class WriterProcess:
                     "nothing of this save is committed"
                 )
             try:
-                seals, failure = self._run(conn, pid, store, list(jobs), guard, seal, memory, workers)
+                seals, failure = self._run(conn, pid, store, list(jobs), guard, seal, memory, workers, bytes_per_s)
             except (EOFError, OSError) as e:  # (the socket: the child is gone)
                 code = self._stop()
                 raise CheckpointError(
@@ -223,11 +226,11 @@ class WriterProcess:
     @staticmethod
     def _run(
         conn: Connection, pid: int, store: LocalStore, jobs: list[ShardJob | DocumentJob], guard: WriteGuard,
-        seal: Seal, memory: SharedMemory | None, workers: int,
+        seal: Seal, memory: SharedMemory | None, workers: int, bytes_per_s: float | None,
     ) -> tuple[list[bytes | None], BaseException | None]:
         """One save's exchange with the child: the jobs out, the guard's answers back, until
         it has finished; the seals and the first failure."""
-        conn.send(("save", store.root, store.batch_sync, guard.tag, seal, workers, memory is not None, jobs))
+        conn.send(("save", store.root, store.batch_sync, guard.tag, seal, workers, bytes_per_s, memory is not None, jobs))
         if memory is not None:
             send_handle(conn, memory.fd, pid)
         seals: list[bytes | None] = [None] * len(jobs)
@@ -312,7 +315,7 @@ def _serve(conn: Connection) -> None:
         except (EOFError, OSError):  # the parent closed the socket, or died: write nothing more
             os._exit(0)
         if msg[0] == "save":
-            _, root, batch_sync, tag, seal, workers, shared, jobs = msg
+            _, root, batch_sync, tag, seal, workers, bytes_per_s, shared, jobs = msg
             view = None
             if shared:
                 fd = recv_handle(conn)
@@ -321,7 +324,7 @@ def _serve(conn: Connection) -> None:
                 finally:
                     os.close(fd)
             guard = _RemoteGuard(conn, send, tag)
-            threading.Thread(target=_save, args=(conn, send, LocalStore(root, batch_sync), jobs, guard, seal, view, workers),
+            threading.Thread(target=_save, args=(conn, send, LocalStore(root, batch_sync), jobs, guard, seal, view, workers, Pace(bytes_per_s)),
                              daemon=True).start()
         elif msg[0] == "checked" and guard is not None:
             guard.answered(*msg[1:])
@@ -329,19 +332,21 @@ def _serve(conn: Connection) -> None:
 
 def _save(
     conn: Connection, send: threading.Lock, store: LocalStore, jobs: list[ShardJob | DocumentJob], guard: _RemoteGuard,
-    seal: Seal, view: mmap.mmap | None, workers: int,
+    seal: Seal, view: mmap.mmap | None, workers: int, pace: Pace,
 ) -> None:
     memory = None if view is None else np.frombuffer(view, dtype=np.uint8)
     wrote: list[tuple[int, str, int, bytes | None]] = []
 
     def run(n: int, job: ShardJob | DocumentJob) -> None:
         if isinstance(job, DocumentJob):
+            pace.take(len(job.data))
             nbytes, sealed = store.write(job.key, [job.data], guard), None
             key = job.key
         else:
             assert memory is not None
             dtype = job.meta.dtype.numpy_dtype
             src = np.ndarray(job.shape, dtype, buffer=memory, offset=job.offset, strides=job.strides)
+            pace.take(src.nbytes)
             sealed, nbytes = write_shard_array(store, job.path, job.meta, job.shard, src, job.src_box, seal, guard)
             key = f"{job.path}/{chunk_key(job.shard)}"
         wrote.append((n, key, nbytes, sealed))  # (list.append: atomic)

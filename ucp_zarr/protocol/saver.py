@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from ..io.arrayio import Seal, write_shard
+from ..io.pace import Pace
 from ..io.writer_process import DocumentJob, ShardJob, WriterProcess
 from .distributed import Comm, describe, raise_failures
 from ..errors import LayoutError
@@ -70,6 +71,9 @@ class SaveOptions:
     unsafe_non_exclusive_store: bool = False
     """Save to a store whose exclusive create is check-then-write (see
     :func:`~.transaction.require_exclusive_create`)."""
+    write_bytes_per_s: float | None = None
+    """At most this many bytes per second written by this rank (:class:`~..io.pace.Pace`);
+    None: as fast as the storage takes them."""
 
 
 def begin_transaction(store: Store, plan: SavePlan, options: SaveOptions, writers: tuple[int, ...] = ()) -> Transaction:
@@ -145,6 +149,8 @@ class PreparedSave:
         saving alone may pass its whole plan as ``plan``)."""
         self._docs: tuple[SavePlan, list[tuple[str, dict[str, Any], bytes]]] | None = None
         self.writer = writer
+        self.pace = Pace(options.write_bytes_per_s)
+        """Paces this process's own writes (the writer process paces its own)."""
         """The process (and its pid, which the claim names) that writes the shards staged
         in shared memory and the documents (a background save to a local store, see
         :mod:`..io.writer_process`); else this process's threads do."""
@@ -209,10 +215,16 @@ class PreparedSave:
         if self.writer is not None and docs:
             seal = Seal(self.save_id, self.options.hmac_key is not None, self.options.hmac_key)
             process, pid = self.writer
-            process.write(self.target, [DocumentJob(k, d) for k, d in docs], fence, seal, None, self.options.max_workers, pid)
+            process.write(self.target, [DocumentJob(k, d) for k, d in docs], fence, seal, None, self.options.max_workers,
+                          pid, self.options.write_bytes_per_s)
             return
+
+        def write(key: str, data: bytes) -> int:
+            self.pace.take(len(data))
+            return self.target.write(key, [data], fence)
+
         with ThreadPoolExecutor(self.options.write_workers or self.options.max_workers) as pool:
-            _first_failure([pool.submit(self.target.write, k, [d], fence) for k, d in docs])
+            _first_failure([pool.submit(write, k, d) for k, d in docs])
         self.target.sync()
 
     def _write_data(self, rank: int, received: dict[tuple[int, int], torch.Tensor], fence: Fence) -> dict[int, bytes]:
@@ -225,6 +237,7 @@ class PreparedSave:
             fence.check()
             path, meta = plan.arrays[task.key]
             sbox = meta.grid.shard_box(task.shard)
+            self.pace.take(sbox.numel * meta.dtype.itemsize)
             if not task.sources:
                 src, held = self.staging.holding(task.key, sbox)
                 try:
@@ -250,7 +263,7 @@ class PreparedSave:
                     assert self.writer is not None and memory is not None
                     process, pid = self.writer
                     written = process.write(self.target, list(remote.values()), fence, seal, memory,
-                                            self.options.max_workers, pid)
+                                            self.options.max_workers, pid, self.options.write_bytes_per_s)
                     seals.update((n, s) for n, s in zip(remote, written) if s is not None)
                 _first_failure(list(jobs.values()))
                 seals.update((n, job.result()) for n, job in jobs.items())

@@ -18,6 +18,7 @@ import torch
 from ..errors import CheckpointError
 from ..io import writer_process
 from ..io.factory import open_store
+from ..io.pace import Pace
 from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from .distributed import Comm
 from .liveness import DEFAULT_LEASE_S
@@ -126,6 +127,7 @@ def async_save(
     model: torch.nn.Module | None = None,
     unsafe_non_exclusive_store: bool = False,
     writer: str = "process",
+    write_bytes_per_s: float | None = None,
 ) -> Future:
     """:func:`save` in the background: returns a :class:`~concurrent.futures.Future` of this
     rank's :class:`~ucp_zarr.protocol.saver.SaveResult` once the state is copied into host
@@ -138,9 +140,18 @@ def async_save(
     process (:mod:`~ucp_zarr.io.writer_process`, started once) from a host copy in shared
     memory, where the store is a local file system on Linux and the state needs no pinned
     copy (else as ``"thread"``), so that the writing never holds the GIL the training loop
-    needs; ``"thread"`` by a thread of this process. The other arguments are :func:`save`'s."""
+    needs; ``"thread"`` by a thread of this process.
+
+    ``write_bytes_per_s`` paces this rank's writes (None: as fast as storage takes them). A
+    write at full speed costs the training steps of its first second or so 10-15% on a
+    small host (writeback and memory bandwidth, which no priority buys back); paced, each
+    step loses a few percent and the steps lose less in all (measured on 2 cores, 310 MiB:
+    the step during the write 1.08x the step before unpaced, 1.04x at 300 MB/s, the write
+    0.8 s -> 1.5 s; ``benchmarks/results/table.md``). Choose a rate that finishes well
+    within the save interval. The other arguments are :func:`save`'s."""
     if writer not in ("process", "thread"):
         raise ValueError(f"writer must be 'process' or 'thread', not {writer!r}")
+    Pace(write_bytes_per_s)  # (refuses a rate that is not a positive number, before anything is done)
     wait_for_pending_save()
     comm = Comm(process_group)
     options = _options(chunk_bytes, shard_bytes, max_workers, overwrite, overwrite_incomplete, lease_s, hmac_key,
@@ -151,7 +162,8 @@ def async_save(
         background = Comm(async_group if async_group is not None else _background_group(process_group))
         if background.world != comm.world:
             raise CheckpointError(f"async_group has {background.world} ranks, process_group {comm.world}: give the same ranks")
-    options = dataclasses.replace(options, write_workers=min(max_workers, BACKGROUND_WRITERS))
+    options = dataclasses.replace(options, write_workers=min(max_workers, BACKGROUND_WRITERS),
+                                  write_bytes_per_s=write_bytes_per_s)
     child = _writer if writer == "process" and writer_process.available(store) else None
     prepared = prepare(lambda: collect(state_dict, model), store, comm, options, copy=True, writer=child)
     global _pending
