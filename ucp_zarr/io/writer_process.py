@@ -144,9 +144,9 @@ class WriterProcess:
     ) -> list[bytes | None]:
         """Write ``jobs`` into ``store`` behind ``guard``, durably (:meth:`LocalStore.sync`),
         by the child ``pid`` (the :meth:`start` that the save's claim recorded), at most
-        ``bytes_per_s`` (:class:`~.pace.Pace`); return each
-        job's seal (None for a document). Raises the first failure (the rest are not
-        started); the objects written so far are counted in ``store.stats``."""
+        ``bytes_per_s`` (:class:`~.pace.Pace`); return each job's seal (None for a
+        document). Raises the first failure (the rest are not started); the objects written
+        so far are counted in ``store.stats``."""
         with self._lock:
             conn, running = self._started()
             if running != pid:
@@ -324,8 +324,9 @@ def _serve(conn: Connection) -> None:
                 finally:
                     os.close(fd)
             guard = _RemoteGuard(conn, send, tag)
-            threading.Thread(target=_save, args=(conn, send, LocalStore(root, batch_sync), jobs, guard, seal, view, workers, Pace(bytes_per_s)),
-                             daemon=True).start()
+            store = LocalStore(root, batch_sync)
+            args = (conn, send, store, jobs, guard, seal, view, workers, Pace(bytes_per_s))
+            threading.Thread(target=_save, args=args, daemon=True).start()
         elif msg[0] == "checked" and guard is not None:
             guard.answered(*msg[1:])
 

@@ -149,11 +149,13 @@ class PreparedSave:
         saving alone may pass its whole plan as ``plan``)."""
         self._docs: tuple[SavePlan, list[tuple[str, dict[str, Any], bytes]]] | None = None
         self.writer = writer
-        self.pace = Pace(options.write_bytes_per_s)
-        """Paces this process's own writes (the writer process paces its own)."""
         """The process (and its pid, which the claim names) that writes the shards staged
         in shared memory and the documents (a background save to a local store, see
         :mod:`..io.writer_process`); else this process's threads do."""
+        self.pace = Pace(options.write_bytes_per_s)
+        """Paces this process's own writes (the writer process paces its own)."""
+        self.seal = Seal(save_id, options.hmac_key is not None, options.hmac_key)
+        """What seals this save's shards."""
 
     def finish(self, comm: Comm | None = None) -> SaveResult:
         """Exchange boundary pieces, write this rank's documents and shards, commit (over
@@ -213,10 +215,9 @@ class PreparedSave:
         """Write this rank's group and array documents behind the fence, durably."""
         docs = [(k, b) for k, _, b in self._documents(self.plan) if self.plan.doc_writers.get(k) == rank]
         if self.writer is not None and docs:
-            seal = Seal(self.save_id, self.options.hmac_key is not None, self.options.hmac_key)
             process, pid = self.writer
-            process.write(self.target, [DocumentJob(k, d) for k, d in docs], fence, seal, None, self.options.max_workers,
-                          pid, self.options.write_bytes_per_s)
+            process.write(self.target, [DocumentJob(k, d) for k, d in docs], fence, self.seal, None,
+                          self.options.max_workers, pid, self.options.write_bytes_per_s)
             return
 
         def write(key: str, data: bytes) -> int:
@@ -230,14 +231,24 @@ class PreparedSave:
     def _write_data(self, rank: int, received: dict[tuple[int, int], torch.Tensor], fence: Fence) -> dict[int, bytes]:
         """Write this rank's shards behind the fence, durably; return the seal of each shard
         written, by task number."""
-        seal = Seal(self.save_id, self.options.hmac_key is not None, self.options.hmac_key)
+        seal = self.seal
         plan = self.plan
+        tasks = [(n, t) for n, t in plan.numbered() if t.writer == rank]
+        memory = self.staging.memory
+        remote = {n: job for n, job in ((n, self._shard_job(t)) for n, t in tasks) if job is not None}
+        sizes = {n: _shard_nbytes(plan, t) for n, t in tasks}
+        # the rate is this rank's: the writer process and this one's threads share it by their bytes
+        rate = remote_rate = self.options.write_bytes_per_s
+        pace = self.pace
+        share = sum(sizes[n] for n in remote) / max(1, sum(sizes.values()))
+        if rate is not None and 0 < share < 1:
+            pace, remote_rate = Pace(rate * (1 - share)), rate * share
 
         def write_task(n: int, task: ShardTask) -> bytes:
             fence.check()
             path, meta = plan.arrays[task.key]
             sbox = meta.grid.shard_box(task.shard)
-            self.pace.take(sbox.numel * meta.dtype.itemsize)
+            pace.take(sizes[n])
             if not task.sources:
                 src, held = self.staging.holding(task.key, sbox)
                 try:
@@ -252,9 +263,6 @@ class PreparedSave:
                     self.staging.release(task.key, box)
             return write_shard(self.target, path, meta, task.shard, buf, sbox, seal, fence)
 
-        tasks = [(n, t) for n, t in plan.numbered() if t.writer == rank]
-        memory = self.staging.memory
-        remote = {n: job for n, job in ((n, self._shard_job(t)) for n, t in tasks) if job is not None}
         seals: dict[int, bytes] = {}
         try:
             with ThreadPoolExecutor(self.options.write_workers or self.options.max_workers) as pool:
@@ -263,7 +271,7 @@ class PreparedSave:
                     assert self.writer is not None and memory is not None
                     process, pid = self.writer
                     written = process.write(self.target, list(remote.values()), fence, seal, memory,
-                                            self.options.max_workers, pid, self.options.write_bytes_per_s)
+                                            self.options.max_workers, pid, remote_rate)
                     seals.update((n, s) for n, s in zip(remote, written) if s is not None)
                 _first_failure(list(jobs.values()))
                 seals.update((n, job.result()) for n, job in jobs.items())
@@ -279,6 +287,7 @@ class PreparedSave:
         if self.writer is None or memory is None or task.sources:
             return None
         path, meta = self.plan.arrays[task.key]
+        # (an async save stages every box it writes: holding leases no pooled copy here)
         src, held = self.staging.holding(task.key, meta.grid.shard_box(task.shard))
         at = memory.offset(src.data_ptr(), src.numel() * src.element_size())
         if at is None or not src.is_contiguous():
@@ -342,6 +351,11 @@ def _first_failure(jobs: list[Future]) -> None:
             for other in jobs:
                 other.cancel()
             raise job.exception()  # type: ignore[misc]
+
+
+def _shard_nbytes(plan: SavePlan, task: ShardTask) -> int:
+    meta = plan.arrays[task.key][1]
+    return meta.grid.shard_box(task.shard).numel * meta.dtype.itemsize
 
 
 def document_dicts(plan: SavePlan) -> list[tuple[str, dict[str, Any]]]:
