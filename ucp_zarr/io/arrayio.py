@@ -15,7 +15,7 @@ import itertools
 import math
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from ..format.codec import (
 from ..errors import CorruptChunkError, FormatError
 from ..format.documents import ArrayMeta
 from ..layout import Box, ChunkGrid
+from .direct import ALIGN
 from .store import Store, WriteGuard, copy_bytes
 
 if TYPE_CHECKING:
@@ -55,10 +56,12 @@ MAX_UNREAD_HEAD_BYTES = 1 << 20
 size is known, and a forged grid claims gigabytes for a shard of a few bytes."""
 
 _local = threading.local()
+_T = TypeVar("_T")
 
 
 def _stage(nbytes: int) -> np.ndarray:
-    """This thread's reusable uint8 staging buffer (64-byte aligned), of at least ``nbytes``.
+    """This thread's reusable uint8 staging buffer (page-aligned: a direct read may land in
+    it, :mod:`.direct`), of at least ``nbytes``.
 
     Chunks that cannot land directly in the destination are read here and copied out, so a
     load touches no fresh memory per chunk; the buffer dies with its (worker) thread.
@@ -66,8 +69,8 @@ def _stage(nbytes: int) -> np.ndarray:
     buf = getattr(_local, "stage", None)
     if buf is None or buf.size < nbytes:
         n = max(nbytes, 1 << 20)
-        raw = np.empty(n + 64, dtype=np.uint8)
-        start = -raw.ctypes.data % 64
+        raw = np.empty(n + ALIGN, dtype=np.uint8)
+        start = -raw.ctypes.data % ALIGN
         buf = _local.stage = raw[start : start + n]
     return buf
 
@@ -579,15 +582,10 @@ def _read_tiled_shard(
         return None
     key, where = _shard_where(store, path, shard)
     try:
-        if store.own_buffers:
-            data = store.read_whole(key, size)
-            if data is None:
-                return None
-            stage = np.frombuffer(data, dtype=np.uint8)
-        else:
-            stage = _stage(size)[:size]
-            if not store.readv_whole(key, [(0, [memoryview(stage)])], size):
-                return None
+        data = store.read_whole(key, size) if store.own_buffers else store.read_span(key, 0, size, _stage, size)
+        if data is None:
+            return None
+        stage = np.frombuffer(data, dtype=np.uint8)
     except (OSError, FormatError):
         return None  # (missing, short, not a file: the two-request path names what is wrong)
     head = decode_shard_head(store, path, meta, shard, seal, stage, expected=index)
@@ -643,8 +641,7 @@ def _read_tiled_bands(
     step = MAX_STAGED_BYTES // band
     for b0 in range(0, cps[0], step):
         b1 = min(cps[0], b0 + step)
-        stage = _stage((b1 - b0) * band)[: (b1 - b0) * band]
-        _readv(store, key, where, meta, [(b0 * band, [memoryview(stage)])])
+        stage = np.frombuffer(_read_span(store, key, where, meta, b0 * band, (b1 - b0) * band), dtype=np.uint8)
         _land_tiled(stage, b0 * (band // stored), (b1 - b0) * (band // stored), meta, head, shard, where, target[b0:b1])
     return True
 
@@ -723,9 +720,22 @@ def _copy_out(whole: memoryview, offset: int, bufs: list[memoryview], where: str
         offset += n
 
 
+def _read_span(store: Store, key: str, where: str, meta: ArrayMeta, offset: int, nbytes: int) -> memoryview:
+    """:meth:`.Store.read_span` into this thread's staging buffer, its errors as :func:`_readv`'s."""
+    view = _reading(store, key, where, meta, lambda: store.read_span(key, offset, nbytes, _stage))
+    assert view is not None
+    return view
+
+
 def _readv(store: Store, key: str, where: str, meta: ArrayMeta, requests: list[tuple[int, list[memoryview]]]) -> None:
+    _reading(store, key, where, meta, lambda: store.readv(key, requests))
+
+
+def _reading(store: Store, key: str, where: str, meta: ArrayMeta, read: Callable[[], _T]) -> _T:
+    """``read()``, its errors named for the tensor and object: a missing or truncated shard
+    is a :class:`CorruptChunkError`."""
     try:
-        store.readv(key, requests)
+        return read()
     except FileNotFoundError:
         raise CorruptChunkError(f"tensor {meta.key!r}: {where} is missing") from None
     except FormatError as e:

@@ -1,6 +1,7 @@
 """The local file system store: plain ``os`` calls (``writev``/``preadv`` straight from and into
-tensor memory), exclusive creation by ``link``/``renameat2``, ``fsync`` of files and directories or
-one ``syncfs`` of the file system for a batch of small objects."""
+tensor memory; large cold spans read around the page cache, :mod:`.direct`), exclusive creation
+by ``link``/``renameat2``, ``fsync`` of files and directories or one ``syncfs`` of the file system
+for a batch of small objects."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import threading
 import uuid
 from typing import Any, Callable, Iterable, Sequence
 
+import numpy as np
+
 from ..errors import FormatError, NotACheckpointError
+from . import direct
 from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, temp_name
 
 
@@ -42,13 +46,19 @@ class LocalStore(Store):
     with one ``syncfs`` of their file system. ``batch_sync=None`` (the default) allows it
     where that is as safe as per-file fsync: on Linux 5.8 or later (whose ``syncfs`` reports
     writeback errors) and a file system of :data:`BATCH_FILE_SYSTEMS`; ``False`` fsyncs
-    every object."""
+    every object.
+
+    ``direct_reads``: how large spans are read (:meth:`read_span`, the bulk of a load):
+    None (the default) around the page cache (``O_DIRECT``) where the cache holds less than
+    half of the span, through it where it holds more, and always through it once
+    :meth:`share_reads` says that other processes read too; True always around it (where
+    the file system can), False always through it."""
 
     exclusive_create = True
     durable = True
     stages_writes = True
 
-    def __init__(self, root: str, batch_sync: bool | None = None) -> None:
+    def __init__(self, root: str, batch_sync: bool | None = None, direct_reads: bool | None = None) -> None:
         self.root = os.path.abspath(root)
         self.url = self.local_path = self.root
         self.stats = IOStats()
@@ -59,6 +69,9 @@ class LocalStore(Store):
             raise ValueError(f"{self.root}: batch_sync=True needs syncfs(2), which this system lacks")
         self.batch_sync = batch_sync
         self._batch = _SyncBatch(syncfs_reports_errors() if batch_sync is None else batch_sync)
+        self.direct_reads = direct_reads
+        self._direct = direct.AVAILABLE and direct_reads is not False
+        """False once the file system refused a direct read (then every read goes through the cache)."""
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
@@ -226,6 +239,42 @@ class LocalStore(Store):
             os.close(fd)
         return True
 
+    def read_span(
+        self, key: str, offset: int, nbytes: int, stage: Callable[[int], np.ndarray], size: int | None = None
+    ) -> Buffer | None:
+        path = self._path(key)
+        fd, actual = _open_regular_sized(path)
+        try:
+            if size is not None and actual != size:
+                return None
+            if offset + nbytes > actual:
+                raise OSError(f"{path}: short read of {max(0, actual - offset)} bytes at {offset}, wanted {nbytes}")
+            start, end = direct.aligned(offset, nbytes)
+            if self._direct and nbytes >= direct.MIN_DIRECT_BYTES and (
+                self.direct_reads or direct.cached_fraction(fd, start, min(end, actual)) < 0.5
+            ):
+                buf = stage(end - start)[: end - start]
+                try:
+                    got = direct.read_direct(fd, buf, start, offset + nbytes - start)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    self._direct = False  # (this file system reads nothing directly: through the cache from now on)
+                else:
+                    if got < offset + nbytes - start:
+                        raise OSError(f"{path}: short read of {got - (offset - start)} bytes at {offset}, wanted {nbytes}")
+                    self.stats.add_read(got, direct=True)
+                    return memoryview(buf)[offset - start : offset - start + nbytes]
+            view = memoryview(stage(nbytes)[:nbytes])
+            self._readv_fd(fd, path, [(offset, [view])])
+            return view
+        finally:
+            os.close(fd)
+
+    def share_reads(self) -> None:
+        if self.direct_reads is None:
+            self._direct = False
+
     def _readv_fd(self, fd: int, path: str, requests: Sequence[ReadRequest]) -> None:
         total = calls = 0
         for offset, bufs in requests:
@@ -289,10 +338,10 @@ class LocalStore(Store):
             fsync_dir(parent)
 
     def sibling(self, name: str) -> "LocalStore":
-        return LocalStore(os.path.join(os.path.dirname(self.root), name), self.batch_sync)
+        return LocalStore(os.path.join(os.path.dirname(self.root), name), self.batch_sync, self.direct_reads)
 
     def child(self, name: str) -> "LocalStore":
-        return LocalStore(os.path.join(self.root, name), self.batch_sync)
+        return LocalStore(os.path.join(self.root, name), self.batch_sync, self.direct_reads)
 
     def adopt(self, src: Store, key: str, tag: str) -> None:
         if not isinstance(src, LocalStore):

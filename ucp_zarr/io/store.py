@@ -12,7 +12,7 @@ from __future__ import annotations
 import posixpath
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -29,15 +29,19 @@ class IOStats:
 
     bytes_read: int = 0
     read_calls: int = 0
+    bytes_read_direct: int = 0
+    """Of ``bytes_read``, those read around the page cache (:mod:`.direct`)."""
     bytes_written: int = 0
     written: list[str] = field(default_factory=list)
     """Keys of the objects written, in order."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add_read(self, nbytes: int, calls: int = 1) -> None:
+    def add_read(self, nbytes: int, calls: int = 1, direct: bool = False) -> None:
         with self._lock:
             self.bytes_read += nbytes
             self.read_calls += calls
+            if direct:
+                self.bytes_read_direct += nbytes
 
     def add_write(self, key: str, nbytes: int) -> None:
         with self._lock:
@@ -144,6 +148,28 @@ class Store:
         False, reading nothing, if it has another size or the store cannot tell without a
         request of its own (then the caller reads the object's index first)."""
         return False
+
+    def read_span(
+        self, key: str, offset: int, nbytes: int, stage: Callable[[int], np.ndarray], size: int | None = None
+    ) -> Buffer | None:
+        """Bytes ``offset`` to ``offset + nbytes`` of an object, read into the buffer that
+        ``stage(n)`` gives (uint8, page-aligned, at least ``n`` bytes; the store picks
+        ``n >= nbytes``) and returned as a view of it. With ``size``, as
+        :meth:`readv_whole`: None, reading nothing, unless the object has exactly ``size``
+        bytes. A local store reads a large span the page cache does not hold around it
+        (:mod:`.direct`); :class:`OSError` ("short read") when the object ends first."""
+        buf = memoryview(stage(nbytes)[:nbytes])
+        if size is None:
+            self.readv(key, [(offset, [buf])])
+        elif not self.readv_whole(key, [(offset, [buf])], size):
+            return None
+        return buf
+
+    def share_reads(self) -> None:
+        """Other processes (the ranks of one job) may read the same objects at the same time:
+        read through caches they share rather than around them (a local store: through the
+        page cache, so that ranks of one node reading one shard read it from the device
+        once)."""
 
     def read_whole(self, key: str, size: int) -> Buffer | None:
         """The whole object in one request, in the store's own buffer (no copy), if it has

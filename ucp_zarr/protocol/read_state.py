@@ -10,6 +10,7 @@ from typing import Any, Iterable
 
 import torch
 
+from .distributed import Comm
 from .reader import CheckpointReader, open_store_reader
 from ..format.dtypes import stored_dtype_by_name
 from ..errors import KeyMismatchError
@@ -45,7 +46,10 @@ def read_state_dict(
     ucp_zarr, converted from another format, or through DCP without ``planner_data``) comes
     back flat: ``{flattened key: value}``.
     """
-    ck = open_store_reader(open_store(path, storage_options), hmac_key)
+    store = open_store(path, storage_options)
+    if Comm().world > 1:  # (every rank of a job may read the same objects)
+        store.share_reads()
+    ck = open_store_reader(store, hmac_key)
     meta = ck.meta
     stored = [*meta.tensors, *meta.values, *meta.rank_values, *meta.ties]
     wanted = _selected(stored, keys)

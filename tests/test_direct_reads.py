@@ -1,0 +1,210 @@
+"""Large spans of local files read around the page cache (``ucp_zarr/io/direct.py``):
+the bytes exactly as a plain read gives them, used only where the cache does not hold the
+span, refused file systems read through the cache, and damage still found."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ucp_zarr
+import ucp_zarr.protocol.loader as loader
+from ucp_zarr.errors import CorruptChunkError
+from ucp_zarr.io import direct
+from ucp_zarr.io.arrayio import _stage
+from ucp_zarr.io.local import LocalStore
+
+pytestmark = pytest.mark.skipif(not direct.AVAILABLE, reason="O_DIRECT and mincore are Linux's")
+
+
+def evict(path: str) -> None:
+    """Write back and drop every file under ``path`` from the page cache."""
+    for root, _, names in os.walk(path):
+        for n in names:
+            fd = os.open(os.path.join(root, n), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def cached(path: str) -> float:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return direct.cached_fraction(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def loading_with(monkeypatch: pytest.MonkeyPatch, direct_reads: bool | None) -> list[LocalStore]:
+    """Make ``ucp_zarr.load`` open its local stores with ``direct_reads``; return them as opened."""
+    stores: list[LocalStore] = []
+
+    def opening(path: str, storage_options: object = None) -> LocalStore:
+        stores.append(LocalStore(os.fspath(path), direct_reads=direct_reads))
+        return stores[-1]
+
+    monkeypatch.setattr(loader, "open_store", opening)
+    return stores
+
+
+def tiled_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Matrices stored in tiles (chunks aligned with TP degrees along both dims): their
+    shards land through the staging buffer, the spans a direct read serves."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(1024, 1536, generator=g),
+        "b": torch.randn(2048, 1024, generator=g).to(torch.bfloat16),
+        "v": torch.randn(3000, generator=g),
+    }
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bytes(a.contiguous().view(torch.uint8).numpy()) == bytes(
+        b.contiguous().view(torch.uint8).numpy()
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_span_reads_the_bytes_a_plain_read_gives(tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+    size = data.draw(st.integers(1, 3 * direct.ALIGN + 5000))
+    offset = data.draw(st.integers(0, size - 1))
+    nbytes = data.draw(st.integers(1, size - offset))
+    mode = data.draw(st.sampled_from([True, False, None]))
+    root = tmp_path_factory.mktemp("span")
+    blob = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    (root / "obj").write_bytes(blob)
+    store = LocalStore(str(root), direct_reads=mode)
+    minimum, direct.MIN_DIRECT_BYTES = direct.MIN_DIRECT_BYTES, 1
+    try:  # (each view is of this thread's staging buffer: kept as bytes before the next read)
+        view = store.read_span("obj", offset, nbytes, _stage)
+        assert view is not None and bytes(view) == blob[offset : offset + nbytes]
+        whole = store.read_span("obj", 0, size, _stage, size=size)
+        assert whole is not None and bytes(whole) == blob
+        assert store.read_span("obj", 0, size, _stage, size=size + 1) is None
+    finally:
+        direct.MIN_DIRECT_BYTES = minimum
+    if mode:  # every span went around the cache, padded to whole blocks
+        assert store.stats.bytes_read_direct == store.stats.bytes_read > 0
+    elif mode is False:
+        assert store.stats.bytes_read_direct == 0
+
+
+def test_a_span_beyond_the_end_is_a_short_read(tmp_path) -> None:
+    (tmp_path / "obj").write_bytes(b"x" * (2 << 20))
+    store = LocalStore(str(tmp_path), direct_reads=True)
+    with pytest.raises(OSError, match="short read"):
+        store.read_span("obj", 1 << 20, (1 << 20) + 1, _stage)
+
+
+def test_a_cold_load_reads_around_the_cache_and_a_warm_one_through_it(tmp_path, monkeypatch) -> None:
+    state = tiled_state()
+    path = str(tmp_path / "ck")
+    ucp_zarr.save(state, path)
+    evict(path)
+    shard = os.path.join(path, "w", "w", "c", "0", "0")
+    if cached(shard) > 0:
+        pytest.skip("this file system keeps its files in memory (tmpfs?): nothing is cold")
+    stores = loading_with(monkeypatch, None)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    ucp_zarr.load(out, path)
+    assert all(bit_equal(out[k], state[k]) for k in state)
+    cold = stores[-1].stats
+    assert cold.bytes_read_direct >= (1024 * 1536 * 4 + 2048 * 1024 * 2)  # both matrices' shards, whole
+    assert cached(shard) == 0  # (the direct read left nothing in the cache)
+
+    with open(shard, "rb") as f:  # now the cache holds the shard: read through it
+        f.read()
+    assert cached(shard) == 1
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    ucp_zarr.load(out, path)
+    assert all(bit_equal(out[k], state[k]) for k in state)
+    warm = stores[-1].stats
+    assert warm.bytes_read_direct < cold.bytes_read_direct
+    assert warm.bytes_read_direct <= 2048 * 1024 * 2 + direct.ALIGN  # ("b" may still be cold)
+
+
+def test_bands_at_unaligned_offsets_land_exactly(tmp_path, monkeypatch) -> None:
+    """A shard larger than the staging limit is read a few bands of chunks at a time, at
+    offsets that are no multiple of a block."""
+    import ucp_zarr.io.arrayio as arrayio
+
+    state = tiled_state(1)
+    path = str(tmp_path / "ck")
+    ucp_zarr.save(state, path)
+    monkeypatch.setattr(arrayio, "MAX_STAGED_BYTES", 1 << 20)
+    monkeypatch.setattr(direct, "MIN_DIRECT_BYTES", 1 << 10)
+    stores = loading_with(monkeypatch, True)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    ucp_zarr.load(out, path)
+    assert all(bit_equal(out[k], state[k]) for k in state)
+    assert stores[-1].stats.bytes_read_direct > 4 << 20
+
+
+def test_a_file_system_that_refuses_direct_reads_is_read_through_the_cache(tmp_path, monkeypatch) -> None:
+    state = tiled_state(2)
+    path = str(tmp_path / "ck")
+    ucp_zarr.save(state, path)
+    calls = []
+
+    def refused(fd: int, buf: np.ndarray, start: int, want: int) -> int:
+        calls.append(start)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(direct, "read_direct", refused)
+    stores = loading_with(monkeypatch, True)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    ucp_zarr.load(out, path)
+    assert all(bit_equal(out[k], state[k]) for k in state)
+    assert len(calls) == 1 and stores[-1].stats.bytes_read_direct == 0  # asked once, then never again
+
+
+def test_a_damaged_chunk_read_directly_is_named(tmp_path, monkeypatch) -> None:
+    state = tiled_state(3)
+    path = str(tmp_path / "ck")
+    ucp_zarr.save(state, path)
+    shard = os.path.join(path, "w", "w", "c", "0", "0")
+    with open(shard, "r+b") as f:
+        f.seek(5000)
+        byte = f.read(1)
+        f.seek(5000)
+        f.write(bytes([byte[0] ^ 0x10]))
+    evict(path)
+    stores = loading_with(monkeypatch, True)
+    with pytest.raises(CorruptChunkError, match=r"crc32c mismatch.*tensor 'w'"):
+        ucp_zarr.load({k: torch.zeros_like(v) for k, v in state.items()}, path)
+    assert stores[-1].stats.bytes_read_direct > 0
+
+
+
+def _load_on_ranks(rank: int, world: int, path: str, direct_reads: bool | None, expect_direct: bool) -> None:
+    import pytest as _pytest
+
+    state = tiled_state(4)
+    monkeypatch = _pytest.MonkeyPatch()
+    stores = loading_with(monkeypatch, direct_reads)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    ucp_zarr.load(out, path)
+    assert all(bit_equal(out[k], state[k]) for k in state)
+    assert (stores[-1].stats.bytes_read_direct > 0) is expect_direct, (rank, stores[-1].stats)
+
+
+def test_ranks_of_a_job_read_through_the_shared_cache(tmp_path) -> None:
+    """Ranks of one node that read one shard (replicas) share the page cache's read of it:
+    a load by several ranks (real gloo processes) reads nothing around the cache unless
+    its store is told to."""
+    from _dist import run
+
+    path = str(tmp_path / "ck")
+    ucp_zarr.save(tiled_state(4), path)
+    for direct_reads, expect_direct in ((None, False), (True, True)):
+        evict(path)
+        run(2, _load_on_ranks, path, direct_reads, expect_direct, timeout_s=120)

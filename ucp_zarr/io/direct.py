@@ -1,0 +1,108 @@
+"""Reading large spans of local files around the page cache (Linux ``O_DIRECT``).
+
+Read through the page cache, a cold load pays the kernel's copy of every byte into the
+caller's buffer: as much CPU as all of the load's own work (checksums, landing chunks in
+tensors). Read with ``O_DIRECT``, the device writes straight into the load's page-aligned
+staging buffer and the kernel copies nothing. Spans the page cache already holds (a
+checkpoint just written or read before) are read through it: memory is faster than the
+device. Measured in ``benchmarks/results/profiles.md`` ("2026-12-06").
+
+Coherence: a direct read first writes back any dirty cached pages of its range (the
+kernel's rule for ``O_DIRECT``), and every chunk read is checked against its crc32c and
+its shard's trailer, whichever way it was read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+
+import numpy as np
+
+ALIGN = 4096
+"""Direct reads start, end and land on multiples of this (every common logical block size
+divides it)."""
+MIN_DIRECT_BYTES = 1 << 20
+"""Shorter spans are read through the page cache: a direct read's alignment padding and
+fixed cost do not pay for less."""
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def aligned(offset: int, nbytes: int) -> tuple[int, int]:
+    """The smallest span of whole ``ALIGN`` blocks holding ``[offset, offset + nbytes)``."""
+    return offset - offset % ALIGN, -(-(offset + nbytes) // ALIGN) * ALIGN
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+_MMAP = getattr(_LIBC, "mmap", None)
+_MINCORE = getattr(_LIBC, "mincore", None)
+_MUNMAP = getattr(_LIBC, "munmap", None)
+if _MMAP is not None and _MINCORE is not None and _MUNMAP is not None:
+    _MMAP.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+    _MMAP.restype = ctypes.c_void_p
+    _MINCORE.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    _MINCORE.restype = ctypes.c_int
+    _MUNMAP.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    _MUNMAP.restype = ctypes.c_int
+else:
+    _MMAP = None
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+AVAILABLE = bool(_O_DIRECT) and _MMAP is not None
+"""This system has ``O_DIRECT`` and ``mincore`` (Linux)."""
+
+
+def cached_fraction(fd: int, start: int, end: int) -> float:
+    """The share of the pages of ``[start, end)`` (``start`` a multiple of the page size; the
+    span inside the file) that the page cache holds (``mincore`` of a mapping that is never
+    touched: nothing is read). 1.0 where that cannot be told."""
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else ALIGN
+    length = end - start
+    if _MMAP is None or length <= 0 or start % page:
+        return 1.0
+    addr = _MMAP(None, length, 1, 1, fd, start)  # PROT_READ, MAP_SHARED
+    if addr is None or addr == _MAP_FAILED:
+        return 1.0
+    try:
+        vec = np.zeros(-(-length // page), dtype=np.uint8)
+        if _MINCORE(addr, length, vec.ctypes.data) != 0:
+            return 1.0
+        return float(np.count_nonzero(vec & 1)) / vec.size
+    finally:
+        _MUNMAP(addr, length)
+
+
+def read_direct(fd: int, buf: np.ndarray, start: int, want: int) -> int:
+    """Read bytes ``start`` (a multiple of :data:`ALIGN`) to at least ``start + want`` of the
+    file ``fd`` into ``buf`` (uint8, :data:`ALIGN`-aligned, its size a multiple of
+    :data:`ALIGN` and at least ``want``) with ``O_DIRECT``, up to the file's end; return the
+    bytes read (fewer than ``want`` only at the file's end). ``fd`` keeps ``O_DIRECT`` set.
+    :class:`OSError` with ``EINVAL`` where the file system reads nothing directly."""
+    if not _O_DIRECT:
+        raise OSError(errno.EINVAL, "O_DIRECT is unavailable on this system")
+    assert buf.ctypes.data % ALIGN == 0 and buf.size % ALIGN == 0 and start % ALIGN == 0
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
+    view, got = memoryview(buf), 0
+    try:
+        while got < want:
+            n = os.preadv(fd, [view[got:]], start + got)
+            if n <= 0:
+                break
+            got += n
+            if got % ALIGN:  # (a partial block: the file's end)
+                break
+    except OSError:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)  # (the caller may read through the cache instead)
+        raise
+    return got
