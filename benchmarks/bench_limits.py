@@ -12,7 +12,9 @@ grows with the size) is saved and loaded with ``ucp_zarr`` and with the raw limi
   buffer, each file ``write`` + ``fsync`` (then the directory fsynced): what this disk does
   when nothing but the bytes is written durably;
 * **raw read**: the same files read cold by as many threads with ``os.preadv`` into one
-  preallocated, resident buffer (no allocation, no copy);
+  preallocated, resident buffer (no allocation, no copy); and again cold with ``O_DIRECT``
+  (around the page cache, each file's range page-aligned): the device's own limit, which
+  ucp_zarr's local loads also use for large cold spans (``ucp_zarr/io/direct.py``);
 * **ucp_zarr save** (``ucp_zarr.save``, durable on return) and **load** (``ucp_zarr.load``
   into preallocated, resident tensors: training resume), with the bytes its store read.
 
@@ -41,7 +43,7 @@ from typing import Any
 
 import torch
 from pagecache import cached_bytes, evict, files_under
-from rawio import counted_load, raw_read, raw_write
+from rawio import counted_load, direct_buffer, load_counts, raw_read, raw_read_direct, raw_write
 
 if importlib.util.find_spec("ucp_zarr") is None:  # run from a checkout without PYTHONPATH
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -124,10 +126,12 @@ def measure(mib: float, repeat: int, threads: int, work: str, log: Any = print) 
     shutil.rmtree(probe)
     src = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8)
     dst = torch.zeros(sum(sizes), dtype=torch.uint8)
+    direct = direct_buffer(sizes) if hasattr(os, "O_DIRECT") else None
     out: dict[str, Any] = {
         "mib": mib, "bytes": size, "tensors": len(sd), "objects": len(sizes), "object_bytes": sum(sizes),
-        "threads": threads, "save": [], "raw_write": [], "load": [], "raw_read": [], "bytes_read": [], "cached": {},
-        "cpu": {"save": [], "raw_write": [], "load": [], "raw_read": []},
+        "threads": threads, "save": [], "raw_write": [], "load": [], "raw_read": [], "raw_read_direct": [],
+        "bytes_read": [], "bytes_read_direct": [], "cached": {},
+        "cpu": {"save": [], "raw_write": [], "load": [], "raw_read": [], "raw_read_direct": []},
     }
 
     def cpu() -> float:
@@ -154,10 +158,11 @@ def measure(mib: float, repeat: int, threads: int, work: str, log: Any = print) 
                 for t in dest.values():
                     t.zero_()
                 c0, t0 = cpu(), time.perf_counter()
-                read = counted_load(dest, path, max_workers=threads)
+                read, read_direct = load_counts(dest, path, max_workers=threads)
                 out["load"].append(time.perf_counter() - t0)
                 out["cpu"]["load"].append(cpu() - c0)
                 out["bytes_read"].append(read)
+                out["bytes_read_direct"].append(read_direct)
                 if rep == 0:
                     bad = [k for k in sd if not bit_equal(sd[k], dest[k])]
                     if bad:
@@ -168,6 +173,12 @@ def measure(mib: float, repeat: int, threads: int, work: str, log: Any = print) 
                 raw_read(path, sizes, dst, threads)
                 out["raw_read"].append(time.perf_counter() - t0)
                 out["cpu"]["raw_read"].append(cpu() - c0)
+                if direct is not None:  # the same files again, cold, around the page cache
+                    evict(path)
+                    c0, t0 = cpu(), time.perf_counter()
+                    raw_read_direct(path, sizes, direct, threads)
+                    out["raw_read_direct"].append(time.perf_counter() - t0)
+                    out["cpu"]["raw_read_direct"].append(cpu() - c0)
             shutil.rmtree(path)
         log(
             f"  {mib:g} MiB repeat {rep + 1}/{repeat}: save {size / MiB / out['save'][-1]:.0f} MiB/s vs raw "
@@ -196,6 +207,19 @@ def summary(r: dict[str, Any]) -> dict[str, float]:
         **{f"cpu_{k}": statistics.median(v) for k, v in cpu.items() if v},
         **({"cpu_load_ratio": statistics.median(cpu_ratios), "cpu_load_ratio_min": min(cpu_ratios),
             "cpu_load_ratio_max": max(cpu_ratios)} if cpu_ratios else {}),
+        **(_direct_summary(r) if r.get("raw_read_direct") else {}),
+    }
+
+
+def _direct_summary(r: dict[str, Any]) -> dict[str, float]:
+    """The load against the device's limit around the page cache (raw ``O_DIRECT``), and the
+    share of the load's bytes it read that way."""
+    ratios = [w / s for s, w in zip(r["load"], r["raw_read_direct"])]
+    return {
+        "raw_read_direct": r["bytes"] / MiB / statistics.median(r["raw_read_direct"]),
+        "load_direct_ratio": statistics.median(ratios), "load_direct_ratio_min": min(ratios),
+        "load_direct_ratio_max": max(ratios),
+        "direct_share": statistics.median(d / b for d, b in zip(r["bytes_read_direct"], r["bytes_read"]) if b),
     }
 
 
@@ -230,8 +254,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def table(results: list[dict[str, Any]]) -> str:
     rows = [
         "| state | tensors / objects | save MiB/s | raw write MiB/s | save / raw (min-max) | load MiB/s | raw read MiB/s "
-        "| load / raw (min-max) | bytes read / state | CPU s: save / raw write / load / raw read |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| load / raw (min-max) | raw O_DIRECT read MiB/s | load / raw O_DIRECT | bytes read / state (O_DIRECT share) "
+        "| CPU s: save / raw write / load / raw read / raw O_DIRECT |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         s = summary(r)
@@ -239,8 +264,10 @@ def table(results: list[dict[str, Any]]) -> str:
             f"| {r['bytes'] / MiB:.0f} MiB | {r['tensors']} / {r['objects']} | {s['save']:.0f} | {s['raw_write']:.0f} "
             f"| {s['save_ratio']:.2f}x ({s['save_ratio_min']:.2f}-{s['save_ratio_max']:.2f}) | {s['load']:.0f} "
             f"| {s['raw_read']:.0f} | {s['load_ratio']:.2f}x ({s['load_ratio_min']:.2f}-{s['load_ratio_max']:.2f}) "
-            f"| {s['read_amplification']:.3f} | {s.get('cpu_save', 0):.2f} / {s.get('cpu_raw_write', 0):.2f} / "
-            f"{s.get('cpu_load', 0):.2f} / {s.get('cpu_raw_read', 0):.2f} |"
+            f"| {s.get('raw_read_direct', 0):.0f} | {s.get('load_direct_ratio', 0):.2f}x "
+            f"| {s['read_amplification']:.3f} ({s.get('direct_share', 0):.2f}) | {s.get('cpu_save', 0):.2f} / "
+            f"{s.get('cpu_raw_write', 0):.2f} / {s.get('cpu_load', 0):.2f} / {s.get('cpu_raw_read', 0):.2f} / "
+            f"{s.get('cpu_raw_read_direct', 0):.2f} |"
         )
     return "\n".join(rows)
 

@@ -1,5 +1,6 @@
 """The disk's limits, as baselines: parallel raw writes (write + fsync per file) and
-in-place parallel ``preadv`` reads of the same files, shared by the benchmarks."""
+in-place parallel ``preadv`` reads of the same files (through the page cache, and around it
+with ``O_DIRECT``), shared by the benchmarks."""
 
 from __future__ import annotations
 
@@ -27,6 +28,39 @@ def raw_read(path: str, sizes: list[int], dst: torch.Tensor, threads: int) -> No
     """Read the files of :func:`raw_write` with ``preadv`` into consecutive ranges of the
     preallocated ``dst``, ``threads`` at a time."""
     _per_file(path, sizes, dst, threads, pread_exact)
+
+
+BLOCK = 4096
+
+
+def direct_buffer(sizes: list[int]) -> tuple[memoryview, list[int]]:
+    """A page-aligned buffer for :func:`raw_read_direct` of files of ``sizes``, each file's
+    range starting on a block and rounded up to whole blocks, and those ranges' offsets."""
+    spans = [-(-n // BLOCK) * BLOCK for n in sizes]
+    raw = torch.ones(sum(spans) + BLOCK, dtype=torch.uint8)  # (resident: every page written)
+    start = -raw.data_ptr() % BLOCK
+    return memoryview(raw.numpy())[start : start + sum(spans)], [0, *itertools.accumulate(spans)]
+
+
+def raw_read_direct(path: str, sizes: list[int], buf: tuple[memoryview, list[int]], threads: int) -> None:
+    """Read the files of :func:`raw_write` whole with ``O_DIRECT`` (around the page cache)
+    into their ranges of ``buf`` (:func:`direct_buffer`), ``threads`` at a time."""
+    view, offsets = buf
+
+    def one(i: int) -> None:
+        fd = os.open(os.path.join(path, str(i)), os.O_RDONLY | os.O_DIRECT)
+        try:
+            done, want = 0, sizes[i]
+            while done < want:
+                n = os.preadv(fd, [view[offsets[i] + done : offsets[i + 1]]], done)
+                if n <= 0:
+                    raise OSError(f"{path}/{i}: short read")
+                done += n
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(len(sizes))))
 
 
 def read_files(paths: list[str], dst: torch.Tensor, threads: int) -> None:
@@ -83,6 +117,12 @@ def pread_exact(path: str, mv: memoryview) -> None:
 
 def counted_load(state: dict[str, Any], path: str, **load_kwargs: Any) -> int:
     """``ucp_zarr.load`` in place; return the bytes its store read."""
+    return load_counts(state, path, **load_kwargs)[0]
+
+
+def load_counts(state: dict[str, Any], path: str, **load_kwargs: Any) -> tuple[int, int]:
+    """``ucp_zarr.load`` in place; return the bytes its store read, and how many of them
+    around the page cache (``O_DIRECT``)."""
     import ucp_zarr
     import ucp_zarr.protocol.loader as loader
 
@@ -99,5 +139,5 @@ def counted_load(state: dict[str, Any], path: str, **load_kwargs: Any) -> int:
     finally:
         loader.open_store = real
     if not stores:
-        raise RuntimeError("ucp_zarr.load no longer opens its store through ucp_zarr.protocol.loader.open_store: fix counted_load")
-    return sum(s.stats.bytes_read for s in stores)
+        raise RuntimeError("ucp_zarr.load no longer opens its store through ucp_zarr.protocol.loader.open_store: fix load_counts")
+    return sum(s.stats.bytes_read for s in stores), sum(s.stats.bytes_read_direct for s in stores)

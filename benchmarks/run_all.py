@@ -97,6 +97,13 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
                 out.append((f"load {size}: CPU seconds", f"{s['cpu_load']:.2f} s", f"raw preadv: {s['cpu_raw_read']:.2f} s",
                             f"{s['cpu_load_ratio']:.2f}x {rng(s['cpu_load_ratio_min'], s['cpu_load_ratio_max'])}",
                             "<= 1.3x", verdict(s["cpu_load_ratio"] <= 1.3)))
+            if "load_direct_ratio" in s:
+                out.append((f"load {size}, cold, against reads around the page cache", f"{s['load']:.0f} MiB/s "
+                            f"({100 * s['direct_share']:.0f}% of its bytes read with O_DIRECT)",
+                            f"raw O_DIRECT preadv, {r['threads']} threads: {s['raw_read_direct']:.0f} MiB/s "
+                            f"(CPU {s['cpu_raw_read_direct']:.2f} s)",
+                            f"{s['load_direct_ratio']:.2f}x {rng(s['load_direct_ratio_min'], s['load_direct_ratio_max'])}",
+                            "(reference)", ""))
     if res.get("distributed"):
         from bench_distributed import summarize
 
