@@ -35,6 +35,24 @@ def evict(path: str) -> None:
                 os.close(fd)
 
 
+def needs_direct_reads(folder: os.PathLike[str] | str) -> None:
+    """Skip unless the file system under ``folder`` reads with ``O_DIRECT`` (overlay and
+    some FUSE file systems refuse it: those loads read through the cache, tested below)."""
+    probe = os.path.join(folder, "probe")
+    with open(probe, "wb") as f:
+        f.write(b"x" * direct.ALIGN)
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        direct.read_direct(fd, _stage(direct.ALIGN)[: direct.ALIGN], 0, direct.ALIGN)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        pytest.skip(f"{folder} is on a file system that refuses O_DIRECT")
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
 def cached(path: str) -> float:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -80,6 +98,8 @@ def test_a_span_reads_the_bytes_a_plain_read_gives(tmp_path_factory: pytest.Temp
     nbytes = data.draw(st.integers(1, size - offset))
     mode = data.draw(st.sampled_from([True, False, None]))
     root = tmp_path_factory.mktemp("span")
+    if mode:
+        needs_direct_reads(root)
     blob = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     (root / "obj").write_bytes(blob)
     store = LocalStore(str(root), direct_reads=mode)
@@ -99,6 +119,7 @@ def test_a_span_reads_the_bytes_a_plain_read_gives(tmp_path_factory: pytest.Temp
 
 
 def test_a_span_beyond_the_end_is_a_short_read(tmp_path) -> None:
+    needs_direct_reads(tmp_path)
     (tmp_path / "obj").write_bytes(b"x" * (2 << 20))
     store = LocalStore(str(tmp_path), direct_reads=True)
     with pytest.raises(OSError, match="short read"):
@@ -106,6 +127,7 @@ def test_a_span_beyond_the_end_is_a_short_read(tmp_path) -> None:
 
 
 def test_a_cold_load_reads_around_the_cache_and_a_warm_one_through_it(tmp_path, monkeypatch) -> None:
+    needs_direct_reads(tmp_path)
     state = tiled_state()
     path = str(tmp_path / "ck")
     ucp_zarr.save(state, path)
@@ -135,6 +157,7 @@ def test_a_cold_load_reads_around_the_cache_and_a_warm_one_through_it(tmp_path, 
 def test_bands_at_unaligned_offsets_land_exactly(tmp_path, monkeypatch) -> None:
     """A shard larger than the staging limit is read a few bands of chunks at a time, at
     offsets that are no multiple of a block."""
+    needs_direct_reads(tmp_path)
     import ucp_zarr.io.arrayio as arrayio
 
     state = tiled_state(1)
@@ -168,6 +191,7 @@ def test_a_file_system_that_refuses_direct_reads_is_read_through_the_cache(tmp_p
 
 
 def test_a_damaged_chunk_read_directly_is_named(tmp_path, monkeypatch) -> None:
+    needs_direct_reads(tmp_path)
     state = tiled_state(3)
     path = str(tmp_path / "ck")
     ucp_zarr.save(state, path)
@@ -201,6 +225,7 @@ def test_ranks_of_a_job_read_through_the_shared_cache(tmp_path) -> None:
     """Ranks of one node that read one shard (replicas) share the page cache's read of it:
     a load by several ranks (real gloo processes) reads nothing around the cache unless
     its store is told to."""
+    needs_direct_reads(tmp_path)
     from _dist import run
 
     path = str(tmp_path / "ck")

@@ -63,12 +63,13 @@ AVAILABLE = bool(_O_DIRECT) and _MMAP is not None
 
 
 def cached_fraction(fd: int, start: int, end: int) -> float:
-    """The share of the pages of ``[start, end)`` (``start`` a multiple of the page size; the
-    span inside the file) that the page cache holds (``mincore`` of a mapping that is never
-    touched: nothing is read). 1.0 where that cannot be told."""
-    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else ALIGN
+    """The share of the pages of ``[start, end)`` (inside the file) that the page cache holds
+    (``mincore`` of a mapping that is never touched: nothing is read). 1.0 where that cannot
+    be told."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start -= start % page
     length = end - start
-    if _MMAP is None or length <= 0 or start % page:
+    if _MMAP is None or length <= 0:
         return 1.0
     addr = _MMAP(None, length, 1, 1, fd, start)  # PROT_READ, MAP_SHARED
     if addr is None or addr == _MAP_FAILED:
