@@ -100,31 +100,3 @@ def test_staged_chunks_land_where_they_belong(tmp_path) -> None:
     ucp_zarr.load({"w": out}, path)
     assert torch.equal(out, w)
     assert np.array_equal(ucp_zarr.open(path).read_numpy("w"), w.numpy())
-
-
-def test_a_load_pauses_the_collector_only_while_it_runs(tmp_path, monkeypatch) -> None:
-    """A load runs without full collections of the caller's objects (they made small loads
-    ~16% slower) and leaves the collector as it found it, also when it fails."""
-    import gc
-
-    import ucp_zarr.protocol.filling as filling
-
-    state = _state()
-    path = str(tmp_path / "ck")
-    ucp_zarr.save(state, path)
-    seen = []
-    real = filling.fill
-    monkeypatch.setattr("ucp_zarr.protocol.loader.fill", lambda *a, **k: (seen.append(gc.isenabled()), real(*a, **k)))
-    out = {k: torch.zeros_like(v) for k, v in state.items()}
-    ucp_zarr.load(out, path)
-    assert seen == [False] and gc.isenabled()
-    assert all(torch.equal(out[k], v) for k, v in state.items())
-    with pytest.raises(ucp_zarr.ShapeMismatchError):
-        ucp_zarr.load({k: torch.zeros(3) for k in state}, path)
-    assert gc.isenabled()
-    gc.disable()
-    try:
-        ucp_zarr.load(out, path)
-        assert not gc.isenabled()
-    finally:
-        gc.enable()

@@ -19,7 +19,7 @@ from typing import Any, Mapping, MutableMapping, NamedTuple
 import torch
 
 from .reader import CheckpointReader, check_destination, open_store_reader
-from .distributed import Comm, gc_paused
+from .distributed import Comm
 from ..format.dtypes import is_lossless_cast, stored_dtype_by_name
 from ..errors import DtypeMismatchError, KeyMismatchError, LayoutError, PerRankStateError, ShapeMismatchError
 from .fragments import FlatShard, PerRank, Placed, Shard, is_dtensor, is_fragment_value, to_fragment
@@ -101,9 +101,8 @@ def load(
     if comm.world > 1:
         store.share_reads()
     ck = open_store_reader(store, hmac_key)
-    with gc_paused():  # (a load makes thousands of short-lived objects: no full collections of the trainer's meanwhile)
-        plan = _Planner(ck, state_dict, comm).plan(strict, allow_new_ranks, allow_lossy_cast, allow_other_rules)
-        fill(ck, plan.reads, comm.rank, allow_lossy_cast, max_workers)
+    plan = _Planner(ck, state_dict, comm).plan(strict, allow_new_ranks, allow_lossy_cast, allow_other_rules)
+    fill(ck, plan.reads, comm.rank, allow_lossy_cast, max_workers)
     for where, value in plan.values:
         put_path(state_dict, where, value, "the state dict")
     skipped = IncompatibleKeys(plan.missing, plan.unexpected)
