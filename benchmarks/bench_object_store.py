@@ -7,7 +7,8 @@ writes with (``obstore.put``, the same part size and upload concurrency), then t
 reads (the shards and the root document: a load takes the array documents from the root's
 consolidated copy) got back whole by as many threads as ucp_zarr loads with. ucp_zarr loads
 into preallocated, resident tensors (training resume, as in ``bench_limits``), zeroed before
-each load outside its time; raw GET lands nothing.
+each load outside its time; raw GET lands nothing, and a second raw GET ("landed", a
+reference) copies each body into a preallocated buffer, the least a load must add.
 
 Each repeat runs every method once, alternating, in an order that rotates per repeat; each
 ratio is taken per repeat (ucp_zarr's MiB/s over raw's, a few seconds apart); loaded data is
@@ -22,6 +23,7 @@ Run: ``python benchmarks/bench_object_store.py [--sizes 256,1024] [--repeat 3] [
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -32,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -80,6 +83,23 @@ def raw_get(client: Any, prefix: str, sizes: list[int], read: list[int]) -> int:
     return got
 
 
+def raw_get_landed(client: Any, prefix: str, sizes: list[int], read: list[int], dst: memoryview) -> int:
+    """:func:`raw_get`, each body then copied into its range of ``dst`` (preallocated and
+    resident: what any load must at least do with what it got)."""
+    offsets = dict(zip(read, itertools.accumulate([0, *(sizes[i] for i in read)])))
+
+    def get(i: int) -> int:
+        body = obstore.get(client, f"{prefix}/{i}").bytes()
+        n = len(body)
+        np.copyto(np.frombuffer(dst[offsets[i] : offsets[i] + n], dtype=np.uint8), np.frombuffer(body, dtype=np.uint8))
+        return n
+
+    with ThreadPoolExecutor(LOAD_WORKERS) as pool:
+        got = sum(pool.map(get, read))
+    assert got == sum(sizes[i] for i in read)
+    return got
+
+
 def objects(server: SeaweedServer, url: str) -> tuple[list[int], list[int]]:
     """The sizes of every object under ``url``, largest first, and which of them a load
     reads (all but the array and group documents, which the root holds a copy of)."""
@@ -102,7 +122,7 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def one_repeat(server: SeaweedServer, sd: dict[str, torch.Tensor], dest: dict[str, torch.Tensor], order: list[str],
-               sizes: list[int], read: list[int], src: memoryview) -> dict[str, dict[str, float]]:
+               sizes: list[int], read: list[int], src: memoryview, landing: memoryview) -> dict[str, dict[str, float]]:
     """Every method's save and load (into ``dest``, resident) once, in ``order``: seconds."""
     out: dict[str, dict[str, float]] = {}
     for m in order:
@@ -111,7 +131,8 @@ def one_repeat(server: SeaweedServer, sd: dict[str, torch.Tensor], dest: dict[st
             client = raw_client(server.endpoint)
             prefix = url.removeprefix(f"s3://{BUCKET}/")
             out[m] = {"save": timed(lambda: raw_put(client, prefix, sizes, src)),
-                      "load": timed(lambda: raw_get(client, prefix, sizes, read))}
+                      "load": timed(lambda: raw_get(client, prefix, sizes, read)),
+                      "load_landed": timed(lambda: raw_get_landed(client, prefix, sizes, read, landing))}
             continue
         opts = options(server, m)
         save = timed(lambda: ucp_zarr.save(sd, url, storage_options=opts))
@@ -155,10 +176,11 @@ def measure(server: SeaweedServer, mib: float, repeat: int, log: Any = print) ->
     sizes, read = objects(server, probe)
     src = memoryview(torch.randint(0, 256, (max(sizes),), dtype=torch.uint8).numpy()).cast("B")
     dest = {k: torch.ones_like(v) for k, v in sd.items()}  # (resident: every page written)
+    landing = memoryview(np.ones(sum(sizes[i] for i in read), dtype=np.uint8))  # (raw GET's bodies land here)
     runs = []
     for i in range(repeat):
         order = [METHODS[(i + j) % len(METHODS)] for j in range(len(METHODS))]
-        runs.append(one_repeat(server, sd, dest, order, sizes, read, src))
+        runs.append(one_repeat(server, sd, dest, order, sizes, read, src, landing))
         log(json.dumps({"mib": round(total / MiB), "repeat": i, "order": order,
                         **{f"{m}:{op}": round(runs[-1][m][op], 3) for m in METHODS for op in ("save", "load")}}))
     return {"mib": total / MiB, "objects": len(sizes), "object_mib": sum(sizes) / MiB, "read_objects": len(read),
@@ -174,6 +196,10 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
         for m, peer in (("obstore", "raw"), ("fsspec", "raw"), ("obstore", "fsspec")):
             ratios = [run[peer][op] / run[m][op] for run in r["runs"]]
             out[f"{op}:{m}_vs_{peer}"] = (statistics.median(ratios), min(ratios), max(ratios))
+    if all("load_landed" in run["raw"] for run in r["runs"]):  # (results before 2026-12-06 lack it)
+        out["load:raw_landed"] = statistics.median(r["mib"] / run["raw"]["load_landed"] for run in r["runs"])
+        ratios = [run["raw"]["load_landed"] / run["obstore"]["load"] for run in r["runs"]]
+        out["load:obstore_vs_raw_landed"] = (statistics.median(ratios), min(ratios), max(ratios))
     return out
 
 

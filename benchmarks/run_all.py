@@ -158,6 +158,11 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
                             f"raw obstore {'PUT' if op == 'save' else 'GET'}: {s[f'{op}:raw']:.0f} MiB/s, {q['raw'][op]} requests",
                             f"{ratio[0]:.2f}x {rng(*ratio[1:])}", ">= 0.8x" if m == "obstore" else "(peer)",
                             verdict(ratio[0] >= 0.8) if m == "obstore" else ""))
+            if op == "load" and "load:obstore_vs_raw_landed" in s:
+                ratio = s["load:obstore_vs_raw_landed"]
+                out.append((f"load {r['mib']:.0f} MiB, loopback S3, obstore, against GETs landed", f"{s['load:obstore']:.0f} MiB/s",
+                            f"raw obstore GET + one copy of each body into memory: {s['load:raw_landed']:.0f} MiB/s",
+                            f"{ratio[0]:.2f}x {rng(*ratio[1:])}", "(reference)", ""))
             if f"{op}:obstore_vs_fsspec" in s:
                 ratio = s[f"{op}:obstore_vs_fsspec"]
                 out.append((f"{op} {r['mib']:.0f} MiB, loopback S3, obstore against fsspec", f"{s[f'{op}:obstore']:.0f} MiB/s",
