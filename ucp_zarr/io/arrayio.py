@@ -164,10 +164,11 @@ def _shard_chunks(grid: "ChunkGrid", shard: Sequence[int], src_box: Box) -> Iter
 
 class _Replayable:
     """An iterable that starts ``make()`` afresh each time it is iterated (a store may
-    replay a failed write)."""
+    replay a failed write), of ``nbytes`` bytes in all (see :meth:`.Store.write`)."""
 
-    def __init__(self, make: Callable[[], Iterator[memoryview | bytes]]) -> None:
+    def __init__(self, make: Callable[[], Iterator[memoryview | bytes]], nbytes: int) -> None:
         self._make = make
+        self.nbytes = nbytes
 
     def __iter__(self) -> Iterator[memoryview | bytes]:
         return self._make()
@@ -224,7 +225,7 @@ def write_shard_array(
         yield trailer
         yield encode_index(_written_rows(meta, shard))
 
-    nbytes = store.write(key, _Replayable(buffers), guard)
+    nbytes = store.write(key, _Replayable(buffers, written_index(meta, shard, seal)[1]), guard)
     return sealed[0], nbytes
 
 

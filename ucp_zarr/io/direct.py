@@ -1,4 +1,4 @@
-"""Reading large spans of local files around the page cache (Linux ``O_DIRECT``).
+"""Reading and writing large spans of local files around the page cache (Linux ``O_DIRECT``).
 
 Read through the page cache, a cold load pays the kernel's copy of every byte into the
 caller's buffer: as much CPU as all of the load's own work (checksums, landing chunks in
@@ -18,6 +18,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import threading
 
 import numpy as np
 
@@ -107,3 +108,95 @@ def read_direct(fd: int, buf: np.ndarray, start: int, want: int) -> int:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)  # (the caller may read through the cache instead)
         raise
     return got
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+WRITE_STAGE_BYTES = 8 << 20
+"""An object larger than this is written around the page cache, this many bytes at a time;
+a smaller one through it, in one write."""
+
+_write_local = threading.local()
+
+
+def _write_stage() -> np.ndarray:
+    """This thread's page-aligned buffer of :data:`WRITE_STAGE_BYTES` for :class:`StagedWrite`
+    (its own: a producer's buffers may be views of the read and write staging buffer)."""
+    buf = getattr(_write_local, "stage", None)
+    if buf is None or buf.size != WRITE_STAGE_BYTES:
+        raw = np.empty(WRITE_STAGE_BYTES + ALIGN, dtype=np.uint8)
+        start = -raw.ctypes.data % ALIGN
+        buf = _write_local.stage = raw[start : start + WRITE_STAGE_BYTES]
+    return buf
+
+
+class StagedWrite:
+    """One new file's bytes, gathered in this thread's stage: an object that fits is written
+    through the page cache in one call; a larger one with ``O_DIRECT`` a stage at a time (the
+    last block padded, then the file cut to its size), unless the file system refuses it
+    (``EINVAL``: then through the cache, and :attr:`refused` says so). The caller makes the
+    file durable (``fsync``) either way."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.stage = _write_stage()
+        self.allowed = bool(_O_DIRECT)
+        self.direct = False
+        """Whether the file is written around the cache."""
+        self.refused = False
+        self._pos = 0
+        self._offset = 0
+
+    def add(self, data: memoryview | bytes) -> None:
+        """Copy ``data`` in (written once the stage is full): ``data`` may change afterwards."""
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        stage, size = self.stage, self.stage.size
+        while view.nbytes:
+            n = min(view.nbytes, size - self._pos)
+            stage[self._pos : self._pos + n] = np.frombuffer(view[:n], dtype=np.uint8)
+            self._pos += n
+            view = view[n:]
+            if self._pos == size:  # (more to come: around the cache from here)
+                self._flush(size, start_direct=True)
+
+    def finish(self) -> int:
+        """Write what is left; return the file's size."""
+        total = self._offset + self._pos
+        if self._pos:
+            if self.direct:  # whole blocks only: pad the last, then cut the file to its size
+                end = -(-self._pos // ALIGN) * ALIGN
+                self.stage[self._pos : end] = 0
+                self._flush(end)
+                os.ftruncate(self.fd, total)
+            else:
+                self._flush(self._pos)
+        return total
+
+    def _flush(self, n: int, start_direct: bool = False) -> None:
+        if start_direct and self.allowed and not self.direct and not self.refused:
+            self._start_direct()
+        view, done = memoryview(self.stage)[:n], 0
+        while done < n:
+            try:
+                done += os.pwrite(self.fd, view[done:], self._offset + done)
+            except OSError as e:
+                if not (self.direct and e.errno == errno.EINVAL and done == 0):
+                    raise
+                self._stop_direct()  # (the file system took the flag but not the write)
+        self._offset += n
+        self._pos = 0
+
+    def _start_direct(self) -> None:
+        try:
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | _O_DIRECT)
+            self.direct = True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self.refused = True
+
+    def _stop_direct(self) -> None:
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~_O_DIRECT)
+        self.direct, self.refused = False, True

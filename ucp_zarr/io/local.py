@@ -52,13 +52,18 @@ class LocalStore(Store):
     None (the default) around the page cache (``O_DIRECT``) where the cache holds less than
     half of the span, through it where it holds more, and always through it once
     :meth:`share_reads` says that other processes read too; True always around it (where
-    the file system can), False always through it."""
+    the file system can), False always through it. ``direct_writes``: data objects larger
+    than :data:`.direct.WRITE_STAGE_BYTES` are written around the page cache (then fsynced),
+    unless False or :meth:`write_in_background` says that the writes run beside training
+    (where the device's bursts cost a training step more than writes through the cache)."""
 
     exclusive_create = True
     durable = True
     stages_writes = True
 
-    def __init__(self, root: str, batch_sync: bool | None = None, direct_reads: bool | None = None) -> None:
+    def __init__(
+        self, root: str, batch_sync: bool | None = None, direct_reads: bool | None = None, direct_writes: bool = True
+    ) -> None:
         self.root = os.path.abspath(root)
         self.url = self.local_path = self.root
         self.stats = IOStats()
@@ -72,6 +77,9 @@ class LocalStore(Store):
         self.direct_reads = direct_reads
         self._direct = direct.AVAILABLE and direct_reads is not False
         """False once the file system refused a direct read (then every read goes through the cache)."""
+        self.direct_writes = direct_writes
+        self._direct_writes = direct_writes and direct.AVAILABLE
+        """False once the file system refused a direct write, or writes run beside training."""
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
@@ -125,11 +133,11 @@ class LocalStore(Store):
     def write(self, key: str, buffers: Iterable[Buffer | bytes], guard: WriteGuard | None = None) -> int:
         path = self._path(key)
         if guard is None:
-            total = self._write_file(path, buffers, defer=True)
+            total, direct_ = self._write_file(path, buffers, defer=True)
         else:
             tmp = temp_name(path, guard.tag)
             try:
-                total = self._write_file(tmp, buffers, defer=True)
+                total, direct_ = self._write_file(tmp, buffers, defer=True)
                 guard.check()
                 if not _rename_noreplace(tmp, path):
                     guard.check(force=True)  # an object is there: replace it only while we own the path
@@ -137,7 +145,7 @@ class LocalStore(Store):
             except BaseException:
                 _unlink_quiet(tmp)
                 raise
-        self.stats.add_write(key, total)
+        self.stats.add_write(key, total, direct_)
         return total
 
     def write_atomic(self, key: str, data: bytes) -> None:
@@ -174,33 +182,35 @@ class LocalStore(Store):
         fsync_dir(os.path.dirname(path))
         self.stats.add_write(key, len(data))
 
-    def _write_file(self, path: str, buffers: Iterable[Buffer | bytes], defer: bool = False) -> int:
-        """Create ``path`` from ``buffers`` with ``writev``, then ``fsync`` it; with ``defer``,
-        a small file on a batching file system is left to :meth:`sync` instead."""
+    def _write_file(self, path: str, buffers: Iterable[Buffer | bytes], defer: bool = False) -> tuple[int, bool]:
+        """Create ``path`` from ``buffers``, then ``fsync`` it; with ``defer``, a small file
+        on a batching file system is left to :meth:`sync` instead. A data object (``defer``)
+        whose ``buffers`` say it is larger than a stage (``nbytes``) is written around the
+        page cache (:class:`.direct.StagedWrite`), with :attr:`direct_writes`. Returns the
+        file's size and whether it was written around the cache."""
         directory = os.path.dirname(path)
         dev = self._makedirs(directory)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        total = 0
         try:
             # joined before the first byte is written: its syncfs reports every later writeback error
             batched = defer and self._batch.join(dev, directory)
-            # each buffer is written before the next is pulled (producers may reuse memory),
-            # except ``bytes``, which cannot change: they join the next buffer's writev
-            held: list[Buffer | bytes] = []
-            for b in buffers:
-                held.append(b)
-                if not isinstance(b, bytes) or len(held) >= 64:
-                    total += _writev_all(fd, held)
-                    held = []
-            if held:
-                total += _writev_all(fd, held)
-            if not batched or total > DEFER_MAX_BYTES:
+            direct_ = False
+            if defer and self._direct_writes and getattr(buffers, "nbytes", 0) > direct.WRITE_STAGE_BYTES:
+                staged = direct.StagedWrite(fd)
+                for b in buffers:
+                    staged.add(b)
+                total, direct_ = staged.finish(), staged.direct
+                if staged.refused:  # (this file system writes nothing directly: through the cache from now on)
+                    self._direct_writes = False
+            else:
+                total = _write_buffers(fd, buffers)
+            if direct_ or not batched or total > DEFER_MAX_BYTES:
                 os.fsync(fd)
             else:  # start its writeback now, so that the final syncfs mostly waits for what is done
                 _start_writeback(fd)
         finally:
             os.close(fd)
-        return total
+        return total, direct_
 
     def read(self, key: str) -> bytes:
         fd = _open_regular(self._path(key))
@@ -271,6 +281,9 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
+    def write_in_background(self) -> None:
+        self.direct_writes = self._direct_writes = False
+
     def share_reads(self) -> None:
         if self.direct_reads is None:
             self._direct = False
@@ -338,10 +351,12 @@ class LocalStore(Store):
             fsync_dir(parent)
 
     def sibling(self, name: str) -> "LocalStore":
-        return LocalStore(os.path.join(os.path.dirname(self.root), name), self.batch_sync, self.direct_reads)
+        return LocalStore(
+            os.path.join(os.path.dirname(self.root), name), self.batch_sync, self.direct_reads, self.direct_writes
+        )
 
     def child(self, name: str) -> "LocalStore":
-        return LocalStore(os.path.join(self.root, name), self.batch_sync, self.direct_reads)
+        return LocalStore(os.path.join(self.root, name), self.batch_sync, self.direct_reads, self.direct_writes)
 
     def adopt(self, src: Store, key: str, tag: str) -> None:
         if not isinstance(src, LocalStore):
@@ -443,6 +458,21 @@ def _advance(views: list[memoryview], n: int) -> None:
         n -= views.pop(0).nbytes
     if n:
         views[0] = views[0][n:]
+
+
+def _write_buffers(fd: int, buffers: Iterable[Buffer | bytes]) -> int:
+    """Write ``buffers`` in order; each is written before the next is pulled (producers may
+    reuse memory), except ``bytes``, which cannot change: they join the next buffer's writev."""
+    total = 0
+    held: list[Buffer | bytes] = []
+    for b in buffers:
+        held.append(b)
+        if not isinstance(b, bytes) or len(held) >= 64:
+            total += _writev_all(fd, held)
+            held = []
+    if held:
+        total += _writev_all(fd, held)
+    return total
 
 
 def _writev_all(fd: int, bufs: list[Buffer | bytes]) -> int:

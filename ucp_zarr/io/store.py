@@ -32,6 +32,8 @@ class IOStats:
     bytes_read_direct: int = 0
     """Of ``bytes_read``, those read around the page cache (:mod:`.direct`)."""
     bytes_written: int = 0
+    bytes_written_direct: int = 0
+    """Of ``bytes_written``, those written around the page cache (:mod:`.direct`)."""
     written: list[str] = field(default_factory=list)
     """Keys of the objects written, in order."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -43,10 +45,12 @@ class IOStats:
             if direct:
                 self.bytes_read_direct += nbytes
 
-    def add_write(self, key: str, nbytes: int) -> None:
+    def add_write(self, key: str, nbytes: int, direct: bool = False) -> None:
         with self._lock:
             self.bytes_written += nbytes
             self.written.append(key)
+            if direct:
+                self.bytes_written_direct += nbytes
 
 
 class WriteGuard(Protocol):
@@ -101,6 +105,8 @@ class Store:
         Each buffer is consumed (written, or copied) before the next is pulled from
         ``buffers``, so a producer may reuse one buffer's memory for the next. A store may
         iterate ``buffers`` again to retry a failed write, unless it is an iterator.
+        ``buffers`` may tell the object's size in advance (an ``nbytes`` attribute): a local
+        store writes a large object around the page cache.
 
         With ``guard``, nothing becomes visible at ``key`` unless ``guard.check()`` passes
         after the bytes are written: a local store writes ``temp_name(key, guard.tag)``
@@ -164,6 +170,10 @@ class Store:
         elif not self.readv_whole(key, [(offset, [buf])], size):
             return None
         return buf
+
+    def write_in_background(self) -> None:
+        """This store's writes run beside training (a background save): write as gently as
+        the store can (a local store: through the page cache, at the pace writeback takes)."""
 
     def share_reads(self) -> None:
         """Other processes (the ranks of one job) may read the same objects at the same time:

@@ -324,7 +324,7 @@ def _serve(conn: Connection) -> None:
                 finally:
                     os.close(fd)
             guard = _RemoteGuard(conn, send, tag)
-            store = LocalStore(root, batch_sync)
+            store = LocalStore(root, batch_sync, direct_writes=False)  # (beside training: through the page cache)
             args = (conn, send, store, jobs, guard, seal, view, workers, Pace(bytes_per_s))
             threading.Thread(target=_save, args=args, daemon=True).start()
         elif msg[0] == "checked" and guard is not None:

@@ -157,6 +157,7 @@ def async_save(
     options = _options(chunk_bytes, shard_bytes, max_workers, overwrite, overwrite_incomplete, lease_s, hmac_key,
                        unsafe_non_exclusive_store)
     store = open_store(path, storage_options)
+    store.write_in_background()
     background = comm
     if comm.active:
         background = Comm(async_group if async_group is not None else _background_group(process_group))

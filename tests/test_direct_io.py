@@ -1,6 +1,7 @@
-"""Large spans of local files read around the page cache (``ucp_zarr/io/direct.py``):
-the bytes exactly as a plain read gives them, used only where the cache does not hold the
-span, refused file systems read through the cache, and damage still found."""
+"""Large spans of local files read and written around the page cache (``ucp_zarr/io/direct.py``):
+the bytes exactly as a plain read gives them (read only where the cache does not hold the
+span), files holding exactly the bytes written, refusing file systems read and written
+through the cache, background saves through it, and damage still found."""
 
 from __future__ import annotations
 
@@ -233,3 +234,105 @@ def test_ranks_of_a_job_read_through_the_shared_cache(tmp_path) -> None:
     for direct_reads, expect_direct in ((None, False), (True, True)):
         evict(path)
         run(2, _load_on_ranks, path, direct_reads, expect_direct, timeout_s=120)
+
+
+# --- writes ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_staged_write_writes_the_bytes_given(tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+    """Whatever the pieces, the file holds exactly their bytes: written around the cache a
+    stage at a time once they outgrow one stage (the last block padded, the file cut)."""
+    sizes = data.draw(st.lists(st.integers(0, 5 * 8192 + 100), max_size=8))
+    root = tmp_path_factory.mktemp("write")
+    needs_direct_reads(root)
+    rng = np.random.default_rng(len(sizes) + sum(sizes))
+    pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    want = b"".join(p.tobytes() for p in pieces)
+    stage, direct.WRITE_STAGE_BYTES = direct.WRITE_STAGE_BYTES, 8192
+    try:
+        fd = os.open(root / "obj", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            staged = direct.StagedWrite(fd)
+            for p in pieces:
+                staged.add(memoryview(p))
+                p[:] = 0  # (the producer may reuse its buffer once the store took it)
+            total = staged.finish()
+        finally:
+            os.close(fd)
+    finally:
+        direct.WRITE_STAGE_BYTES = stage
+    assert total == len(want) and (root / "obj").read_bytes() == want
+    assert staged.direct is (len(want) >= 8192) and not staged.refused
+
+
+def test_a_save_writes_large_shards_around_the_cache_and_loads_back(tmp_path, monkeypatch) -> None:
+    import zarr
+
+    import ucp_zarr.protocol.saving as saving
+
+    needs_direct_reads(tmp_path)
+    monkeypatch.setattr(direct, "WRITE_STAGE_BYTES", 64 << 10)
+    stores = []
+    real = saving.open_store
+    monkeypatch.setattr(saving, "open_store", lambda *a, **k: stores.append(real(*a, **k)) or stores[-1])
+    state = tiled_state(5)
+    path = str(tmp_path / "ck")
+    ucp_zarr.save(state, path)
+    stats = stores[-1].stats
+    assert stats.bytes_written_direct >= 1024 * 1536 * 4 + 2048 * 1024 * 2  # both matrices' shards
+    assert stats.bytes_written_direct < stats.bytes_written  # (the vector and the documents: through the cache)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    ucp_zarr.load(out, path)
+    assert all(bit_equal(out[k], state[k]) for k in state)
+    assert np.array_equal(zarr.open_array(os.path.join(path, "w", "w"), mode="r")[100:300, 500:900], state["w"][100:300, 500:900].numpy())
+
+
+def test_a_file_system_that_refuses_direct_writes_is_written_through_the_cache(tmp_path, monkeypatch) -> None:
+    import fcntl
+
+    import ucp_zarr.protocol.saving as saving
+
+    monkeypatch.setattr(direct, "WRITE_STAGE_BYTES", 64 << 10)
+    real_fcntl = fcntl.fcntl
+    refusals = []
+
+    def refusing(fd: int, cmd: int, arg: int = 0) -> int:
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            refusals.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(direct.fcntl, "fcntl", refusing)
+    stores = []
+    real = saving.open_store
+    monkeypatch.setattr(saving, "open_store", lambda *a, **k: stores.append(real(*a, **k)) or stores[-1])
+    state = tiled_state(6)
+    path = str(tmp_path / "ck")
+    ucp_zarr.save(state, path)
+    # asked once per writer thread at most (those already writing when the first refusal came), then never again
+    assert 1 <= len(refusals) <= 4 and stores[-1].stats.bytes_written_direct == 0
+    assert not stores[-1]._direct_writes
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    ucp_zarr.load(out, path)
+    assert all(bit_equal(out[k], state[k]) for k in state)
+
+
+def test_a_background_save_writes_through_the_cache(tmp_path, monkeypatch) -> None:
+    """A background save's writes run beside training: around the cache they cost a step
+    more (profiles.md, 2026-12-06), so its store writes through it."""
+    import ucp_zarr.protocol.saving as saving
+
+    needs_direct_reads(tmp_path)
+    monkeypatch.setattr(direct, "WRITE_STAGE_BYTES", 64 << 10)
+    stores = []
+    real = saving.open_store
+    monkeypatch.setattr(saving, "open_store", lambda *a, **k: stores.append(real(*a, **k)) or stores[-1])
+    state = tiled_state(7)
+    path = str(tmp_path / "ck")
+    ucp_zarr.async_save(state, path, writer="thread").result()
+    assert stores[-1].stats.bytes_written > 0 and stores[-1].stats.bytes_written_direct == 0
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    ucp_zarr.load(out, path)
+    assert all(bit_equal(out[k], state[k]) for k in state)
