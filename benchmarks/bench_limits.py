@@ -10,7 +10,9 @@ grows with the size) is saved and loaded with ``ucp_zarr`` and with the raw limi
   wrote for that state (shards, ``zarr.json`` documents, commit record), written by as many
   threads as ucp_zarr uses (``--threads``, default 4 = ``max_workers``) from one source
   buffer, each file ``write`` + ``fsync`` (then the directory fsynced): what this disk does
-  when nothing but the bytes is written durably;
+  when nothing but the bytes is written durably; and again with ``O_DIRECT`` (around the
+  page cache, each file from a page-aligned range, padded, cut and fsynced), as ucp_zarr
+  writes shards larger than 8 MiB;
 * **raw read**: the same files read cold by as many threads with ``os.preadv`` into one
   preallocated, resident buffer (no allocation, no copy); and again cold with ``O_DIRECT``
   (around the page cache, each file's range page-aligned): the device's own limit, which
@@ -43,7 +45,8 @@ from typing import Any
 
 import torch
 from pagecache import cached_bytes, evict, files_under
-from rawio import counted_load, direct_buffer, load_counts, raw_read, raw_read_direct, raw_write
+from rawio import (counted_load, direct_buffer, load_counts, opened_stores, raw_read, raw_read_direct, raw_write,
+                   raw_write_direct)
 
 if importlib.util.find_spec("ucp_zarr") is None:  # run from a checkout without PYTHONPATH
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -99,10 +102,14 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 # --- ucp_zarr ---------------------------------------------------------------------------------
 
 
-def ucp_save(sd: dict[str, torch.Tensor], path: str, threads: int) -> None:
+def ucp_save(sd: dict[str, torch.Tensor], path: str, threads: int) -> int:
+    """``ucp_zarr.save``; return the bytes its store wrote around the page cache."""
     import ucp_zarr
+    import ucp_zarr.protocol.saving as saving
 
-    ucp_zarr.save(sd, path, max_workers=threads)
+    with opened_stores(saving) as stores:
+        ucp_zarr.save(sd, path, max_workers=threads)
+    return sum(s.stats.bytes_written_direct for s in stores)
 
 
 def object_sizes(path: str) -> list[int]:
@@ -129,9 +136,9 @@ def measure(mib: float, repeat: int, threads: int, work: str, log: Any = print) 
     direct = direct_buffer(sizes) if hasattr(os, "O_DIRECT") else None
     out: dict[str, Any] = {
         "mib": mib, "bytes": size, "tensors": len(sd), "objects": len(sizes), "object_bytes": sum(sizes),
-        "threads": threads, "save": [], "raw_write": [], "load": [], "raw_read": [], "raw_read_direct": [],
-        "bytes_read": [], "bytes_read_direct": [], "cached": {},
-        "cpu": {"save": [], "raw_write": [], "load": [], "raw_read": [], "raw_read_direct": []},
+        "threads": threads, "save": [], "raw_write": [], "raw_write_direct": [], "load": [], "raw_read": [],
+        "raw_read_direct": [], "bytes_read": [], "bytes_read_direct": [], "bytes_written_direct": [], "cached": {},
+        "cpu": {"save": [], "raw_write": [], "raw_write_direct": [], "load": [], "raw_read": [], "raw_read_direct": []},
     }
 
     def cpu() -> float:
@@ -146,11 +153,18 @@ def measure(mib: float, repeat: int, threads: int, work: str, log: Any = print) 
             op = "save" if m == "ucp_zarr" else "raw_write"
             c0, t0 = cpu(), time.perf_counter()
             if m == "ucp_zarr":
-                ucp_save(sd, path, threads)
+                out["bytes_written_direct"].append(ucp_save(sd, path, threads))
             else:
                 raw_write(path, sizes, src, threads)
             out[op].append(time.perf_counter() - t0)
             out["cpu"][op].append(cpu() - c0)
+            if m == "raw" and direct is not None:  # the same files again, around the page cache
+                gc.collect()
+                c0, t0 = cpu(), time.perf_counter()
+                raw_write_direct(path + ".direct", sizes, direct, threads)
+                out["raw_write_direct"].append(time.perf_counter() - t0)
+                out["cpu"]["raw_write_direct"].append(cpu() - c0)
+                shutil.rmtree(path + ".direct")
             evict(path)
             if rep == 0:
                 out["cached"][m] = cached_bytes(path)
@@ -215,12 +229,21 @@ def _direct_summary(r: dict[str, Any]) -> dict[str, float]:
     """The load against the device's limit around the page cache (raw ``O_DIRECT``), and the
     share of the load's bytes it read that way."""
     ratios = [w / s for s, w in zip(r["load"], r["raw_read_direct"])]
-    return {
+    out = {
         "raw_read_direct": r["bytes"] / MiB / statistics.median(r["raw_read_direct"]),
         "load_direct_ratio": statistics.median(ratios), "load_direct_ratio_min": min(ratios),
         "load_direct_ratio_max": max(ratios),
         "direct_share": statistics.median(d / b for d, b in zip(r["bytes_read_direct"], r["bytes_read"]) if b),
     }
+    if r.get("raw_write_direct"):  # (results before 2026-12-06 03:00 UTC lack it)
+        ratios = [w / s for s, w in zip(r["save"], r["raw_write_direct"])]
+        out |= {
+            "raw_write_direct": r["bytes"] / MiB / statistics.median(r["raw_write_direct"]),
+            "save_direct_ratio": statistics.median(ratios), "save_direct_ratio_min": min(ratios),
+            "save_direct_ratio_max": max(ratios),
+            "write_direct_share": statistics.median(r["bytes_written_direct"]) / r["object_bytes"],
+        }
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

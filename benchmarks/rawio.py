@@ -4,10 +4,11 @@ with ``O_DIRECT``), shared by the benchmarks."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -17,6 +18,33 @@ def raw_write(path: str, sizes: list[int], src: torch.Tensor, threads: int) -> N
     ``threads`` threads, each ``write`` + ``fsync``; then the directory is fsynced."""
     os.makedirs(path)
     _per_file(path, sizes, src, threads, write_durably)
+    fsync_dir(path)
+
+
+def raw_write_direct(path: str, sizes: list[int], src: tuple[memoryview, list[int]], threads: int) -> None:
+    """:func:`raw_write` with ``O_DIRECT`` (around the page cache): each file written whole
+    from its page-aligned range of ``src`` (:func:`direct_buffer`), its last block padded,
+    then cut to its size and fsynced; then the directory is fsynced."""
+    view, offsets = src
+    os.makedirs(path)
+
+    def one(i: int) -> None:
+        fd = os.open(os.path.join(path, str(i)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        try:
+            done, want = 0, offsets[i + 1] - offsets[i]
+            while done < want:
+                done += os.pwrite(fd, view[offsets[i] + done : offsets[i + 1]], done)
+            os.ftruncate(fd, sizes[i])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(len(sizes))))
+    fsync_dir(path)
+
+
+def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -126,18 +154,26 @@ def load_counts(state: dict[str, Any], path: str, **load_kwargs: Any) -> tuple[i
     import ucp_zarr
     import ucp_zarr.protocol.loader as loader
 
+    with opened_stores(loader) as stores:
+        ucp_zarr.load(state, path, **load_kwargs)
+    return sum(s.stats.bytes_read for s in stores), sum(s.stats.bytes_read_direct for s in stores)
+
+
+@contextlib.contextmanager
+def opened_stores(module: Any) -> Iterator[list[Any]]:
+    """The stores ``module`` (``ucp_zarr.protocol.loader`` or ``.saving``) opens meanwhile,
+    through its ``open_store``."""
     stores: list[Any] = []
-    real = loader.open_store
+    real = module.open_store
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         stores.append(real(*args, **kwargs))
         return stores[-1]
 
-    loader.open_store = counting  # (the name ucp_zarr.load opens its store with)
+    module.open_store = counting
     try:
-        ucp_zarr.load(state, path, **load_kwargs)
+        yield stores
     finally:
-        loader.open_store = real
+        module.open_store = real
     if not stores:
-        raise RuntimeError("ucp_zarr.load no longer opens its store through ucp_zarr.protocol.loader.open_store: fix load_counts")
-    return sum(s.stats.bytes_read for s in stores), sum(s.stats.bytes_read_direct for s in stores)
+        raise RuntimeError(f"ucp_zarr no longer opens its store through {module.__name__}.open_store: fix opened_stores")

@@ -97,13 +97,15 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
                 out.append((f"load {size}: CPU seconds", f"{s['cpu_load']:.2f} s", f"raw preadv: {s['cpu_raw_read']:.2f} s",
                             f"{s['cpu_load_ratio']:.2f}x {rng(s['cpu_load_ratio_min'], s['cpu_load_ratio_max'])}",
                             "<= 1.3x", verdict(s["cpu_load_ratio"] <= 1.3)))
-            if "load_direct_ratio" in s:
-                out.append((f"load {size}, cold, against reads around the page cache", f"{s['load']:.0f} MiB/s "
-                            f"({100 * s['direct_share']:.0f}% of its bytes read with O_DIRECT)",
-                            f"raw O_DIRECT preadv, {r['threads']} threads: {s['raw_read_direct']:.0f} MiB/s "
-                            f"(CPU {s['cpu_raw_read_direct']:.2f} s)",
-                            f"{s['load_direct_ratio']:.2f}x {rng(s['load_direct_ratio_min'], s['load_direct_ratio_max'])}",
-                            "(reference)", ""))
+            for op, share, raw, done in (("save", "write_direct_share", "write", "written"),
+                                         ("load", "direct_share", "read", "read")):
+                if f"{op}_direct_ratio" in s:  # (reference rows: the device's limit around the page cache)
+                    out.append((f"{op} {size}, against {raw}s around the page cache",
+                                f"{s[op]:.0f} MiB/s ({100 * s[share]:.0f}% of its bytes {done} with O_DIRECT)",
+                                f"raw O_DIRECT {raw}, {r['threads']} threads: {s[f'raw_{raw}_direct']:.0f} MiB/s "
+                                f"(CPU {s[f'cpu_raw_{raw}_direct']:.2f} s; through the cache {s[f'cpu_raw_{raw}']:.2f} s)",
+                                f"{s[f'{op}_direct_ratio']:.2f}x {rng(s[f'{op}_direct_ratio_min'], s[f'{op}_direct_ratio_max'])}",
+                                "(reference)", ""))
     if res.get("distributed"):
         from bench_distributed import summarize
 

@@ -74,6 +74,16 @@ def loading_with(monkeypatch: pytest.MonkeyPatch, direct_reads: bool | None) -> 
     return stores
 
 
+def saving_with(monkeypatch: pytest.MonkeyPatch) -> list[LocalStore]:
+    """The stores ``ucp_zarr.save`` and ``async_save`` open, as opened."""
+    import ucp_zarr.protocol.saving as saving
+
+    stores: list[LocalStore] = []
+    real = saving.open_store
+    monkeypatch.setattr(saving, "open_store", lambda *a, **k: stores.append(real(*a, **k)) or stores[-1])
+    return stores
+
+
 def tiled_state(seed: int = 0) -> dict[str, torch.Tensor]:
     """Matrices stored in tiles (chunks aligned with TP degrees along both dims): their
     shards land through the staging buffer, the spans a direct read serves."""
@@ -270,13 +280,9 @@ def test_a_staged_write_writes_the_bytes_given(tmp_path_factory: pytest.TempPath
 def test_a_save_writes_large_shards_around_the_cache_and_loads_back(tmp_path, monkeypatch) -> None:
     import zarr
 
-    import ucp_zarr.protocol.saving as saving
-
     needs_direct_reads(tmp_path)
     monkeypatch.setattr(direct, "WRITE_STAGE_BYTES", 64 << 10)
-    stores = []
-    real = saving.open_store
-    monkeypatch.setattr(saving, "open_store", lambda *a, **k: stores.append(real(*a, **k)) or stores[-1])
+    stores = saving_with(monkeypatch)
     state = tiled_state(5)
     path = str(tmp_path / "ck")
     ucp_zarr.save(state, path)
@@ -292,8 +298,6 @@ def test_a_save_writes_large_shards_around_the_cache_and_loads_back(tmp_path, mo
 def test_a_file_system_that_refuses_direct_writes_is_written_through_the_cache(tmp_path, monkeypatch) -> None:
     import fcntl
 
-    import ucp_zarr.protocol.saving as saving
-
     monkeypatch.setattr(direct, "WRITE_STAGE_BYTES", 64 << 10)
     real_fcntl = fcntl.fcntl
     refusals = []
@@ -305,9 +309,7 @@ def test_a_file_system_that_refuses_direct_writes_is_written_through_the_cache(t
         return real_fcntl(fd, cmd, arg)
 
     monkeypatch.setattr(direct.fcntl, "fcntl", refusing)
-    stores = []
-    real = saving.open_store
-    monkeypatch.setattr(saving, "open_store", lambda *a, **k: stores.append(real(*a, **k)) or stores[-1])
+    stores = saving_with(monkeypatch)
     state = tiled_state(6)
     path = str(tmp_path / "ck")
     ucp_zarr.save(state, path)
@@ -322,13 +324,9 @@ def test_a_file_system_that_refuses_direct_writes_is_written_through_the_cache(t
 def test_a_background_save_writes_through_the_cache(tmp_path, monkeypatch) -> None:
     """A background save's writes run beside training: around the cache they cost a step
     more (profiles.md, 2026-12-06), so its store writes through it."""
-    import ucp_zarr.protocol.saving as saving
-
     needs_direct_reads(tmp_path)
     monkeypatch.setattr(direct, "WRITE_STAGE_BYTES", 64 << 10)
-    stores = []
-    real = saving.open_store
-    monkeypatch.setattr(saving, "open_store", lambda *a, **k: stores.append(real(*a, **k)) or stores[-1])
+    stores = saving_with(monkeypatch)
     state = tiled_state(7)
     path = str(tmp_path / "ck")
     ucp_zarr.async_save(state, path, writer="thread").result()
