@@ -277,6 +277,21 @@ def test_a_staged_write_writes_the_bytes_given(tmp_path_factory: pytest.TempPath
     assert staged.direct is (len(want) >= 8192) and not staged.refused
 
 
+@pytest.mark.parametrize("nbytes", [2 * 8192, 2 * 8192 - 1, 2 * 8192 + 1, 8192 + 4096])
+def test_a_staged_write_ends_on_a_stage_or_block_boundary_or_not(tmp_path, monkeypatch, nbytes: int) -> None:
+    needs_direct_reads(tmp_path)
+    monkeypatch.setattr(direct, "WRITE_STAGE_BYTES", 8192)
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    fd = os.open(tmp_path / "obj", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        staged = direct.StagedWrite(fd)
+        staged.add(memoryview(data))
+        assert staged.finish() == nbytes and staged.direct
+    finally:
+        os.close(fd)
+    assert (tmp_path / "obj").read_bytes() == data.tobytes()
+
+
 def test_a_save_writes_large_shards_around_the_cache_and_loads_back(tmp_path, monkeypatch) -> None:
     import zarr
 
