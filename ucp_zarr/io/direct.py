@@ -7,6 +7,11 @@ staging buffer and the kernel copies nothing. Spans the page cache already holds
 checkpoint just written or read before) are read through it: memory is faster than the
 device. Measured in ``benchmarks/results/profiles.md`` ("2026-12-06").
 
+Written through the page cache, a save's threads copy every byte into it and then do much of
+its writeback; a large object written with ``O_DIRECT`` from an aligned stage (:class:`StagedWrite`)
+costs neither, and is fsynced as before. Background saves write through the cache: beside
+a training loop, the device's bursts cost a step more.
+
 Coherence: a direct read first writes back any dirty cached pages of its range (the
 kernel's rule for ``O_DIRECT``), and every chunk read is checked against its crc32c and
 its shard's trailer, whichever way it was read.

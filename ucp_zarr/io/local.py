@@ -1,7 +1,7 @@
 """The local file system store: plain ``os`` calls (``writev``/``preadv`` straight from and into
-tensor memory; large cold spans read around the page cache, :mod:`.direct`), exclusive creation
-by ``link``/``renameat2``, ``fsync`` of files and directories or one ``syncfs`` of the file system
-for a batch of small objects."""
+tensor memory; large cold spans read and large objects written around the page cache,
+:mod:`.direct`), exclusive creation by ``link``/``renameat2``, ``fsync`` of files and directories
+or one ``syncfs`` of the file system for a batch of small objects."""
 
 from __future__ import annotations
 
