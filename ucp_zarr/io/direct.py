@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import os
 import threading
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # (not a POSIX system: nothing is read or written around a cache)
+    fcntl = None  # type: ignore[assignment]
 
 ALIGN = 4096
 """Direct reads start, end and land on multiples of this (every common logical block size
@@ -34,7 +38,7 @@ MIN_DIRECT_BYTES = 1 << 20
 """Shorter spans are read through the page cache: a direct read's alignment padding and
 fixed cost do not pay for less."""
 
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_DIRECT = getattr(os, "O_DIRECT", 0) if fcntl is not None else 0
 
 
 def aligned(offset: int, nbytes: int) -> tuple[int, int]:
