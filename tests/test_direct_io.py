@@ -277,6 +277,37 @@ def test_a_staged_write_writes_the_bytes_given(tmp_path_factory: pytest.TempPath
     assert staged.direct is (len(want) >= 8192) and not staged.refused
 
 
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_pieces_filled_in_place_are_written_as_copied_ones(tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+    """A producer may gather a piece where the staged write takes it next (``reserve``) and
+    hand over that view: no copy, the same bytes; mixed with copied pieces, across stages."""
+    pieces = data.draw(st.lists(st.tuples(st.integers(0, 3 * 8192 + 100), st.booleans()), max_size=10))
+    root = tmp_path_factory.mktemp("reserve")
+    rng = np.random.default_rng(len(pieces))
+    chunks = [rng.integers(0, 256, n, dtype=np.uint8) for n, _ in pieces]
+    stage, direct.WRITE_STAGE_BYTES = direct.WRITE_STAGE_BYTES, 8192
+    try:
+        fd = os.open(root / "obj", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            staged = direct.StagedWrite(fd)
+            for chunk, (n, in_place) in zip(chunks, pieces):
+                where = direct.reserve(n) if in_place else None
+                if where is None:
+                    staged.add(memoryview(chunk))
+                else:
+                    where[:] = chunk
+                    staged.add(memoryview(where))
+            total = staged.finish()
+        finally:
+            os.close(fd)
+        assert direct.reserve(1) is None  # (closed)
+    finally:
+        direct.WRITE_STAGE_BYTES = stage
+    want = b"".join(c.tobytes() for c in chunks)
+    assert total == len(want) and (root / "obj").read_bytes() == want
+
+
 @pytest.mark.parametrize("nbytes", [2 * 8192, 2 * 8192 - 1, 2 * 8192 + 1, 8192 + 4096])
 def test_a_staged_write_ends_on_a_stage_or_block_boundary_or_not(tmp_path, monkeypatch, nbytes: int) -> None:
     needs_direct_reads(tmp_path)

@@ -37,7 +37,7 @@ from ..format.codec import (
 from ..errors import CorruptChunkError, FormatError
 from ..format.documents import ArrayMeta
 from ..layout import Box, ChunkGrid
-from .direct import ALIGN
+from .direct import ALIGN, reserve
 from .store import Store, WriteGuard, copy_bytes
 
 if TYPE_CHECKING:
@@ -275,7 +275,8 @@ def _tiled_batches(
     nbytes = math.prod(grid.chunk_shape) * region.itemsize
     stored = nbytes + CRC_BYTES
     for n, run in _tiled_runs(grid, region, WRITE_BATCH_BYTES):
-        stage = _stage(n * stored)[: n * stored]
+        stage = reserve(n * stored)  # (a store's staged write takes the run where it is gathered)
+        stage = _stage(n * stored)[: n * stored] if stage is None else stage
         chunks = stage.reshape(n, stored)
         chunks[:, :nbytes].view(region.dtype).reshape(run.shape)[...] = run
         raw = memoryview(stage)

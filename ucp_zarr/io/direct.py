@@ -124,19 +124,39 @@ def read_direct(fd: int, buf: np.ndarray, start: int, want: int) -> int:
 WRITE_STAGE_BYTES = 8 << 20
 """An object larger than this is written around the page cache, this many bytes at a time;
 a smaller one through it, in one write."""
+MAX_RESERVE_BYTES = 1 << 20
+"""The most a producer may fill in place at once (:func:`reserve`): the stage has this much
+room beyond :data:`WRITE_STAGE_BYTES`."""
 
 _write_local = threading.local()
 
 
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data
+
+
 def _write_stage() -> np.ndarray:
-    """This thread's page-aligned buffer of :data:`WRITE_STAGE_BYTES` for :class:`StagedWrite`
-    (its own: a producer's buffers may be views of the read and write staging buffer)."""
+    """This thread's page-aligned buffer for :class:`StagedWrite`, of :data:`WRITE_STAGE_BYTES`
+    and :data:`MAX_RESERVE_BYTES` beyond (its own: a producer's buffers may be views of the
+    read and write staging buffer)."""
+    n = WRITE_STAGE_BYTES + MAX_RESERVE_BYTES
     buf = getattr(_write_local, "stage", None)
-    if buf is None or buf.size != WRITE_STAGE_BYTES:
-        raw = np.empty(WRITE_STAGE_BYTES + ALIGN, dtype=np.uint8)
+    if buf is None or buf.size != n:
+        raw = np.empty(n + ALIGN, dtype=np.uint8)
         start = -raw.ctypes.data % ALIGN
-        buf = _write_local.stage = raw[start : start + WRITE_STAGE_BYTES]
+        buf = _write_local.stage = raw[start : start + n]
     return buf
+
+
+def reserve(nbytes: int) -> np.ndarray | None:
+    """Where this thread's staged write (:class:`StagedWrite`, while one is open) takes its
+    next ``nbytes``: a producer may gather them there and hand over that very view, which
+    then costs no copy. None without an open staged write, or for more than
+    :data:`MAX_RESERVE_BYTES`."""
+    staged = getattr(_write_local, "open", None)
+    if staged is None or nbytes > MAX_RESERVE_BYTES:
+        return None
+    return staged.stage[staged._pos : staged._pos + nbytes]
 
 
 class StagedWrite:
@@ -155,13 +175,20 @@ class StagedWrite:
         self.refused = False
         self._pos = 0
         self._offset = 0
+        _write_local.open = self
 
     def add(self, data: memoryview | bytes) -> None:
-        """Copy ``data`` in (written once the stage is full): ``data`` may change afterwards."""
+        """Copy ``data`` in (written once the stage is full): ``data`` may change afterwards.
+        ``data`` filled in place (:func:`reserve`) is taken as it is."""
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
-        stage, size = self.stage, self.stage.size
+        stage, size = self.stage, WRITE_STAGE_BYTES
+        if view.nbytes and _address(view) == stage.ctypes.data + self._pos:  # (filled in place)
+            self._pos += view.nbytes
+            while self._pos >= size:  # the stage, then the rest (in its spare room) moved to its start
+                self._flush(size, start_direct=True, keep=self._pos - size)
+            return
         while view.nbytes:
             n = min(view.nbytes, size - self._pos)
             stage[self._pos : self._pos + n] = np.frombuffer(view[:n], dtype=np.uint8)
@@ -171,7 +198,8 @@ class StagedWrite:
                 self._flush(size, start_direct=True)
 
     def finish(self) -> int:
-        """Write what is left; return the file's size."""
+        """Write what is left; return the file's size. The staged write is closed."""
+        self.close()
         total = self._offset + self._pos
         if self._pos:
             if self.direct:  # whole blocks only: pad the last, then cut the file to its size
@@ -183,7 +211,14 @@ class StagedWrite:
                 self._flush(self._pos)
         return total
 
-    def _flush(self, n: int, start_direct: bool = False) -> None:
+    def close(self) -> None:
+        """No more producers fill this stage in place (:func:`reserve`)."""
+        if getattr(_write_local, "open", None) is self:
+            _write_local.open = None
+
+    def _flush(self, n: int, start_direct: bool = False, keep: int = 0) -> None:
+        """Write the stage's first ``n`` bytes; then the ``keep`` bytes after them are the
+        stage's first."""
         if start_direct and self.allowed and not self.direct and not self.refused:
             self._start_direct()
         view, done = memoryview(self.stage)[:n], 0
@@ -195,7 +230,9 @@ class StagedWrite:
                     raise
                 self._stop_direct()  # (the file system took the flag but not the write)
         self._offset += n
-        self._pos = 0
+        if keep:
+            self.stage[:keep] = self.stage[n : n + keep]
+        self._pos = keep
 
     def _start_direct(self) -> None:
         try:

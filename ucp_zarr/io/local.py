@@ -197,8 +197,11 @@ class LocalStore(Store):
             direct_ = False
             if defer and self._direct_writes and getattr(buffers, "nbytes", 0) > direct.WRITE_STAGE_BYTES:
                 staged = direct.StagedWrite(fd)
-                for b in buffers:
-                    staged.add(b)
+                try:
+                    for b in buffers:
+                        staged.add(b)
+                finally:
+                    staged.close()
                 total, direct_ = staged.finish(), staged.direct
                 if staged.refused:  # (this file system writes nothing directly: through the cache from now on)
                     self._direct_writes = False
