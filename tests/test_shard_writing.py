@@ -50,6 +50,13 @@ def test_runs_of_chunks_read_back_bit_exact_by_zarr_python(tmp_path_factory, cas
     grid = ChunkGrid(shape, shard, chunk)
     meta = ArrayMeta("a", stored_dtype(dtype), grid, ())
     store = LocalStore(str(root))
+    sizes = []  # (what the buffers said the object would take, what it took)
+    real_write = store.write
+    def write(key, buffers, guard=None):
+        sizes.append((buffers.nbytes, real_write(key, buffers, guard)))
+        return sizes[-1][1]
+
+    store.write = write
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(arrayio, "WRITE_BATCH_BYTES", batch)
         for index in itertools.product(*(range(-(-n // s)) for n, s in zip(shape, shard))):
@@ -57,6 +64,7 @@ def test_runs_of_chunks_read_back_bit_exact_by_zarr_python(tmp_path_factory, cas
     (root / "a" / "zarr.json").write_text(json.dumps(meta.to_zarr_json()))
     got = zarr.open_array(str(root / "a"), mode="r")[...]
     assert np.array_equal(got, t.numpy()), case
+    assert sizes and all(said == took for said, took in sizes), sizes
 
 
 def test_a_shard_of_column_blocks_goes_to_the_store_in_runs(tmp_path) -> None:

@@ -225,7 +225,7 @@ def write_shard_array(
         yield trailer
         yield encode_index(_written_rows(meta, shard))
 
-    nbytes = store.write(key, _Replayable(buffers, written_index(meta, shard, seal)[1]), guard)
+    nbytes = store.write(key, _Replayable(buffers, _written_nbytes(meta, shard, seal)), guard)
     return sealed[0], nbytes
 
 
@@ -654,6 +654,17 @@ def written_index(meta: ArrayMeta, shard: Sequence[int], seal: Seal) -> tuple[np
     index = _written_rows(meta, shard)
     stored = int((index[:, 0] != MISSING).sum())
     return index, stored * _stored_nbytes(meta) + _head_nbytes(meta, seal)
+
+
+def _written_nbytes(meta: ArrayMeta, shard: Sequence[int], seal: Seal) -> int:
+    """The size of the object :func:`write_shard` gives ``shard`` (:func:`written_index`'s),
+    by arithmetic: every chunk inside the array stored, then the trailer and index."""
+    grid = meta.grid
+    inside = math.prod(
+        -(-(min((s + 1) * ss, n) - s * ss) // cs)
+        for s, ss, n, cs in zip(shard, grid.shard_shape, grid.shape, grid.chunk_shape)
+    )
+    return inside * _stored_nbytes(meta) + _head_nbytes(meta, seal)
 
 
 def _written_rows(meta: ArrayMeta, shard: Sequence[int]) -> np.ndarray:

@@ -275,7 +275,8 @@ class LocalStore(Store):
                     self._direct = False  # (this file system reads nothing directly: through the cache from now on)
                 else:
                     if got < offset + nbytes - start:
-                        raise OSError(f"{path}: short read of {got - (offset - start)} bytes at {offset}, wanted {nbytes}")
+                        got -= offset - start
+                        raise OSError(f"{path}: short read of {got} bytes at {offset}, wanted {nbytes}")
                     self.stats.add_read(got, direct=True)
                     return memoryview(buf)[offset - start : offset - start + nbytes]
             view = memoryview(stage(nbytes)[:nbytes])
