@@ -381,10 +381,7 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
 
     def _checkpoint(self) -> CheckpointReader:
         if self._ck is None:
-            store = open_store(self.path, self.storage_options)
-            if Comm().world > 1:  # (every rank of the job reads: through the shared page cache)
-                store.share_reads()
-            self._ck = open_store_reader(store)
+            self._ck = open_store_reader(open_store(self.path, self.storage_options), shared=Comm().world > 1)
         return self._ck
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

@@ -37,7 +37,7 @@ from ..format.codec import (
 from ..errors import CorruptChunkError, FormatError
 from ..format.documents import ArrayMeta
 from ..layout import Box, ChunkGrid
-from .direct import ALIGN, reserve
+from .direct import aligned_empty, reserve
 from .store import Store, WriteGuard, copy_bytes
 
 if TYPE_CHECKING:
@@ -68,10 +68,7 @@ def _stage(nbytes: int) -> np.ndarray:
     """
     buf = getattr(_local, "stage", None)
     if buf is None or buf.size < nbytes:
-        n = max(nbytes, 1 << 20)
-        raw = np.empty(n + ALIGN, dtype=np.uint8)
-        start = -raw.ctypes.data % ALIGN
-        buf = _local.stage = raw[start : start + n]
+        buf = _local.stage = aligned_empty(max(nbytes, 1 << 20))
     return buf
 
 
@@ -466,8 +463,7 @@ def read_small_shard(
     size follows from the grid: every chunk inside the array is stored). None when larger,
     when the store cannot read a small object whole, or when the object is not exactly that
     size: the two-request path then names what is wrong."""
-    chunk_nbytes = math.prod(meta.grid.chunk_shape) * meta.dtype.itemsize + CRC_BYTES
-    size = int(_inside_rows(meta, shard).sum()) * chunk_nbytes + _head_nbytes(meta, seal)
+    size = _written_nbytes(meta, shard, seal)
     if size > limit:
         return None
     key, _ = _shard_where(store, path, shard)
@@ -651,9 +647,7 @@ def _read_tiled_bands(
 def written_index(meta: ArrayMeta, shard: Sequence[int], seal: Seal) -> tuple[np.ndarray, int]:
     """The index :func:`write_shard` gives ``shard`` (every chunk inside the array, in C
     order, back to back from the object's start) and the size of its object."""
-    index = _written_rows(meta, shard)
-    stored = int((index[:, 0] != MISSING).sum())
-    return index, stored * _stored_nbytes(meta) + _head_nbytes(meta, seal)
+    return _written_rows(meta, shard), _written_nbytes(meta, shard, seal)
 
 
 def _written_nbytes(meta: ArrayMeta, shard: Sequence[int], seal: Seal) -> int:

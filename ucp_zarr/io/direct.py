@@ -46,6 +46,14 @@ def aligned(offset: int, nbytes: int) -> tuple[int, int]:
     return offset - offset % ALIGN, -(-(offset + nbytes) // ALIGN) * ALIGN
 
 
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A new uint8 buffer of ``nbytes`` starting on an ``ALIGN`` boundary (a direct read or
+    write may use it)."""
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start : start + nbytes]
+
+
 def _libc() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(None, use_errno=True)
@@ -142,9 +150,7 @@ def _write_stage() -> np.ndarray:
     n = WRITE_STAGE_BYTES + MAX_RESERVE_BYTES
     buf = getattr(_write_local, "stage", None)
     if buf is None or buf.size != n:
-        raw = np.empty(n + ALIGN, dtype=np.uint8)
-        start = -raw.ctypes.data % ALIGN
-        buf = _write_local.stage = raw[start : start + n]
+        buf = _write_local.stage = aligned_empty(n)
     return buf
 
 
@@ -169,7 +175,6 @@ class StagedWrite:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.stage = _write_stage()
-        self.allowed = bool(_O_DIRECT)
         self.direct = False
         """Whether the file is written around the cache."""
         self.refused = False
@@ -203,7 +208,7 @@ class StagedWrite:
         total = self._offset + self._pos
         if self._pos:
             if self.direct:  # whole blocks only: pad the last, then cut the file to its size
-                end = -(-self._pos // ALIGN) * ALIGN
+                end = aligned(0, self._pos)[1]
                 self.stage[self._pos : end] = 0
                 self._flush(end)
                 os.ftruncate(self.fd, total)
@@ -219,7 +224,7 @@ class StagedWrite:
     def _flush(self, n: int, start_direct: bool = False, keep: int = 0) -> None:
         """Write the stage's first ``n`` bytes; then the ``keep`` bytes after them are the
         stage's first."""
-        if start_direct and self.allowed and not self.direct and not self.refused:
+        if start_direct and _O_DIRECT and not self.direct and not self.refused:
             self._start_direct()
         view, done = memoryview(self.stage)[:n], 0
         while done < n:

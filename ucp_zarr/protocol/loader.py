@@ -97,10 +97,7 @@ def load(
     ``load``).
     """
     comm = Comm(process_group)
-    store = open_store(path, storage_options)
-    if comm.world > 1:
-        store.share_reads()
-    ck = open_store_reader(store, hmac_key)
+    ck = open_store_reader(open_store(path, storage_options), hmac_key, shared=comm.world > 1)
     plan = _Planner(ck, state_dict, comm).plan(strict, allow_new_ranks, allow_lossy_cast, allow_other_rules)
     fill(ck, plan.reads, comm.rank, allow_lossy_cast, max_workers)
     for where, value in plan.values:

@@ -46,10 +46,7 @@ def read_state_dict(
     ucp_zarr, converted from another format, or through DCP without ``planner_data``) comes
     back flat: ``{flattened key: value}``.
     """
-    store = open_store(path, storage_options)
-    if Comm().world > 1:  # (every rank of a job may read the same objects)
-        store.share_reads()
-    ck = open_store_reader(store, hmac_key)
+    ck = open_store_reader(open_store(path, storage_options), hmac_key, shared=Comm().world > 1)
     meta = ck.meta
     stored = [*meta.tensors, *meta.values, *meta.rank_values, *meta.ties]
     wanted = _selected(stored, keys)

@@ -606,5 +606,9 @@ def open_reader(
     return open_store_reader(open_store(path, storage_options), hmac_key)
 
 
-def open_store_reader(store: Store, hmac_key: bytes | None = None) -> CheckpointReader:
+def open_store_reader(store: Store, hmac_key: bytes | None = None, *, shared: bool = False) -> CheckpointReader:
+    """The committed checkpoint in ``store``; ``shared``: other processes (the ranks of one
+    job) read it at the same time (:meth:`.Store.share_reads`)."""
+    if shared:
+        store.share_reads()
     return CheckpointReader(*commit_meta(store, hmac_key), hmac_key)
