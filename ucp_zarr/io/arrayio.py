@@ -663,8 +663,15 @@ def _written_nbytes(meta: ArrayMeta, shard: Sequence[int], seal: Seal) -> int:
 
 def _written_rows(meta: ArrayMeta, shard: Sequence[int]) -> np.ndarray:
     """The index of :func:`written_index`, without the object's size."""
+    grid = meta.grid
+    if all((s + 1) * ss <= n for s, ss, n in zip(shard, grid.shard_shape, grid.shape)):  # (inside the array)
+        n = math.prod(grid.chunks_per_shard)
+        index = np.empty((n, 2), dtype="<u8")
+        index[:, 0] = np.arange(n, dtype="<u8") * _stored_nbytes(meta)
+        index[:, 1] = _stored_nbytes(meta)
+        return index
     inside = _inside_rows(meta, shard)
-    index = empty_index(meta.grid.chunks_per_shard)
+    index = empty_index(grid.chunks_per_shard)
     index[inside, 0] = np.arange(int(inside.sum()), dtype="<u8") * _stored_nbytes(meta)
     index[inside, 1] = _stored_nbytes(meta)
     return index

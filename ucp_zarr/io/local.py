@@ -97,7 +97,8 @@ class LocalStore(Store):
             parent = os.path.dirname(self.root)
             new[parent] = os.stat(parent).st_dev
         cur, dev = self.root, new.get(self.root, self._dirs.get(self.root))
-        for part in os.path.relpath(d, self.root).split(os.sep) if d != self.root else ():
+        rel = d[len(self.root) :].lstrip(os.sep) if d.startswith(self.root) else os.path.relpath(d, self.root)
+        for part in rel.split(os.sep) if rel else ():
             cur = os.path.join(cur, part)
             known = self._dirs.get(cur)
             if known is None:  # a directory made here is on its parent's device

@@ -212,8 +212,9 @@ class PreparedSave:
         return self._docs[1]
 
     def _write_documents(self, rank: int, fence: Fence) -> None:
-        """Write this rank's group and array documents behind the fence, durably."""
-        docs = [(k, b) for k, _, b in self._documents(self.plan) if self.plan.doc_writers.get(k) == rank]
+        """Write this rank's group and array documents behind the fence, durably (made from
+        the whole plan where this rank has it: the commit record needs them all, made once)."""
+        docs = [(k, b) for k, _, b in self._documents(self.whole) if self.plan.doc_writers.get(k) == rank]
         if self.writer is not None and docs:
             process, pid = self.writer
             process.write(self.target, [DocumentJob(k, d) for k, d in docs], fence, self.seal, None,
