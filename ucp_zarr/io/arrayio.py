@@ -149,6 +149,9 @@ def _shard_chunks(grid: "ChunkGrid", shard: Sequence[int], src_box: Box) -> Iter
     """Every chunk of ``shard`` in C order (its row in the index): the part of the source
     (holding ``src_box``) that it covers, or None for a chunk wholly beyond the array's edge.
     Per dim first, then combined (a shard may hold thousands of chunks)."""
+    if grid.shard_shape == grid.chunk_shape and grid.shard_shape == grid.shape:  # (one chunk, the array)
+        yield tuple(slice(-so, n - so) for n, so in zip(grid.shape, src_box.offset))
+        return
     per_dim: list[list[slice | None]] = []
     for si, ss, cs, n, so in zip(shard, grid.shard_shape, grid.chunk_shape, grid.shape, src_box.offset):
         dim: list[slice | None] = []

@@ -25,7 +25,7 @@ import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -207,6 +207,7 @@ def plan_save(
 
     base_paths = assign_array_paths(list(by_key), {k: held[0][1].alias for k, held in by_key.items()})
     loads = Loads(len(infos))
+    grids: dict[tuple[Any, ...], ChunkGrid] = {}  # (the layers of a model repeat their shapes and layouts)
     arrays: dict[str, tuple[str, ArrayMeta]] = {}
     shards: list[ShardTask] = []
     replicas: list[Replicated] = []
@@ -219,7 +220,12 @@ def plan_save(
         if shared and rank is None:
             replicas.append(Replicated(f0.key, shared, f0.plain, f0.rule))
         sd = stored_dtype(getattr(torch, f0.dtype), key=f0.key)
-        grid = grid_for_regions(f0.shape, sd.itemsize, regions, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes)
+        layout = (f0.shape, sd.itemsize, tuple(regions.items()))
+        grid = grids.get(layout)
+        if grid is None:
+            grid = grids[layout] = grid_for_regions(
+                f0.shape, sd.itemsize, regions, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes
+            )
         writers: dict[Box, set[int]] = defaultdict(set)
         shards += _assign(akey, path, grid, regions, sd.itemsize, loads, writers)
         records = _region_records(held, regions, writers)
