@@ -10,6 +10,7 @@ directly in the destination array when its memory allows. The read side is numpy
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
@@ -223,7 +224,7 @@ def write_shard_array(
         trailer = encode_trailer(seal.save_id, key, crcs, shas, seal.hmac_key)
         sealed[:] = [trailer[-32:]]
         yield trailer
-        yield encode_index(_written_rows(meta, shard))
+        yield _written_layout(meta, shard)[1]
 
     nbytes = store.write(key, _Replayable(buffers, _written_nbytes(meta, shard, seal)), guard)
     return sealed[0], nbytes
@@ -388,13 +389,8 @@ def _shard_where(store: Store, path: str, shard: Sequence[int]) -> tuple[str, st
 def _inside_rows(meta: ArrayMeta, shard: Sequence[int]) -> np.ndarray:
     """Which index rows of ``shard`` are chunks inside the array (the others lie wholly
     beyond its edge and are absent)."""
-    grid = meta.grid
-    counts = [
-        -(-(min((s + 1) * ss, n) - s * ss) // cs)
-        for s, ss, n, cs in zip(shard, grid.shard_shape, grid.shape, grid.chunk_shape)
-    ]
-    mask = np.zeros(grid.chunks_per_shard, dtype=bool)
-    mask[tuple(slice(0, c) for c in counts)] = True
+    mask = np.zeros(meta.grid.chunks_per_shard, dtype=bool)
+    mask[tuple(slice(0, c) for c in _inside_counts(meta, shard))] = True
     return mask.reshape(-1)
 
 
@@ -427,12 +423,12 @@ def decode_shard_head(
     shard: Sequence[int],
     seal: Seal,
     raw: bytes | memoryview,
-    expected: np.ndarray | None = None,
+    written: bool = False,
 ) -> ShardHead:
     """Check the trailer and index at the end of ``raw`` (the shard's tail, or all of it).
-    An index equal to ``expected`` (:func:`written_index`, which meets every check of the
-    index's layout) needs no more checks than its own crc32c; the head then holds
-    ``expected`` itself."""
+    With ``written``, an index stored byte for byte as this library writes it (the index
+    of :func:`written_index`, which meets every check of the index's layout, and its
+    crc32c) is taken as it is; the head then holds that very index."""
     grid = meta.grid
     cps = grid.chunks_per_shard
     n = math.prod(cps)
@@ -440,12 +436,13 @@ def decode_shard_head(
     where = f"{where} (tensor {meta.key!r})"
     tn = trailer_nbytes(n, seal.authenticated)
     tail = memoryview(raw)[len(raw) - _head_nbytes(meta, seal) :]
-    index = decode_index(tail[tn:], cps, where)
+    layout, stored = _written_layout(meta, shard) if written else (None, None)
+    index = layout if layout is not None and tail[tn:].tobytes() == stored else decode_index(tail[tn:], cps, where)
     trailer = decode_trailer(
         tail[:tn], n, seal.save_id, key, where, authenticated=seal.authenticated, hmac_key=seal.hmac_key
     )
-    if expected is not None and np.array_equal(index, expected):
-        return ShardHead(expected, trailer)
+    if index is layout:
+        return ShardHead(index, trailer)
     inside = _inside_rows(meta, shard)
     absent = index[:, 0] == MISSING
     wrong = np.flatnonzero(absent == inside)
@@ -539,7 +536,7 @@ def read_whole_shard(
             return None
     except (OSError, FormatError):
         return None  # (missing, short, not a file: the two-request path names what is wrong)
-    head = decode_shard_head(store, path, meta, shard, seal, tail, expected=index)
+    head = decode_shard_head(store, path, meta, shard, seal, tail, written=True)
     if head.index is index:
         _land(pieces, out, meta, head, where)
     else:  # another layout than this library's writer gives: read again by its index
@@ -589,7 +586,7 @@ def _read_tiled_shard(
         stage = np.frombuffer(data, dtype=np.uint8)
     except (OSError, FormatError):
         return None  # (missing, short, not a file: the two-request path names what is wrong)
-    head = decode_shard_head(store, path, meta, shard, seal, stage, expected=index)
+    head = decode_shard_head(store, path, meta, shard, seal, stage, written=True)
     if head.index is not index:  # another layout than this library's writer gives: read again by its index
         read_box(store, path, meta, box, out, shard, head)
         return head
@@ -634,7 +631,7 @@ def _read_tiled_bands(
     grid per request (at most ``MAX_STAGED_BYTES``), each landed by :func:`_land_tiled`."""
     cps = meta.grid.chunks_per_shard
     stored = _stored_nbytes(meta)
-    if not np.array_equal(head.index, _written_rows(meta, shard)):
+    if not np.array_equal(head.index, _written_layout(meta, shard)[0]):
         return False
     band = math.prod(cps[1:]) * stored
     if band > MAX_STAGED_BYTES:
@@ -649,35 +646,43 @@ def _read_tiled_bands(
 
 def written_index(meta: ArrayMeta, shard: Sequence[int], seal: Seal) -> tuple[np.ndarray, int]:
     """The index :func:`write_shard` gives ``shard`` (every chunk inside the array, in C
-    order, back to back from the object's start) and the size of its object."""
-    return _written_rows(meta, shard), _written_nbytes(meta, shard, seal)
+    order, back to back from the object's start; read-only) and the size of its object."""
+    return _written_layout(meta, shard)[0], _written_nbytes(meta, shard, seal)
 
 
 def _written_nbytes(meta: ArrayMeta, shard: Sequence[int], seal: Seal) -> int:
     """The size of the object :func:`write_shard` gives ``shard`` (:func:`written_index`'s),
     by arithmetic: every chunk inside the array stored, then the trailer and index."""
+    return math.prod(_inside_counts(meta, shard)) * _stored_nbytes(meta) + _head_nbytes(meta, seal)
+
+
+def _inside_counts(meta: ArrayMeta, shard: Sequence[int]) -> tuple[int, ...]:
+    """How many of the chunks of ``shard`` lie inside the array, per dim."""
     grid = meta.grid
-    inside = math.prod(
+    return tuple(
         -(-(min((s + 1) * ss, n) - s * ss) // cs)
         for s, ss, n, cs in zip(shard, grid.shard_shape, grid.shape, grid.chunk_shape)
     )
-    return inside * _stored_nbytes(meta) + _head_nbytes(meta, seal)
 
 
-def _written_rows(meta: ArrayMeta, shard: Sequence[int]) -> np.ndarray:
-    """The index of :func:`written_index`, without the object's size."""
-    grid = meta.grid
-    if all((s + 1) * ss <= n for s, ss, n in zip(shard, grid.shard_shape, grid.shape)):  # (inside the array)
-        n = math.prod(grid.chunks_per_shard)
-        index = np.empty((n, 2), dtype="<u8")
-        index[:, 0] = np.arange(n, dtype="<u8") * _stored_nbytes(meta)
-        index[:, 1] = _stored_nbytes(meta)
-        return index
-    inside = _inside_rows(meta, shard)
-    index = empty_index(grid.chunks_per_shard)
-    index[inside, 0] = np.arange(int(inside.sum()), dtype="<u8") * _stored_nbytes(meta)
-    index[inside, 1] = _stored_nbytes(meta)
-    return index
+def _written_layout(meta: ArrayMeta, shard: Sequence[int]) -> tuple[np.ndarray, bytes]:
+    """The index of :func:`written_index` and its bytes as stored (:func:`encode_index`)."""
+    return _layout_index(meta.grid.chunks_per_shard, _inside_counts(meta, shard), _stored_nbytes(meta))
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout_index(chunks_per_shard: tuple[int, ...], inside: tuple[int, ...], stored: int) -> tuple[np.ndarray, bytes]:
+    """The index (read-only) and its encoding of a shard of ``chunks_per_shard`` chunks of
+    ``stored`` bytes each whose first ``inside`` per dim lie inside the array, stored back to
+    back in C order (made once per shape: the arrays of a model repeat them)."""
+    mask = np.zeros(chunks_per_shard, dtype=bool)
+    mask[tuple(slice(0, c) for c in inside)] = True
+    mask = mask.reshape(-1)
+    index = empty_index(chunks_per_shard)
+    index[mask, 0] = np.arange(int(mask.sum()), dtype="<u8") * stored
+    index[mask, 1] = stored
+    index.flags.writeable = False
+    return index, encode_index(index)
 
 
 def _stored_nbytes(meta: ArrayMeta) -> int:
