@@ -10,9 +10,12 @@ grows with the size) is saved and loaded with ``ucp_zarr`` and with the raw limi
   wrote for that state (shards, ``zarr.json`` documents, commit record), written by as many
   threads as ucp_zarr uses (``--threads``, default 4 = ``max_workers``) from one source
   buffer, each file ``write`` + ``fsync`` (then the directory fsynced): what this disk does
-  when nothing but the bytes is written durably; and again with ``O_DIRECT`` (around the
+  when nothing but the bytes is written durably; again with ``O_DIRECT`` (around the
   page cache, each file from a page-aligned range, padded, cut and fsynced), as ucp_zarr
-  writes shards larger than 8 MiB;
+  writes shards larger than 8 MiB; and again into the same directory tree as ucp_zarr's
+  (every file under its own path, directories made as needed and fsynced): a reference
+  that tells the layout's directories (a Zarr array is a directory, a shard ``c/<i>/<j>``)
+  from the rest of a save's cost;
 * **raw read**: the same files read cold by as many threads with ``os.preadv`` into one
   preallocated, resident buffer (no allocation, no copy); and again cold with ``O_DIRECT``
   (around the page cache, each file's range page-aligned): the device's own limit, which
@@ -46,7 +49,7 @@ from typing import Any
 import torch
 from pagecache import cached_bytes, evict, files_under
 from rawio import (counted_load, direct_buffer, load_counts, opened_stores, raw_read, raw_read_direct, raw_write,
-                   raw_write_direct)
+                   raw_write_direct, raw_write_tree)
 
 if importlib.util.find_spec("ucp_zarr") is None:  # run from a checkout without PYTHONPATH
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -112,9 +115,9 @@ def ucp_save(sd: dict[str, torch.Tensor], path: str, threads: int) -> int:
     return sum(s.stats.bytes_written_direct for s in stores)
 
 
-def object_sizes(path: str) -> list[int]:
-    """The sizes of every file under ``path``, largest first."""
-    return sorted((os.path.getsize(f) for f in files_under(path)), reverse=True)
+def object_files(path: str) -> list[tuple[str, int]]:
+    """Every file under ``path``: its path relative to ``path`` and its size, largest first."""
+    return sorted(((os.path.relpath(f, path), os.path.getsize(f)) for f in files_under(path)), key=lambda f: -f[1])
 
 
 # --- one size -----------------------------------------------------------------------------------
@@ -127,7 +130,8 @@ def measure(mib: float, repeat: int, threads: int, work: str, log: Any = print) 
     dest = {k: torch.zeros_like(v) for k, v in sd.items()}
     probe = os.path.join(work, "probe")
     ucp_save(sd, probe, threads)  # untimed: first calls, and the object sizes raw writes
-    sizes = object_sizes(probe)
+    files = object_files(probe)
+    sizes = [size for _, size in files]
     evict(probe)
     counted_load(dest, probe, max_workers=threads)
     shutil.rmtree(probe)
@@ -136,9 +140,11 @@ def measure(mib: float, repeat: int, threads: int, work: str, log: Any = print) 
     direct = direct_buffer(sizes) if hasattr(os, "O_DIRECT") else None
     out: dict[str, Any] = {
         "mib": mib, "bytes": size, "tensors": len(sd), "objects": len(sizes), "object_bytes": sum(sizes),
-        "threads": threads, "save": [], "raw_write": [], "raw_write_direct": [], "load": [], "raw_read": [],
+        "directories": len({os.path.join(*parts[:i]) for f, _ in files for parts in [f.split(os.sep)]
+                            for i in range(1, len(parts))}),
+        "threads": threads, "save": [], "raw_write": [], "raw_write_direct": [], "raw_write_tree": [], "load": [], "raw_read": [],
         "raw_read_direct": [], "bytes_read": [], "bytes_read_direct": [], "bytes_written_direct": [], "cached": {},
-        "cpu": {"save": [], "raw_write": [], "raw_write_direct": [], "load": [], "raw_read": [], "raw_read_direct": []},
+        "cpu": {"save": [], "raw_write": [], "raw_write_direct": [], "raw_write_tree": [], "raw_write_tree": [], "load": [], "raw_read": [], "raw_read_direct": []},
     }
 
     def cpu() -> float:
@@ -158,13 +164,17 @@ def measure(mib: float, repeat: int, threads: int, work: str, log: Any = print) 
                 raw_write(path, sizes, src, threads)
             out[op].append(time.perf_counter() - t0)
             out["cpu"][op].append(cpu() - c0)
-            if m == "raw" and direct is not None:  # the same files again, around the page cache
-                gc.collect()
-                c0, t0 = cpu(), time.perf_counter()
-                raw_write_direct(path + ".direct", sizes, direct, threads)
-                out["raw_write_direct"].append(time.perf_counter() - t0)
-                out["cpu"]["raw_write_direct"].append(cpu() - c0)
-                shutil.rmtree(path + ".direct")
+            if m == "raw":  # the same files again: around the page cache, and in ucp_zarr's directory tree
+                again: list[tuple[str, Any]] = [("raw_write_tree", lambda p: raw_write_tree(p, files, src, threads))]
+                if direct is not None:
+                    again.insert(0, ("raw_write_direct", lambda p: raw_write_direct(p, sizes, direct, threads)))
+                for name, write in again:
+                    gc.collect()
+                    c0, t0 = cpu(), time.perf_counter()
+                    write(f"{path}.{name}")
+                    out[name].append(time.perf_counter() - t0)
+                    out["cpu"][name].append(cpu() - c0)
+                    shutil.rmtree(f"{path}.{name}")
             evict(path)
             if rep == 0:
                 out["cached"][m] = cached_bytes(path)
@@ -222,6 +232,17 @@ def summary(r: dict[str, Any]) -> dict[str, float]:
         **({"cpu_load_ratio": statistics.median(cpu_ratios), "cpu_load_ratio_min": min(cpu_ratios),
             "cpu_load_ratio_max": max(cpu_ratios)} if cpu_ratios else {}),
         **(_direct_summary(r) if r.get("raw_read_direct") else {}),
+        **(_tree_summary(r) if r.get("raw_write_tree") else {}),
+    }
+
+
+def _tree_summary(r: dict[str, Any]) -> dict[str, float]:
+    """The save against raw writes of the same files into the same directory tree."""
+    ratios = [w / s for s, w in zip(r["save"], r["raw_write_tree"])]
+    return {
+        "raw_write_tree": r["bytes"] / MiB / statistics.median(r["raw_write_tree"]),
+        "save_tree_ratio": statistics.median(ratios), "save_tree_ratio_min": min(ratios), "save_tree_ratio_max": max(ratios),
+        "directories": r.get("directories", 0),
     }
 
 

@@ -21,6 +21,33 @@ def raw_write(path: str, sizes: list[int], src: torch.Tensor, threads: int) -> N
     fsync_dir(path)
 
 
+def raw_write_tree(path: str, files: list[tuple[str, int]], src: torch.Tensor, threads: int) -> None:
+    """:func:`raw_write` of the same files under their own relative paths (``files``: path,
+    size): the directories of the layout made as the files need them (by the writing
+    thread), each file ``write`` + ``fsync``, then every directory fsynced, deepest first.
+    What any writer of that layout pays durably: a Zarr array is a directory, its shards
+    ``c/<i>/<j>`` below it."""
+    view = memoryview(src.numpy())
+    offsets = [0, *itertools.accumulate(size for _, size in files)]
+    os.makedirs(path)
+
+    def one(i: int) -> None:
+        target = os.path.join(path, files[i][0])
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        write_durably(target, view[offsets[i] : offsets[i + 1]])
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(len(files))))
+    dirs = {path}
+    for rel, _ in files:
+        d = os.path.dirname(os.path.join(path, rel))
+        while d not in dirs and d.startswith(path):
+            dirs.add(d)
+            d = os.path.dirname(d)
+    for d in sorted(dirs, key=lambda d: -d.count(os.sep)):
+        fsync_dir(d)
+
+
 def raw_write_direct(path: str, sizes: list[int], src: tuple[memoryview, list[int]], threads: int) -> None:
     """:func:`raw_write` with ``O_DIRECT`` (around the page cache): each file written whole
     from its page-aligned range of ``src`` (:func:`direct_buffer`), its last block padded,

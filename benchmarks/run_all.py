@@ -106,6 +106,13 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
                                 f"(CPU {s[f'cpu_raw_{raw}_direct']:.2f} s; through the cache {s[f'cpu_raw_{raw}']:.2f} s)",
                                 f"{s[f'{op}_direct_ratio']:.2f}x {rng(s[f'{op}_direct_ratio_min'], s[f'{op}_direct_ratio_max'])}",
                                 "(reference)", ""))
+            if "save_tree_ratio" in s:  # (reference: the layout's directories written raw too)
+                out.append((f"save {size}, against raw writes of the same tree",
+                            f"{s['save']:.0f} MiB/s",
+                            f"raw write+fsync of the same files in the same {s['directories']} directories, "
+                            f"{r['threads']} threads: {s['raw_write_tree']:.0f} MiB/s (CPU {s['cpu_raw_write_tree']:.2f} s)",
+                            f"{s['save_tree_ratio']:.2f}x {rng(s['save_tree_ratio_min'], s['save_tree_ratio_max'])}",
+                            "(reference)", ""))
     if res.get("distributed"):
         from bench_distributed import summarize
 
