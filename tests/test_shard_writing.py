@@ -86,3 +86,20 @@ def test_a_shard_of_column_blocks_goes_to_the_store_in_runs(tmp_path) -> None:
     assert store.counts == [runs + 2]  # the runs, the trailer, the index (before: 2 per chunk, 66)
     (tmp_path / "a" / "zarr.json").write_text(json.dumps(meta.to_zarr_json()))
     assert np.array_equal(zarr.open_array(str(tmp_path / "a"), mode="r")[...], t.numpy())
+
+
+def test_the_written_index_is_made_once_and_read_only() -> None:
+    """The index a shard is written with is made once per layout and shared by every shard
+    of that layout, written or read (``arrayio._layout_index``): a change to it would
+    corrupt every later one, so it refuses changes; edge shards get their own."""
+    seal = Seal("s", False)
+    a = ArrayMeta("a", stored_dtype(torch.float32), ChunkGrid((8, 6), (4, 6), (2, 3)), ())
+    b = ArrayMeta("b", stored_dtype(torch.float32), ChunkGrid((4, 6), (4, 6), (2, 3)), ())
+    index, size = arrayio.written_index(a, (0, 0), seal)
+    assert arrayio.written_index(b, (0, 0), seal)[0] is index  # (another array of the layout: the same index)
+    assert not index.flags.writeable
+    with pytest.raises(ValueError):
+        index[0, 0] = 1
+    assert index[:, 0].tolist() == [0, 28, 56, 84] and size == 4 * 28 + arrayio._head_nbytes(a, seal)
+    edge = ArrayMeta("c", stored_dtype(torch.float32), ChunkGrid((6, 6), (4, 6), (2, 3)), ())
+    assert arrayio.written_index(edge, (1, 0), seal)[0][:, 0].tolist() == [0, 28, 2**64 - 1, 2**64 - 1]
