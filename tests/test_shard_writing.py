@@ -103,3 +103,12 @@ def test_the_written_index_is_made_once_and_read_only() -> None:
     assert index[:, 0].tolist() == [0, 28, 56, 84] and size == 4 * 28 + arrayio._head_nbytes(a, seal)
     edge = ArrayMeta("c", stored_dtype(torch.float32), ChunkGrid((6, 6), (4, 6), (2, 3)), ())
     assert arrayio.written_index(edge, (1, 0), seal)[0][:, 0].tolist() == [0, 28, 2**64 - 1, 2**64 - 1]
+
+
+def test_a_large_index_is_not_kept() -> None:
+    """Only small indexes are shared: a shard of more chunks gets its own, not cached."""
+    n = arrayio.SHARED_INDEX_CHUNKS + 1
+    meta = ArrayMeta("a", stored_dtype(torch.uint8), ChunkGrid((n,), (n,), (1,)), ())
+    first = arrayio.written_index(meta, (0,), Seal("s", False))[0]
+    assert arrayio.written_index(meta, (0,), Seal("s", False))[0] is not first
+    assert first[-1].tolist() == [(n - 1) * 5, 5] and not first.flags.writeable

@@ -665,16 +665,23 @@ def _inside_counts(meta: ArrayMeta, shard: Sequence[int]) -> tuple[int, ...]:
     )
 
 
+SHARED_INDEX_CHUNKS = 4096
+"""Indexes of up to this many chunks (64 KiB) are made once per layout and shared."""
+
+
 def _written_layout(meta: ArrayMeta, shard: Sequence[int]) -> tuple[np.ndarray, bytes]:
     """The index of :func:`written_index` and its bytes as stored (:func:`encode_index`)."""
-    return _layout_index(meta.grid.chunks_per_shard, _inside_counts(meta, shard), _stored_nbytes(meta))
+    cps = meta.grid.chunks_per_shard
+    make = _layout_index if math.prod(cps) <= SHARED_INDEX_CHUNKS else _layout_index.__wrapped__
+    return make(cps, _inside_counts(meta, shard), _stored_nbytes(meta))
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=128)
 def _layout_index(chunks_per_shard: tuple[int, ...], inside: tuple[int, ...], stored: int) -> tuple[np.ndarray, bytes]:
     """The index (read-only) and its encoding of a shard of ``chunks_per_shard`` chunks of
     ``stored`` bytes each whose first ``inside`` per dim lie inside the array, stored back to
-    back in C order (made once per shape: the arrays of a model repeat them)."""
+    back in C order (small ones made once per layout, at most 16 MiB in all: the arrays of a
+    model repeat their layouts)."""
     mask = np.zeros(chunks_per_shard, dtype=bool)
     mask[tuple(slice(0, c) for c in inside)] = True
     mask = mask.reshape(-1)
