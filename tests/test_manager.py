@@ -225,7 +225,9 @@ def test_latest_under_sigkill_at_random_points(tmp_path):
     SIGKILLed at a random moment, again and again, each time resuming with load_latest:
     every committed step must load completely and bit-exactly, whatever the kill interrupted
     (a save, a retention deletion, a load under its reader lease). One trial in four kills
-    during the start (the load), the others after it."""
+    during the start (the load); the others after it, within 0.4 s, except one in four up to
+    2 s after it: the first background save of a process starts its writer process, which
+    on a loaded 2-core machine takes longer than 0.4 s, and the steps must still advance."""
     root = str(tmp_path / "ckpt")
     seed = int(os.environ.get("UCP_ZARR_SEED", "11"))
     print(f"seed {seed}, {KILL_TRIALS} trials")
@@ -241,7 +243,7 @@ def test_latest_under_sigkill_at_random_points(tmp_path):
             time.sleep(rng.uniform(0.0, 0.3))
         else:
             assert ready.wait(60)
-            time.sleep(rng.uniform(0.0, 0.4))
+            time.sleep(rng.uniform(0.0, 0.4) if trial % 4 != 3 else rng.uniform(0.4, 2.0))
         os.kill(p.pid, signal.SIGKILL)
         p.join(30)
         assert p.exitcode == -signal.SIGKILL, (trial, p.exitcode)
