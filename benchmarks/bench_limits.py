@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from pagecache import cached_bytes, evict, files_under
 from rawio import (counted_load, direct_buffer, load_counts, opened_stores, raw_read, raw_read_direct, raw_write,
-                   raw_write_direct, raw_write_tree)
+                   raw_write_direct, raw_write_tree, tree_directories)
 
 if importlib.util.find_spec("ucp_zarr") is None:  # run from a checkout without PYTHONPATH
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -140,11 +140,11 @@ def measure(mib: float, repeat: int, threads: int, work: str, log: Any = print) 
     direct = direct_buffer(sizes) if hasattr(os, "O_DIRECT") else None
     out: dict[str, Any] = {
         "mib": mib, "bytes": size, "tensors": len(sd), "objects": len(sizes), "object_bytes": sum(sizes),
-        "directories": len({os.path.join(*parts[:i]) for f, _ in files for parts in [f.split(os.sep)]
-                            for i in range(1, len(parts))}),
-        "threads": threads, "save": [], "raw_write": [], "raw_write_direct": [], "raw_write_tree": [], "load": [], "raw_read": [],
-        "raw_read_direct": [], "bytes_read": [], "bytes_read_direct": [], "bytes_written_direct": [], "cached": {},
-        "cpu": {"save": [], "raw_write": [], "raw_write_direct": [], "raw_write_tree": [], "raw_write_tree": [], "load": [], "raw_read": [], "raw_read_direct": []},
+        "directories": len(tree_directories(files)), "threads": threads, "save": [], "raw_write": [],
+        "raw_write_direct": [], "raw_write_tree": [], "load": [], "raw_read": [], "raw_read_direct": [], "bytes_read": [],
+        "bytes_read_direct": [], "bytes_written_direct": [], "cached": {},
+        "cpu": {"save": [], "raw_write": [], "raw_write_direct": [], "raw_write_tree": [], "load": [], "raw_read": [],
+                "raw_read_direct": []},
     }
 
     def cpu() -> float:

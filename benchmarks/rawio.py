@@ -38,14 +38,15 @@ def raw_write_tree(path: str, files: list[tuple[str, int]], src: torch.Tensor, t
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, range(len(files))))
-    dirs = {path}
-    for rel, _ in files:
-        d = os.path.dirname(os.path.join(path, rel))
-        while d not in dirs and d.startswith(path):
-            dirs.add(d)
-            d = os.path.dirname(d)
-    for d in sorted(dirs, key=lambda d: -d.count(os.sep)):
-        fsync_dir(d)
+    for d in sorted(tree_directories(files), key=lambda d: -d.count(os.sep)):
+        fsync_dir(os.path.join(path, d))
+    fsync_dir(path)
+
+
+def tree_directories(files: list[tuple[str, int]]) -> set[str]:
+    """Every directory below the root that ``files`` (relative path, size) lie in, parents
+    included, as relative paths."""
+    return {os.path.join(*parts[:i]) for rel, _ in files for parts in [rel.split(os.sep)] for i in range(1, len(parts))}
 
 
 def raw_write_direct(path: str, sizes: list[int], src: tuple[memoryview, list[int]], threads: int) -> None:

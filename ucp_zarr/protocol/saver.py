@@ -147,7 +147,7 @@ class PreparedSave:
         self.whole = plan if whole is None else whole
         """The whole plan, on the coordinator (``plan`` is this rank's part; a process
         saving alone may pass its whole plan as ``plan``)."""
-        self._docs: tuple[SavePlan, list[tuple[str, dict[str, Any], bytes]]] | None = None
+        self._docs: list[tuple[str, dict[str, Any], bytes]] | None = None
         self.writer = writer
         """The process (and its pid, which the claim names) that writes the shards staged
         in shared memory and the documents (a background save to a local store, see
@@ -204,17 +204,17 @@ class PreparedSave:
         except Exception as e:  # the save's own error is what the caller needs to see
             log.warning("ucp_zarr: could not clean up the failed save at %s: %s", self.store.url, e)
 
-    def _documents(self, plan: SavePlan) -> list[tuple[str, dict[str, Any], bytes]]:
-        """Every group and array ``zarr.json`` of ``plan``: key, document, bytes as written
-        (made once per save: the documents written and the commit record's digests of them)."""
-        if self._docs is None or self._docs[0] is not plan:
-            self._docs = (plan, [(k, d, dump_document(d)) for k, d in document_dicts(plan)])
-        return self._docs[1]
+    def _documents(self) -> list[tuple[str, dict[str, Any], bytes]]:
+        """Every group and array ``zarr.json`` of the whole plan (:attr:`whole`: on a rank
+        other than the coordinator, its part): key, document, bytes as written (made once per
+        save: the documents written and the commit record's digests of them)."""
+        if self._docs is None:
+            self._docs = [(k, d, dump_document(d)) for k, d in document_dicts(self.whole)]
+        return self._docs
 
     def _write_documents(self, rank: int, fence: Fence) -> None:
-        """Write this rank's group and array documents behind the fence, durably (made from
-        the whole plan where this rank has it: the commit record needs them all, made once)."""
-        docs = [(k, b) for k, _, b in self._documents(self.whole) if self.plan.doc_writers.get(k) == rank]
+        """Write this rank's group and array documents behind the fence, durably."""
+        docs = [(k, b) for k, _, b in self._documents() if self.plan.doc_writers.get(k) == rank]
         if self.writer is not None and docs:
             process, pid = self.writer
             process.write(self.target, [DocumentJob(k, d) for k, d in docs], fence, self.seal, None,
@@ -319,7 +319,7 @@ class PreparedSave:
             meta = plan.arrays[ranks[min(ranks)]][1]
             entries[key] = TensorEntry(first.path, meta.shape, meta.dtype.name, first.digest, copies)
         position = {k: i for i, k in enumerate(self.order)}
-        made = self._documents(plan)
+        made = self._documents()
         docs = [(k, d) for k, d, _ in made]
         global_values, rank_values = self.values
         stored = set(entries) | set(global_values) | set(rank_values) | set(self.ties)
