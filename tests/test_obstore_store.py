@@ -112,6 +112,23 @@ def test_a_load_of_whole_shards_makes_one_request_per_shard(seaweed, monkeypatch
     assert shard_requests() == 8
 
 
+def test_a_load_sends_the_commit_record_and_shard_gets_only(seaweed) -> None:
+    """Every HTTP request of a load, counted at a proxy: one GET of the commit record (no
+    HEAD before it: on a real object store each request is a round trip before the first
+    shard is asked for) and one GET per shard read."""
+    from s3server import FaultProxy
+
+    state = {"a": torch.randn(64, 32), "b": torch.randn(100)}
+    with FaultProxy(seaweed.s3_port) as proxy:
+        url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+        options = seaweed.storage_options(proxy.endpoint)
+        ucp_zarr.save(state, url, storage_options=options)
+        before = proxy.counts.requests
+        out = ucp_zarr.load({k: torch.zeros_like(v) for k, v in state.items()}, url, storage_options=options)
+        assert proxy.counts.requests - before == 1 + len(state)
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
 def test_whole_read_hands_over_obstores_own_buffer(store: O.ObstoreStore) -> None:
     data = bytes(range(256)) * 64
     store.write("w", [data])

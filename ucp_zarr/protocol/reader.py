@@ -589,10 +589,15 @@ def human_bytes(n: float) -> str:
 
 def commit_meta(store: Store, hmac_key: bytes | None = None) -> tuple[Store, CheckpointMeta]:
     """The committed store at ``store`` (:func:`~ucp_zarr.protocol.transaction.committed_store`)
-    and its commit record, its signature verified with ``hmac_key``."""
-    store = committed_store(store)
+    and its commit record, its signature verified with ``hmac_key``. The record is read
+    without asking first whether it exists (one request, not two, on an object store)."""
+    try:
+        raw = store.read(METADATA_FILE)
+    except FileNotFoundError:  # (no record here: an overwrite being put in place, or no checkpoint)
+        store = committed_store(store)
+        raw = store.read(METADATA_FILE)
     where = f"{store.url}/{METADATA_FILE}"
-    doc = parse_document(store.read(METADATA_FILE), where)
+    doc = parse_document(raw, where)
     meta = CheckpointMeta.from_zarr_json(doc, where)
     if hmac_key is not None:
         check_signature(doc["attributes"][ATTRIBUTE], hmac_key, where)
