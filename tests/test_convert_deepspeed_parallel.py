@@ -105,12 +105,23 @@ def test_pipeline_files_in_any_listing_order(pipe: Path, tmp_path: Path, monkeyp
     _same_tensors(_convert(pipe / "z1-fp32" / "D", tmp_path / "b"), first)
 
 
+# The 1-stage engine runs on 2 data-parallel ranks where the 2-stage one ran on 1: each rank's
+# cross-entropy is the mean over half the tokens and the loss (and the gradient) the mean of the
+# two, a sum in another order than the one rank's mean over all of them. The state it resumes
+# from is checked bit for bit; the losses differ by that reassociation alone. Measured with
+# DeepSpeed 0.19.8 and torch 2.13 on CPU: 1 ulp (8e-8 relative) on the first step, the second
+# equal (earlier builds on other machines matched bit for bit). The tolerance keeps a 12x margin
+# over that and stays far below what one training step changes (checked below).
+REASSOCIATION_RTOL = 1e-6
+
+
 def test_pipeline_resumes_at_another_degree(pipe: Path) -> None:
     """2 stages -> 1 stage on 2 data-parallel ranks, from the adapter's save and from the
     converted DeepSpeed checkpoint: the engine holds the saved state bit for bit, and trains on
-    with the uninterrupted run's losses."""
+    with the uninterrupted run's losses (up to the data-parallel mean's reassociation)."""
     src = pipe / "z1-fp32"
     ref, after = P.reference(src), P.run_info(src)["losses_after"]
+    assert abs(after[1] - after[0]) > 1000 * REASSOCIATION_RTOL * abs(after[0])
     for name in ("X", "CV"):
         state = torch.load(src / "pp1" / f"{name}.pt", weights_only=True)
         assert sorted(state) == sorted(ref)
@@ -118,7 +129,8 @@ def test_pipeline_resumes_at_another_degree(pipe: Path) -> None:
             for k, t in entry.items():
                 assert torch.equal(state[param][k], t), (name, param, k)
         info = json.loads((src / "pp1" / f"{name}.json").read_text())
-        assert info["losses"] == after and info["client"] == {"epoch": 2}
+        assert info["losses"] == pytest.approx(after, rel=REASSOCIATION_RTOL, abs=0), name
+        assert info["client"] == {"epoch": 2}
 
 
 @pytest.mark.long
