@@ -172,8 +172,13 @@ def test_moe_loads_at_another_expert_parallel_degree(moe: Path) -> None:
         for k, t in entry.items():
             assert torch.equal(state[param][k], t), (param, k)
     _same_tensors(ucp_zarr.open(src / "ep1" / "X"), ucp_zarr.open(src / "X"))
-    # deterministic routing (no random token selection): the uninterrupted run's losses, bit for bit
-    assert P.run_info(src / "ep1")["losses"] == P.run_info(src)["losses_after"]
+    # deterministic routing (no random token selection): the uninterrupted run's losses. An
+    # expert's gradient is one product over both ranks' tokens at ep_size=2 and the mean of two
+    # ranks' products at ep_size=1: equal bit for bit in the builds so far, but only up to
+    # reassociation by construction (as the pipeline's above)
+    after = P.run_info(src)["losses_after"]
+    assert abs(after[1] - after[0]) > 1000 * REASSOCIATION_RTOL * abs(after[0])
+    assert P.run_info(src / "ep1")["losses"] == pytest.approx(after, rel=REASSOCIATION_RTOL, abs=0)
 
 
 @pytest.mark.long
