@@ -17,7 +17,16 @@ for raw and ucp_zarr alike. Requests per save and per load are counted in a sepa
 untimed pass through a counting proxy (``tests/s3server.FaultProxy``): every HTTP request
 each method sends.
 
-Run: ``python benchmarks/bench_object_store.py [--sizes 256,1024] [--repeat 3] [--json out.json]``.
+A second measurement puts a distant store's round trip on every request: the same proxy holds
+each request ``--latency-ms`` before forwarding it (concurrent requests wait concurrently), and
+a small state (``--latency-mib``) is saved and loaded by ucp_zarr and by raw PUT/GET through
+it, at each thread count of ``--latency-workers`` (``max_workers`` for ucp_zarr, as many threads
+for raw): what a latency-bound save or load costs beyond its requests' own round trips (the
+serial ones: the transaction's records before the first shard and after the last, the commit
+record before the first read).
+
+Run: ``python benchmarks/bench_object_store.py [--sizes 256,1024] [--repeat 3] [--latency-ms 10]
+[--latency-mib 16] [--latency-workers 4,16] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -62,22 +71,22 @@ def raw_client(endpoint: str) -> Any:
     return O._client("s3", BUCKET, {"key": "k", "secret": "s", "endpoint_url": endpoint})
 
 
-def raw_put(client: Any, prefix: str, sizes: list[int], src: memoryview) -> None:
-    """PUT ``len(sizes)`` objects of these sizes, ``DEFAULT_WORKERS`` at a time."""
+def raw_put(client: Any, prefix: str, sizes: list[int], src: memoryview, workers: int = DEFAULT_WORKERS) -> None:
+    """PUT ``len(sizes)`` objects of these sizes, ``workers`` at a time."""
     def put(i: int) -> None:
         obstore.put(client, f"{prefix}/{i}", src[: sizes[i]], chunk_size=O.PART_BYTES, max_concurrency=O.UPLOAD_CONCURRENCY)
 
-    with ThreadPoolExecutor(DEFAULT_WORKERS) as pool:
+    with ThreadPoolExecutor(workers) as pool:
         list(pool.map(put, range(len(sizes))))
 
 
-def raw_get(client: Any, prefix: str, sizes: list[int], read: list[int]) -> int:
-    """GET the objects ``read`` (indices into ``sizes``) back whole, ``LOAD_WORKERS`` at a
-    time; return the bytes."""
+def raw_get(client: Any, prefix: str, sizes: list[int], read: list[int], workers: int = LOAD_WORKERS) -> int:
+    """GET the objects ``read`` (indices into ``sizes``) back whole, ``workers`` at a time;
+    return the bytes."""
     def get(i: int) -> int:
         return len(obstore.get(client, f"{prefix}/{i}").bytes())
 
-    with ThreadPoolExecutor(LOAD_WORKERS) as pool:
+    with ThreadPoolExecutor(workers) as pool:
         got = sum(pool.map(get, read))
     assert got == sum(sizes[i] for i in read)
     return got
@@ -187,6 +196,66 @@ def measure(server: SeaweedServer, mib: float, repeat: int, log: Any = print) ->
             "runs": runs, "requests": count_requests(server, sd, sizes, read, src)}
 
 
+def measure_latency(server: SeaweedServer, mib: float, latency_s: float, workers: list[int], repeat: int,
+                    log: Any = print) -> dict[str, Any]:
+    """ucp_zarr (obstore) and raw PUT/GET of a ``mib`` MiB state through a proxy that holds
+    every request ``latency_s``, at each thread count of ``workers``, alternating per repeat:
+    seconds, and requests per save and load."""
+    sd = model_state(mib)
+    probe = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/probe"
+    ucp_zarr.save(sd, probe, storage_options=options(server, "obstore"))
+    sizes, read = objects(server, probe)
+    src = memoryview(torch.randint(0, 256, (max(sizes),), dtype=torch.uint8).numpy()).cast("B")
+    dest = {k: torch.ones_like(v) for k, v in sd.items()}
+    out: dict[str, Any] = {"mib": nbytes(sd) / MiB, "objects": len(sizes), "latency_ms": latency_s * 1e3, "workers": {}}
+    with FaultProxy(server.s3_port) as proxy:
+        proxy.delay(latency_s)
+        client = raw_client(proxy.endpoint)
+        opts = options(server, "obstore", proxy.endpoint)
+        for w in workers:
+            runs, requests = [], {}
+            for i in range(repeat):
+                run: dict[str, dict[str, float]] = {}
+                for m in (("ucp_zarr", "raw") if i % 2 == 0 else ("raw", "ucp_zarr")):
+                    url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+                    prefix = url.removeprefix(f"s3://{BUCKET}/")
+                    proxy.reset_counts()
+                    if m == "raw":
+                        save = timed(lambda: raw_put(client, prefix, sizes, src, w))
+                        mid = proxy.counts.requests
+                        load = timed(lambda: raw_get(client, prefix, sizes, read, w))
+                    else:
+                        save = timed(lambda: ucp_zarr.save(sd, url, storage_options=opts, max_workers=w))
+                        mid = proxy.counts.requests
+                        for t in dest.values():
+                            t.zero_()
+                        load = timed(lambda: ucp_zarr.load(dest, url, storage_options=opts, max_workers=w))
+                        assert all(bit_equal(dest[k], v) for k, v in sd.items()), "the load differs"
+                    run[m] = {"save": save, "load": load}
+                    requests[m] = {"save": mid, "load": proxy.counts.requests - mid}
+                runs.append(run)
+                log(json.dumps({"latency_ms": latency_s * 1e3, "mib": round(out["mib"]), "workers": w, "repeat": i,
+                                **{f"{m}:{op}": round(run[m][op], 3) for m in run for op in ("save", "load")}}))
+            out["workers"][str(w)] = {"runs": runs, "requests": requests}
+    return out
+
+
+def latency_summary(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per thread count and operation: ucp_zarr's and raw's median seconds, the ratio (raw's
+    time over ucp_zarr's: median, min, max) and the requests of each."""
+    out: dict[str, dict[str, Any]] = {}
+    for w, got in r["workers"].items():
+        for op in ("save", "load"):
+            ratios = [run["raw"][op] / run["ucp_zarr"][op] for run in got["runs"]]
+            out[f"{op}:{w}"] = {
+                "ucp_zarr_s": statistics.median(run["ucp_zarr"][op] for run in got["runs"]),
+                "raw_s": statistics.median(run["raw"][op] for run in got["runs"]),
+                "ratio": (statistics.median(ratios), min(ratios), max(ratios)),
+                "requests": (got["requests"]["ucp_zarr"][op], got["requests"]["raw"][op]),
+            }
+    return out
+
+
 def summary(r: dict[str, Any]) -> dict[str, Any]:
     """MiB/s of each method (median over repeats) and each ratio to raw: (median, min, max)."""
     out: dict[str, Any] = {}
@@ -210,7 +279,7 @@ def table(results: list[dict[str, Any]]) -> str:
     def ratio(x: tuple[float, float, float]) -> str:
         return f"{x[0]:.2f}x ({x[1]:.2f}-{x[2]:.2f})"
 
-    for r in results:
+    for r in (r for r in results if "latency_ms" not in r):
         s = summary(r)
         for op in ("save", "load"):
             q = r["requests"]
@@ -231,6 +300,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="256,1024", help="state sizes in MiB")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--latency-ms", type=float, default=10.0, help="held on every request of the latency runs (0: none)")
+    ap.add_argument("--latency-mib", type=float, default=16.0, help="state size of the latency runs")
+    ap.add_argument("--latency-workers", default="4,16", help="thread counts of the latency runs")
     ap.add_argument("--dir", default=None, help="where SeaweedFS keeps its data (default: a temporary folder)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -240,8 +312,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         server.make_bucket(BUCKET)
         for mib in (float(x) for x in args.sizes.split(",")):
             results.append(measure(server, mib, args.repeat, log=lambda line: print(line, flush=True)))
+        if args.latency_ms > 0:
+            results.append(measure_latency(server, args.latency_mib, args.latency_ms / 1e3,
+                                           [int(w) for w in args.latency_workers.split(",")], args.repeat,
+                                           log=lambda line: print(line, flush=True)))
     print(f"load average at the end {loadavg()}")
     print(table(results))
+    for r in (r for r in results if "latency_ms" in r):
+        for key, v in latency_summary(r).items():
+            print(f"{r['mib']:.0f} MiB at {r['latency_ms']:.0f} ms per request, {key}: ucp_zarr {v['ucp_zarr_s'] * 1e3:.0f} ms, "
+                  f"raw {v['raw_s'] * 1e3:.0f} ms, {v['ratio'][0]:.2f}x ({v['ratio'][1]:.2f}-{v['ratio'][2]:.2f}), "
+                  f"requests {v['requests'][0]} / {v['requests'][1]}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return results

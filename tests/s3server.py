@@ -510,6 +510,7 @@ class FaultProxy:
         self._counts = ProxyCounts()
         self._fail_next = 0
         self._http_503_next = 0
+        self._delay_s = 0.0
         self._down = False
         self._closed = False
         # live (client, upstream) connection pairs; touched in the loop thread only
@@ -558,6 +559,12 @@ class FaultProxy:
         """
         with self._lock:
             self._http_503_next += n
+
+    def delay(self, seconds: float) -> None:
+        """Hold every request ``seconds`` before forwarding it (0: none): the round trip a
+        distant object store adds to each request, paid concurrently by concurrent ones."""
+        with self._lock:
+            self._delay_s = seconds
 
     def pending(self) -> tuple[int, int]:
         """(connection resets, 503 answers) still to be injected."""
@@ -760,9 +767,12 @@ class FaultProxy:
                     self._counts.http_503 += 1
                 else:
                     self._counts.forwarded_requests += 1
+                delay = self._delay_s
             if answer_503:
                 await self._answer_503(creader, cwriter, method, target, headers)
                 return "close"
+            if delay > 0:
+                await asyncio.sleep(delay)
             uwriter.write(head)
             await self._copy_body(creader, uwriter, headers)
 

@@ -115,6 +115,42 @@ def test_proxy_http_boundaries_on_keepalive(server: SeaweedServer, proxy: FaultP
     assert not fs.exists(f"{BUCKET}/raw/c")
 
 
+def test_delay_holds_each_request_and_overlaps_concurrent_ones(server: SeaweedServer, proxy: FaultProxy) -> None:
+    def get(conn: http.client.HTTPConnection, key: str) -> int:
+        conn.request("GET", f"/{BUCKET}/delay/{key}")
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+
+    conns = [http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10) for _ in range(4)]
+    try:
+        assert get(conns[0], "warm") == 404
+        t0 = time.monotonic()
+        get(conns[0], "a")
+        fast = time.monotonic() - t0
+        proxy.delay(0.5)
+        t0 = time.monotonic()
+        assert [get(conns[0], k) for k in "bc"] == [404, 404]  # one after the other: 2 delays
+        serial = time.monotonic() - t0
+        threads = [threading.Thread(target=get, args=(c, k)) for c, k in zip(conns, "defg")]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        concurrent = time.monotonic() - t0  # 4 at once: about 1 delay (4 if they queued)
+        proxy.delay(0)
+        t0 = time.monotonic()
+        get(conns[0], "h")
+        after = time.monotonic() - t0
+    finally:
+        for c in conns:
+            c.close()
+    assert serial >= 1.0 and 0.5 <= concurrent < 1.5, (serial, concurrent)
+    assert fast < 0.5 and after < 0.5, (fast, after)
+    assert proxy.counts.requests == 9
+
+
 def test_fail_next_is_retried(server: SeaweedServer, proxy: FaultProxy, request: pytest.FixtureRequest) -> None:
     key = f"{BUCKET}/{request.node.name}/obj"
     server.filesystem().pipe_file(key, b"data")
