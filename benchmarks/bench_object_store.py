@@ -3,9 +3,11 @@ states (``bench_limits.model_state``) on loopback S3 (SeaweedFS, started here), 
 obstore (the default for ``s3://``) and through fsspec (s3fs, ``backend="fsspec"``),
 against **raw concurrent PUT/GET of the same objects with obstore**: as many objects of the
 same sizes as the ucp_zarr save wrote, random bytes, put by as many threads as ucp_zarr
-writes with (``obstore.put``, the same part size and upload concurrency), then those a load
-reads (the shards and the root document: a load takes the array documents from the root's
-consolidated copy) got back whole by as many threads as ucp_zarr loads with. ucp_zarr loads
+writes with by default (the store's request concurrency, ``REQUEST_CONCURRENCY``:
+``obstore.put``, the same part size and upload concurrency), then those a load reads (the
+shards and the root document: a load takes the array documents from the root's consolidated
+copy) got back whole by as many threads as ucp_zarr loads with. ucp_zarr through fsspec runs
+at its own default (4 threads: fsspec stores declare no request concurrency). ucp_zarr loads
 into preallocated, resident tensors (training resume, as in ``bench_limits``), zeroed before
 each load outside its time; raw GET lands nothing, and a second raw GET ("landed", a
 reference) copies each body into a preallocated buffer, the least a load must add.
@@ -55,8 +57,6 @@ from s3server import FaultProxy, SeaweedServer  # noqa: E402
 
 import ucp_zarr  # noqa: E402
 import ucp_zarr.io.obstore as O  # noqa: E402
-from ucp_zarr.api import DEFAULT_WORKERS  # noqa: E402
-from ucp_zarr.protocol.filling import LOAD_WORKERS  # noqa: E402
 
 BUCKET = "bench"
 METHODS = ("obstore", "fsspec", "raw")
@@ -71,7 +71,7 @@ def raw_client(endpoint: str) -> Any:
     return O._client("s3", BUCKET, {"key": "k", "secret": "s", "endpoint_url": endpoint})
 
 
-def raw_put(client: Any, prefix: str, sizes: list[int], src: memoryview, workers: int = DEFAULT_WORKERS) -> None:
+def raw_put(client: Any, prefix: str, sizes: list[int], src: memoryview, workers: int = O.REQUEST_CONCURRENCY) -> None:
     """PUT ``len(sizes)`` objects of these sizes, ``workers`` at a time."""
     def put(i: int) -> None:
         obstore.put(client, f"{prefix}/{i}", src[: sizes[i]], chunk_size=O.PART_BYTES, max_concurrency=O.UPLOAD_CONCURRENCY)
@@ -80,7 +80,7 @@ def raw_put(client: Any, prefix: str, sizes: list[int], src: memoryview, workers
         list(pool.map(put, range(len(sizes))))
 
 
-def raw_get(client: Any, prefix: str, sizes: list[int], read: list[int], workers: int = LOAD_WORKERS) -> int:
+def raw_get(client: Any, prefix: str, sizes: list[int], read: list[int], workers: int = O.REQUEST_CONCURRENCY) -> int:
     """GET the objects ``read`` (indices into ``sizes``) back whole, ``workers`` at a time;
     return the bytes."""
     def get(i: int) -> int:
@@ -103,7 +103,7 @@ def raw_get_landed(client: Any, prefix: str, sizes: list[int], read: list[int], 
         np.copyto(np.frombuffer(dst[offsets[i] : offsets[i] + n], dtype=np.uint8), np.frombuffer(body, dtype=np.uint8))
         return n
 
-    with ThreadPoolExecutor(LOAD_WORKERS) as pool:
+    with ThreadPoolExecutor(O.REQUEST_CONCURRENCY) as pool:
         got = sum(pool.map(get, read))
     assert got == sum(sizes[i] for i in read)
     return got

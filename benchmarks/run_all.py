@@ -155,14 +155,16 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
             out.append((f"reshard load plan, {w} -> {big.get('load_world', 0):.0f} ranks", f"{big['load_s']:.1f} s per rank",
                         f"reads {big.get('read_x', float('nan')):.3f}x its slice", "", "< 10 s", verdict(big["load_s"] < 10)))
     for r in res.get("objstore") or []:
-        from bench_object_store import latency_summary
+        from bench_object_store import O, latency_summary
         from bench_object_store import summary as objstore_summary
 
         if "latency_ms" in r:
             for key, v in latency_summary(r).items():
                 op, w = key.split(":")
                 ratio = v["ratio"]
-                out.append((f"{op} {r['mib']:.0f} MiB, loopback S3 + {r['latency_ms']:.0f} ms per request, obstore, {w} threads",
+                default = " (the default)" if int(w) == O.REQUEST_CONCURRENCY else ""
+                out.append((f"{op} {r['mib']:.0f} MiB, loopback S3 + {r['latency_ms']:.0f} ms per request, obstore, "
+                            f"{w} threads{default}",
                             f"{v['ucp_zarr_s'] * 1e3:.0f} ms, {v['requests'][0]} requests",
                             f"raw obstore {'PUT' if op == 'save' else 'GET'}, {w} threads: {v['raw_s'] * 1e3:.0f} ms, "
                             f"{v['requests'][1]} requests", f"{ratio[0]:.2f}x {rng(*ratio[1:])}", "(latency-bound)", ""))

@@ -446,6 +446,8 @@ class ProxyCounts:
     requests: int = 0  #: HTTP requests seen (forwarded + answered 503)
     forwarded_requests: int = 0  #: HTTP requests forwarded upstream
     http_503: int = 0  #: HTTP requests answered ``503 SlowDown``
+    held: int = 0  #: requests being held by ``delay`` now
+    most_held: int = 0  #: the most requests ``delay`` held at once: the client's concurrency
 
 
 _SLOW_DOWN_BODY = (
@@ -772,7 +774,14 @@ class FaultProxy:
                 await self._answer_503(creader, cwriter, method, target, headers)
                 return "close"
             if delay > 0:
-                await asyncio.sleep(delay)
+                with self._lock:
+                    self._counts.held += 1
+                    self._counts.most_held = max(self._counts.most_held, self._counts.held)
+                try:
+                    await asyncio.sleep(delay)
+                finally:
+                    with self._lock:
+                        self._counts.held -= 1
             uwriter.write(head)
             await self._copy_body(creader, uwriter, headers)
 

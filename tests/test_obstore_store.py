@@ -7,7 +7,9 @@ requests it makes, and the storage_options it takes from s3fs/gcsfs/adlfs users.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -127,6 +129,68 @@ def test_a_load_sends_the_commit_record_and_shard_gets_only(seaweed) -> None:
         out = ucp_zarr.load({k: torch.zeros_like(v) for k, v in state.items()}, url, storage_options=options)
         assert proxy.counts.requests - before == 1 + len(state)
     assert all(torch.equal(out[k], v) for k, v in state.items())
+
+
+def test_object_stores_keep_more_requests_in_flight_unless_told(seaweed) -> None:
+    """Each request to a distant store waits a round trip (here 30 ms held at a proxy): a
+    save and a load keep the store's request concurrency in flight by default (before: 4
+    threads, 6 requests held at most), and no more than ``max_workers`` when it is given (a
+    save's heartbeat may add one)."""
+    from s3server import FaultProxy
+
+    state = {f"t{i}": torch.randn(32, 16) for i in range(48)}
+    with FaultProxy(seaweed.s3_port) as proxy:
+        proxy.delay(0.03)
+        options = seaweed.storage_options(proxy.endpoint)
+        held = {}
+        for workers in (None, 2):
+            url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+            proxy.reset_counts()
+            ucp_zarr.save(state, url, storage_options=options, max_workers=workers)
+            held[workers, "save"] = proxy.counts.most_held
+            proxy.reset_counts()
+            out = ucp_zarr.load({k: torch.zeros_like(v) for k, v in state.items()}, url, storage_options=options,
+                                max_workers=workers)
+            held[workers, "load"] = proxy.counts.most_held
+            assert all(torch.equal(out[k], v) for k, v in state.items())
+    # (4 writers or readers held up to 6: a heartbeat, a fence's read beside them)
+    assert 8 <= held[None, "save"] <= 20 and 8 <= held[None, "load"] <= 20, held
+    assert held[2, "save"] <= 3 and held[2, "load"] <= 3, held
+    assert O.ObstoreStore.request_concurrency == O.REQUEST_CONCURRENCY == 16
+
+
+def test_large_objects_in_memory_at_once_are_bounded(seaweed, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The threads added for small objects add no large buffers: objects over ``PART_BYTES``
+    (5 MiB here, S3's smallest part) are sent and fetched at most ``LARGE_AT_ONCE`` (2 here)
+    at a time, by the save and by the load."""
+    monkeypatch.setattr(O, "PART_BYTES", 5 << 20)
+    monkeypatch.setattr(O, "LARGE_AT_ONCE", 2)
+    holding = O.ObstoreStore.holding
+    lock, now, most, entered = threading.Lock(), [0], [0], []
+
+    @contextlib.contextmanager
+    def counted(self: O.ObstoreStore, nbytes: int) -> Any:
+        with holding(self, nbytes):
+            large = nbytes > O.PART_BYTES
+            with lock:
+                now[0] += large
+                most[0] = max(most[0], now[0])
+                entered.append(large)
+            try:
+                yield
+            finally:
+                with lock:
+                    now[0] -= large
+
+    monkeypatch.setattr(O.ObstoreStore, "holding", counted)
+    state = {f"w{i}": torch.randn(6 << 18) for i in range(8)}  # 6 MiB each: one shard, one object
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+    ucp_zarr.save(state, url, storage_options=seaweed.storage_options())
+    saved, entered[:] = sum(entered), []
+    out = ucp_zarr.load({k: torch.zeros_like(v) for k, v in state.items()}, url, storage_options=seaweed.storage_options())
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    assert saved == 8 and sum(entered) == 8, (saved, entered)  # every large send and fetch went through the gate
+    assert most[0] == 2
 
 
 def test_whole_read_hands_over_obstores_own_buffer(store: O.ObstoreStore) -> None:

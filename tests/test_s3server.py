@@ -148,7 +148,7 @@ def test_delay_holds_each_request_and_overlaps_concurrent_ones(server: SeaweedSe
             c.close()
     assert serial >= 1.0 and 0.5 <= concurrent < 1.5, (serial, concurrent)
     assert fast < 0.5 and after < 0.5, (fast, after)
-    assert proxy.counts.requests == 9
+    assert proxy.counts.requests == 9 and proxy.counts.most_held == 4 and proxy.counts.held == 0
 
 
 def test_fail_next_is_retried(server: SeaweedServer, proxy: FaultProxy, request: pytest.FixtureRequest) -> None:

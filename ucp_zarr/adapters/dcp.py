@@ -170,6 +170,7 @@ class _BesideOtherFiles(Store):
         self.durable = inner.durable
         self.stages_writes = inner.stages_writes
         self.local_path = inner.local_path
+        self.request_concurrency = inner.request_concurrency
 
     def write(self, key: str, buffers: Iterable[Buffer | bytes], guard: WriteGuard | None = None) -> int:
         return self.inner.write(key, buffers, guard)

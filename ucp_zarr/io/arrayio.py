@@ -579,19 +579,19 @@ def _read_tiled_shard(
     if size - _head_nbytes(meta, seal) > (MAX_REQUEST_BYTES if store.own_buffers else MAX_STAGED_BYTES):
         return None
     key, where = _shard_where(store, path, shard)
-    try:
-        data = store.read_whole(key, size) if store.own_buffers else store.read_span(key, 0, size, _stage, size)
-        if data is None:
-            return None
-        stage = np.frombuffer(data, dtype=np.uint8)
-    except (OSError, FormatError):
-        return None  # (missing, short, not a file: the two-request path names what is wrong)
-    head = decode_shard_head(store, path, meta, shard, seal, stage, written=True)
-    if head.index is not index:  # another layout than this library's writer gives: read again by its index
-        read_box(store, path, meta, box, out, shard, head)
-        return head
-    n = math.prod(meta.grid.chunks_per_shard)
-    _land_tiled(stage, 0, n, meta, head, shard, where, target)
+    with store.holding(size):  # (the store's buffer, until landed)
+        try:
+            data = store.read_whole(key, size) if store.own_buffers else store.read_span(key, 0, size, _stage, size)
+            if data is None:
+                return None
+            stage = np.frombuffer(data, dtype=np.uint8)
+        except (OSError, FormatError):
+            return None  # (missing, short, not a file: the two-request path names what is wrong)
+        head = decode_shard_head(store, path, meta, shard, seal, stage, written=True)
+        if head.index is index:
+            _land_tiled(stage, 0, math.prod(meta.grid.chunks_per_shard), meta, head, shard, where, target)
+            return head
+    read_box(store, path, meta, box, out, shard, head)  # another layout than this library's writer gives
     return head
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import posixpath
 import threading
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
@@ -93,6 +94,17 @@ class Store:
     local_path: str | None = None
     """The root's folder on this machine's file system, where the store has one (what may
     be checked for symbolic links, or handed to tools that take a path)."""
+    request_concurrency: int | None = None
+    """How many objects a save writes, and a load reads, at once when the caller does not
+    say (``max_workers``): where each request waits a network round trip (an object store),
+    more than this machine's CPU threads; None: the library's default (4), right for disks."""
+
+    def holding(self, nbytes: int) -> AbstractContextManager[Any]:
+        """Entered while ``nbytes`` of this store's traffic are in memory (an object fetched
+        and not yet landed, a large object's parts being sent), where the store bounds how
+        many such are at once (see :attr:`request_concurrency`); bounds nothing by default.
+        Never entered twice by one thread."""
+        return nullcontext()
 
     @property
     def name(self) -> str:

@@ -38,7 +38,7 @@ def load(
     hmac_key: bytes | None = None,
     process_group: Any = None,
     storage_options: dict[str, Any] | None = None,
-    max_workers: int = LOAD_WORKERS,
+    max_workers: int | None = None,
     return_incompatible_keys: bool = False,
 ) -> MutableMapping[str, Any] | tuple[MutableMapping[str, Any], IncompatibleKeys]:
     """Fill ``state_dict`` in place from the checkpoint at ``path`` and return it (with
@@ -95,11 +95,16 @@ def load(
     ``allow_other_rules``. With ``strict``, a placed load on several ranks checks the keys
     against the union of every rank's (a collective: every rank of ``process_group`` calls
     ``load``).
+
+    ``max_workers`` objects are read at once: by default ``LOAD_WORKERS`` (4), or the
+    store's own request concurrency where it declares one (an object store: 16, as each
+    request waits a round trip).
     """
     comm = Comm(process_group)
-    ck = open_store_reader(open_store(path, storage_options), hmac_key, shared=comm.world > 1)
+    store = open_store(path, storage_options)
+    ck = open_store_reader(store, hmac_key, shared=comm.world > 1)
     plan = _Planner(ck, state_dict, comm).plan(strict, allow_new_ranks, allow_lossy_cast, allow_other_rules)
-    fill(ck, plan.reads, comm.rank, allow_lossy_cast, max_workers)
+    fill(ck, plan.reads, comm.rank, allow_lossy_cast, max_workers or store.request_concurrency or LOAD_WORKERS)
     for where, value in plan.values:
         put_path(state_dict, where, value, "the state dict")
     skipped = IncompatibleKeys(plan.missing, plan.unexpected)

@@ -53,7 +53,7 @@ def read_state_dict(
     device = torch.device(device)
     needed = wanted | {meta.ties[a] for a in wanted & set(meta.ties)}
     to_read = [k for k in meta.tensors if k in needed]
-    with ThreadPoolExecutor(LOAD_WORKERS) as pool:
+    with ThreadPoolExecutor(ck.store.request_concurrency or LOAD_WORKERS) as pool:
         tensors = dict(zip(to_read, pool.map(lambda k: _materialise(ck, k, device), to_read)))
     where = f"{ck.store.url}/zarr.json"
     structure, blobs = meta.structure, _dcp_blobs(meta)

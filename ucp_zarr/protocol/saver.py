@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -62,8 +63,10 @@ class SaveOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     shard_bytes: int = DEFAULT_SHARD_BYTES
     max_workers: int = 4
+    """Threads making host copies; as many shards are assembled in memory at once at most."""
     write_workers: int | None = None
-    """Threads writing shards (default ``max_workers``, which also make host copies)."""
+    """Threads writing objects (default ``max_workers``): more where each write waits a
+    network round trip (:attr:`~ucp_zarr.io.store.Store.request_concurrency`)."""
     overwrite: bool = False
     overwrite_incomplete: bool = False
     lease_s: float = DEFAULT_LEASE_S
@@ -241,6 +244,7 @@ class PreparedSave:
         # the rate is this rank's: the writer process and this one's threads share it by their bytes
         rate = remote_rate = self.options.write_bytes_per_s
         pace = self.pace
+        assembling = threading.BoundedSemaphore(self.options.max_workers)  # (whatever the writers)
         share = sum(sizes[n] for n in remote) / max(1, sum(sizes.values()))
         if rate is not None and 0 < share < 1:
             pace, remote_rate = Pace(rate * (1 - share)), rate * share
@@ -256,13 +260,14 @@ class PreparedSave:
                     return write_shard(self.target, path, meta, task.shard, src, held, seal, fence)
                 finally:  # (a pooled copy not given back on a failure would block the other writers forever)
                     self.staging.release(task.key, sbox)
-            buf = torch.empty(sbox.shape, dtype=meta.dtype.storage_torch_dtype)
-            for i, (src_rank, box) in enumerate(task.sources):
-                part = self.staging.data(task.key, box) if src_rank == rank else received[(n, i)]
-                buf[box.relative_to(sbox).slices()] = part.reshape(box.shape)
-                if src_rank == rank:
-                    self.staging.release(task.key, box)
-            return write_shard(self.target, path, meta, task.shard, buf, sbox, seal, fence)
+            with assembling:
+                buf = torch.empty(sbox.shape, dtype=meta.dtype.storage_torch_dtype)
+                for i, (src_rank, box) in enumerate(task.sources):
+                    part = self.staging.data(task.key, box) if src_rank == rank else received[(n, i)]
+                    buf[box.relative_to(sbox).slices()] = part.reshape(box.shape)
+                    if src_rank == rank:
+                        self.staging.release(task.key, box)
+                return write_shard(self.target, path, meta, task.shard, buf, sbox, seal, fence)
 
         seals: dict[int, bytes] = {}
         try:

@@ -18,6 +18,7 @@ import torch
 from ..errors import CheckpointError
 from ..io import writer_process
 from ..io.factory import open_store
+from ..io.store import Store
 from ..io.pace import Pace
 from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from .distributed import Comm
@@ -26,6 +27,8 @@ from .collect import collect
 from .saver import SaveOptions, SaveResult, prepare
 
 DEFAULT_WORKERS = 4
+"""Threads of a save's host copies, and of its writes where ``max_workers`` is not given and
+the store declares no request concurrency of its own (a local disk)."""
 
 _background = ThreadPoolExecutor(1, thread_name_prefix="ucp_zarr-save")
 _pending: Future | None = None
@@ -47,7 +50,7 @@ def save(
     hmac_key: bytes | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
-    max_workers: int = DEFAULT_WORKERS,
+    max_workers: int | None = None,
     lease_s: float = DEFAULT_LEASE_S,
     model: torch.nn.Module | None = None,
     unsafe_non_exclusive_store: bool = False,
@@ -88,6 +91,11 @@ def save(
     carry ``param_names``), or ``model`` is given and the optimizer was built from
     ``model.parameters()``. Keys do not change (``optim.state.0.exp_avg``).
 
+    ``max_workers`` threads make host copies and write objects: by default
+    ``DEFAULT_WORKERS`` (4), and as many writers as the store's own request concurrency
+    where it declares one (an object store: 16, as each request waits a round trip; the
+    shards assembled in memory at once stay at 4).
+
     Returns this rank's :class:`~ucp_zarr.protocol.saver.SaveResult`.
     """
     if async_save:
@@ -105,9 +113,10 @@ def save(
         )
     wait_for_pending_save()
     comm = Comm(process_group)
-    options = _options(chunk_bytes, shard_bytes, max_workers, overwrite, overwrite_incomplete, lease_s, hmac_key,
+    store = open_store(path, storage_options)
+    options = _options(store, chunk_bytes, shard_bytes, max_workers, overwrite, overwrite_incomplete, lease_s, hmac_key,
                        unsafe_non_exclusive_store)
-    return prepare(lambda: collect(state_dict, model), open_store(path, storage_options), comm, options, copy=False).finish()
+    return prepare(lambda: collect(state_dict, model), store, comm, options, copy=False).finish()
 
 
 def async_save(
@@ -122,7 +131,7 @@ def async_save(
     hmac_key: bytes | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
-    max_workers: int = DEFAULT_WORKERS,
+    max_workers: int | None = None,
     lease_s: float = DEFAULT_LEASE_S,
     model: torch.nn.Module | None = None,
     unsafe_non_exclusive_store: bool = False,
@@ -154,16 +163,16 @@ def async_save(
     Pace(write_bytes_per_s)  # (refuses a rate that is not a positive number, before anything is done)
     wait_for_pending_save()
     comm = Comm(process_group)
-    options = _options(chunk_bytes, shard_bytes, max_workers, overwrite, overwrite_incomplete, lease_s, hmac_key,
-                       unsafe_non_exclusive_store)
     store = open_store(path, storage_options)
+    options = _options(store, chunk_bytes, shard_bytes, max_workers, overwrite, overwrite_incomplete, lease_s, hmac_key,
+                       unsafe_non_exclusive_store)
     store.write_in_background()
     background = comm
     if comm.active:
         background = Comm(async_group if async_group is not None else _background_group(process_group))
         if background.world != comm.world:
             raise CheckpointError(f"async_group has {background.world} ranks, process_group {comm.world}: give the same ranks")
-    options = dataclasses.replace(options, write_workers=min(max_workers, BACKGROUND_WRITERS),
+    options = dataclasses.replace(options, write_workers=min(options.max_workers, BACKGROUND_WRITERS),
                                   write_bytes_per_s=write_bytes_per_s)
     child = _writer if writer == "process" and writer_process.available(store) else None
     prepared = prepare(lambda: collect(state_dict, model), store, comm, options, copy=True, writer=child)
@@ -177,13 +186,16 @@ _async_save = async_save  # (for save, whose keyword of that name hides the func
 
 
 def _options(
-    chunk_bytes: int, shard_bytes: int, max_workers: int, overwrite: bool, overwrite_incomplete: bool,
-    lease_s: float, hmac_key: bytes | None, unsafe_non_exclusive_store: bool,
+    store: Store, chunk_bytes: int, shard_bytes: int, max_workers: int | None, overwrite: bool,
+    overwrite_incomplete: bool, lease_s: float, hmac_key: bytes | None, unsafe_non_exclusive_store: bool,
 ) -> SaveOptions:
+    """The save's options; ``max_workers`` unset: ``DEFAULT_WORKERS``, with as many writers
+    as ``store`` keeps requests in flight where it says (:attr:`Store.request_concurrency`)."""
     return SaveOptions(
         chunk_bytes=chunk_bytes,
         shard_bytes=shard_bytes,
-        max_workers=max_workers,
+        max_workers=max_workers or DEFAULT_WORKERS,
+        write_workers=max_workers or store.request_concurrency,
         overwrite=overwrite,
         overwrite_incomplete=overwrite_incomplete,
         lease_s=lease_s,
