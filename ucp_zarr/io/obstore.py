@@ -61,8 +61,9 @@ REQUEST_CONCURRENCY = 16
 """Objects a save writes, and a load reads, at once unless ``max_workers`` says otherwise
 (:attr:`~ucp_zarr.io.store.Store.request_concurrency`): each request waits a round trip,
 so small objects go at the rate of the requests in flight. Measured with 10 ms held on every
-request (``bench_object_store.py``'s latency rows): a 17 MiB state of 225 objects saved in
-0.57 s at 16 threads against 1.17 s at 4, loaded in 0.15 s against 0.41 s."""
+request (``bench_object_store.py``'s latency rows, ``benchmarks/results/table.md``): a 17 MiB
+state of 225 objects saved in 0.60 s at 16 threads against 1.19 s at 4, loaded in 0.19 s
+against 0.43 s."""
 LARGE_AT_ONCE = 4
 """Objects over :data:`PART_BYTES` sent or fetched at once by one store and its siblings,
 whatever the threads: each holds up to ``(1 + UPLOAD_CONCURRENCY) * PART_BYTES`` (a send)
