@@ -79,6 +79,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future as _PyFuture
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -171,6 +172,9 @@ class _BesideOtherFiles(Store):
         self.stages_writes = inner.stages_writes
         self.local_path = inner.local_path
         self.request_concurrency = inner.request_concurrency
+
+    def holding(self, nbytes: int) -> AbstractContextManager[Any]:
+        return self.inner.holding(nbytes)
 
     def write(self, key: str, buffers: Iterable[Buffer | bytes], guard: WriteGuard | None = None) -> int:
         return self.inner.write(key, buffers, guard)
