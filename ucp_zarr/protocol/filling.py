@@ -11,12 +11,19 @@ import torch
 
 from .reader import CheckpointReader
 from ..errors import LayoutError
+from ..io.store import Store
 from .fragments import Fragment
 from .ties import memory_of
 
 
 LOAD_WORKERS = 4
-"""Threads a load reads with."""
+"""Threads a load reads with, where the store declares no request concurrency of its own."""
+
+
+def read_workers(store: Store, max_workers: int | None = None) -> int:
+    """Threads a load reads ``store`` with: ``max_workers``, else the store's request
+    concurrency (:attr:`~..io.store.Store.request_concurrency`), else :data:`LOAD_WORKERS`."""
+    return max_workers or store.request_concurrency or LOAD_WORKERS
 
 
 @dataclass
@@ -33,8 +40,8 @@ class _Read:
 # --- filling the targets ---------------------------------------------------------------------
 
 
-def fill(ck: CheckpointReader, reads: list[_Read], rank: int, lossy: bool, max_workers: int) -> None:
-    """Fill every target of ``reads``, ``max_workers`` at a time; targets that share memory
+def fill(ck: CheckpointReader, reads: list[_Read], rank: int, lossy: bool, max_workers: int | None) -> None:
+    """Fill every target of ``reads``, :func:`read_workers` at a time; targets that share memory
     one after the other, then checked (see :func:`_fill_shared`). Each read is prepared
     here, in the calling thread (checks, views, padding zeroed), so that the pool runs
     only the reading (see :meth:`CheckpointReader.prepare_read`)."""
@@ -42,7 +49,7 @@ def fill(ck: CheckpointReader, reads: list[_Read], rank: int, lossy: bool, max_w
     alone = [r for i, r in enumerate(reads) if not any(i in group for group in shared)]
     jobs = [job for r in alone for job in _prepare(ck, r, rank, lossy)]
     jobs += [lambda g=group: _fill_shared(ck, [reads[i] for i in g], rank, lossy) for group in shared]
-    with ThreadPoolExecutor(max_workers) as pool:
+    with ThreadPoolExecutor(read_workers(ck.store, max_workers)) as pool:
         list(pool.map(lambda job: job(), jobs))
 
 

@@ -25,7 +25,7 @@ from ..errors import DtypeMismatchError, KeyMismatchError, LayoutError, PerRankS
 from .fragments import FlatShard, PerRank, Placed, Shard, is_dtensor, is_fragment_value, to_fragment
 from ..format.statedict import ListIndex, Path, from_json, hashable, iter_leaves, key_of, put_path, typed_path
 from ..io.factory import open_store
-from .filling import LOAD_WORKERS, _Read, fill
+from .filling import _Read, fill
 
 def load(
     state_dict: MutableMapping[str, Any],
@@ -101,10 +101,9 @@ def load(
     request waits a round trip).
     """
     comm = Comm(process_group)
-    store = open_store(path, storage_options)
-    ck = open_store_reader(store, hmac_key, shared=comm.world > 1)
+    ck = open_store_reader(open_store(path, storage_options), hmac_key, shared=comm.world > 1)
     plan = _Planner(ck, state_dict, comm).plan(strict, allow_new_ranks, allow_lossy_cast, allow_other_rules)
-    fill(ck, plan.reads, comm.rank, allow_lossy_cast, max_workers or store.request_concurrency or LOAD_WORKERS)
+    fill(ck, plan.reads, comm.rank, allow_lossy_cast, max_workers)
     for where, value in plan.values:
         put_path(state_dict, where, value, "the state dict")
     skipped = IncompatibleKeys(plan.missing, plan.unexpected)

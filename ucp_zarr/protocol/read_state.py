@@ -17,7 +17,7 @@ from ..errors import KeyMismatchError
 from ..format.commit_record import CheckpointMeta
 from ..format.statedict import STRUCTURE_FORMAT, Structure, from_json
 from ..io.factory import open_store
-from .filling import LOAD_WORKERS
+from .filling import read_workers
 
 
 # --- the whole state dict ----------------------------------------------------------------------
@@ -53,7 +53,7 @@ def read_state_dict(
     device = torch.device(device)
     needed = wanted | {meta.ties[a] for a in wanted & set(meta.ties)}
     to_read = [k for k in meta.tensors if k in needed]
-    with ThreadPoolExecutor(ck.store.request_concurrency or LOAD_WORKERS) as pool:
+    with ThreadPoolExecutor(read_workers(ck.store)) as pool:
         tensors = dict(zip(to_read, pool.map(lambda k: _materialise(ck, k, device), to_read)))
     where = f"{ck.store.url}/zarr.json"
     structure, blobs = meta.structure, _dcp_blobs(meta)

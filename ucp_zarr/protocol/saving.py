@@ -18,8 +18,8 @@ import torch
 from ..errors import CheckpointError
 from ..io import writer_process
 from ..io.factory import open_store
-from ..io.store import Store
 from ..io.pace import Pace
+from ..io.store import Store
 from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from .distributed import Comm
 from .liveness import DEFAULT_LEASE_S
