@@ -214,10 +214,15 @@ class _BesideOtherFiles(Store):
             raise ValueError(f"refusing to delete {self.url}/{key}: it is not part of the checkpoint")
         self.inner.delete(key)
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            if not is_checkpoint_object(key):
+                raise ValueError(f"refusing to delete {self.url}/{key}: it is not part of the checkpoint")
+        self.inner.delete_many(keys)
+
     def remove(self) -> None:
         """Delete the checkpoint's objects; the directory and the other files stay."""
-        for key in self.list():
-            self.inner.delete(key)
+        self.inner.delete_many(self.list())
 
     def sibling(self, name: str) -> Store:
         return self.inner.sibling(name)

@@ -336,6 +336,18 @@ class LocalStore(Store):
             return
         fsync_dir(os.path.dirname(self._path(key)))
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """(Each folder fsynced once, after its last removal.)"""
+        folders = set()
+        for key in keys:
+            try:
+                os.remove(path := self._path(key))
+            except FileNotFoundError:
+                continue
+            folders.add(os.path.dirname(path))
+        for folder in sorted(folders):
+            fsync_dir(folder)
+
     def prune(self, folders: Iterable[str]) -> None:
         for d in [*sorted(set(folders), key=lambda f: (-f.count("/"), f)), ""]:
             path = self._path(d) if d else self.root

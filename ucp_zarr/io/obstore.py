@@ -64,6 +64,8 @@ so small objects go at the rate of the requests in flight. Measured with 10 ms h
 request (``bench_object_store.py``'s latency rows, ``benchmarks/results/table.md``): a 17 MiB
 state of 225 objects saved in 0.60 s at 16 threads against 1.19 s at 4, loaded in 0.19 s
 against 0.43 s."""
+BULK_DELETE = 1000
+"""Objects deleted by one request (S3's ``DeleteObjects`` takes at most 1000)."""
 LARGE_AT_ONCE = 4
 """Objects over :data:`PART_BYTES` sent or fetched at once by one store and its siblings,
 whatever the threads: each holds up to ``(1 + UPLOAD_CONCURRENCY) * PART_BYTES`` (a send)
@@ -266,33 +268,35 @@ class ObstoreStore(Store):
     def delete(self, key: str) -> None:
         self._call(f"deleting {self.url}/{key}", lambda: obstore.delete(self.client, self._path(key)))
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        self._delete_paths([self._path(k) for k in keys])
+
+    def _delete_paths(self, paths: Sequence[str]) -> None:
+        for start in range(0, len(paths), BULK_DELETE):
+            batch = paths[start : start + BULK_DELETE]
+            self._call(f"deleting {self.url}/{batch[0]} and {len(batch) - 1} more",
+                       lambda: obstore.delete(self.client, batch))
+
     def prune(self, folders: Iterable[str]) -> None:
-        # only stores that keep folder entries (SeaweedFS's filer) list emptied folders
-        for d in [*sorted(set(folders), key=lambda f: (-f.count("/"), f)), ""]:
-            path = self._path(d) if d else self.root
-            if not self._names(path):
-                self._remove_folder_entry(path)
+        # only stores that keep folder entries (SeaweedFS's filer) list emptied folders: one
+        # listing tells which folders still hold objects, one bulk request removes the others
+        held = _folders(self.list())
+        self._remove_folder_entries(sorted(set(folders) - held, key=lambda f: (-f.count("/"), f)))
+        if not self._names(self.root):
+            self._remove_folder_entries([""])
 
     def remove(self) -> None:
         keys = self.list()
-        paths = [self._path(k) for k in keys]
-        for start in range(0, len(paths), 1000):  # (one bulk request per 1000 objects)
-            batch = paths[start : start + 1000]
-            self._call(f"deleting {self.url}", lambda: obstore.delete(self.client, batch))
-        folders = {posixpath.dirname(k) for k in keys}
-        for f in list(folders):
-            while f := posixpath.dirname(f):
-                folders.add(f)
-        for folder in sorted(folders - {""}, key=lambda f: -f.count("/")):
-            self._remove_folder_entry(self._path(folder))
-        self._remove_folder_entry(self.root)
+        self._delete_paths([self._path(k) for k in keys])
+        self._remove_folder_entries([*sorted(_folders(keys) - {""}, key=lambda f: -f.count("/")), ""])
 
-    def _remove_folder_entry(self, path: str) -> None:
-        if not path:
-            return
+    def _remove_folder_entries(self, folders: Sequence[str]) -> None:
+        """Delete the entries of ``folders`` ("" for the root) where the store keeps any, in
+        one request per :data:`BULK_DELETE`, in order (children before parents)."""
+        paths = [f"{self._path(f) if f else self.root}/" for f in folders if f or self.root]
         try:
-            obstore.delete(self.client, path + "/")
-        except Exception:  # (no such entry: nothing to remove)
+            self._delete_paths(paths)
+        except Exception:  # (a store without folder entries: nothing to remove)
             pass
 
     def sibling(self, name: str) -> "ObstoreStore":
@@ -310,6 +314,19 @@ class ObstoreStore(Store):
         if not isinstance(src, ObstoreStore) or src.client is not self.client:
             raise TypeError(f"cannot adopt objects of {src.url} into {self.url}")
         self._call(f"copying {src.url}/{key}", lambda: obstore.copy(self.client, src._path(key), self._path(key)))
+
+
+def _folders(keys: Iterable[str]) -> set[str]:
+    """Every folder holding one of ``keys`` at any depth ("" for the root, when any)."""
+    folders: set[str] = set()
+    for key in keys:
+        folder = key
+        while folder:
+            folder = posixpath.dirname(folder)
+            if folder in folders:
+                break
+            folders.add(folder)
+    return folders
 
 
 def _runs(starts: Sequence[int], ends: Sequence[int]) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import posixpath
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, Sequence
@@ -226,6 +227,12 @@ class Store:
         """Remove an object (no error when it is absent)."""
         raise NotImplementedError
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Remove every object of ``keys`` (absent ones are no error), durably once it
+        returns, in no order among them: in bulk requests where the store has them."""
+        for key in keys:
+            self.delete(key)
+
     def remove(self) -> None:
         """Remove every object under the root, and the root itself where that means anything."""
         raise NotImplementedError
@@ -248,6 +255,22 @@ class Store:
 
     def sync(self) -> None:
         """Make the directory entries of everything written so far durable."""
+
+
+def at_once(store: Store, fn: Callable[[str], None], keys: Iterable[str]) -> None:
+    """``fn(key)`` for every key, :attr:`Store.request_concurrency` at a time where the
+    store waits a round trip per request (one after another where it declares none); once
+    none runs any more, the first failure is raised."""
+    keys = list(keys)
+    workers = min(store.request_concurrency or 1, len(keys))
+    if workers <= 1:
+        for key in keys:
+            fn(key)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        jobs = [pool.submit(fn, key) for key in keys]
+    for job in jobs:
+        job.result()
 
 
 def fill(where: str, requests: Sequence[ReadRequest], datas: Sequence[Any]) -> None:

@@ -61,10 +61,10 @@ class Owned:
         for array in self.arrays:
             yield from array.keys()
 
-    def deletion_order(self) -> Iterator[str]:
-        """Documents first, then data: a reader never finds an array whose data is gone."""
-        yield from self.documents
-        yield from self.data_keys()
+    def deletion_phases(self) -> tuple[list[str], list[str]]:
+        """The documents, then the data, each deleted in full before the next: a reader never
+        finds an array whose data is gone."""
+        return list(self.documents), list(self.data_keys())
 
     def to_bytes(self) -> bytes:
         arrays = [[a.path, list(a.shape), list(a.shard_shape)] for a in self.arrays]
@@ -91,10 +91,11 @@ class Owned:
         a node is not consolidated). :class:`FormatError` if the record is malformed."""
         meta = CheckpointMeta.from_zarr_json(parse_document(raw, where), where)
         documents = sorted(meta.documents) or _documents_of_entries(meta)
+        array_paths = _array_paths(meta)
         arrays = []
         for doc_key in documents:
             node = meta.consolidated.get(doc_key.removesuffix("/" + METADATA_FILE))
-            if node is None and read is not None:
+            if node is None and read is not None and doc_key.removesuffix("/" + METADATA_FILE) in array_paths:
                 try:
                     node = parse_document(read(doc_key), f"{where}: {doc_key}")
                 except FileNotFoundError:
@@ -109,11 +110,18 @@ class Owned:
         return cls(tuple(documents), tuple(arrays))
 
 
-def _documents_of_entries(meta: CheckpointMeta) -> list[str]:
-    """The documents of a commit record that predates ``documents``: its arrays' and groups'."""
+def _array_paths(meta: CheckpointMeta) -> set[str]:
+    """The paths of a commit record's arrays (its tensors' and their per-rank copies'): any
+    other document is a group's, whose grid nothing needs."""
     paths = {t.path for t in meta.tensors.values()}
     for t in meta.tensors.values():
         paths |= {c.path for c in (t.ranks or {}).values()}
+    return paths
+
+
+def _documents_of_entries(meta: CheckpointMeta) -> list[str]:
+    """The documents of a commit record that predates ``documents``: its arrays' and groups'."""
+    paths = _array_paths(meta)
     docs = {f"{p}/{METADATA_FILE}" for p in paths} | {f"{p.split('/')[0]}/{METADATA_FILE}" for p in paths}
     return sorted(docs)
 

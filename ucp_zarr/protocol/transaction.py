@@ -68,7 +68,7 @@ from ..errors import (
 )
 from ..format.documents import METADATA_FILE, NAME_COMPONENT
 from .owned import Owned
-from ..io.store import Store, temp_name
+from ..io.store import Store, at_once, temp_name
 from .liveness import (
     DEFAULT_LEASE_S,
     FENCE_INTERVAL_S,
@@ -104,21 +104,19 @@ def read_owned(store: Store, key: str) -> Owned | None:
 
 
 def delete_owned(store: Store, owned: Owned, tag: str | None = None, keep: frozenset[str] = frozenset()) -> None:
-    """Delete ``owned`` from ``store`` (documents first), except ``keep``, with the temporary
-    names a save ``tag`` stages them under on stores that have them, then the folders left
-    empty."""
-    folders: set[str] = set()
+    """Delete ``owned`` from ``store`` phase by phase (:meth:`Owned.deletion_phases`), except
+    ``keep``, with the temporary names a save ``tag`` stages them under on stores that have
+    them, then the folders left empty."""
     staged = tag is not None and store.stages_writes
-    for key in owned.deletion_order():
-        if key in keep:
-            continue
-        store.delete(key)
-        if staged:
-            store.delete(temp_name(key, tag))  # type: ignore[arg-type]
-        folder = key.rpartition("/")[0]
-        while folder and folder not in folders:
-            folders.add(folder)
-            folder = folder.rpartition("/")[0]
+    folders: set[str] = set()
+    for keys in owned.deletion_phases():
+        keys = [k for k in keys if k not in keep]
+        store.delete_many([*keys, *(temp_name(k, tag) for k in keys)] if staged else keys)  # type: ignore[arg-type]
+        for key in keys:
+            folder = key.rpartition("/")[0]
+            while folder and folder not in folders:
+                folders.add(folder)
+                folder = folder.rpartition("/")[0]
     store.prune(folders)
 
 
@@ -459,9 +457,13 @@ def roll_forward(store: Store, staged: Store, fence: Fence | None = None) -> Non
             store.delete(METADATA_FILE)
         new = [k for k in staged.list() if _FINAL_OBJECT.fullmatch(k)]
         tag = staged.name.rpartition(STAGING_INFIX)[2]  # the replacing save's id
-        for key in sorted(new, key=lambda k: k.endswith(METADATA_FILE)):  # data first, then documents
+
+        def adopt(key: str) -> None:
             check()
             store.adopt(staged, key, tag)
+
+        at_once(store, adopt, [k for k in new if not k.endswith(METADATA_FILE)])  # data first,
+        at_once(store, adopt, [k for k in new if k.endswith(METADATA_FILE)])  # then documents
         check()
         delete_owned(store, read_owned(store, RETIRED) or Owned(), keep=frozenset(new))
         store.sync()
@@ -478,8 +480,7 @@ def release_committed(store: Store, save_id: str) -> None:
     """Release save ``save_id``'s claim on ``store`` (after it committed, or before it wrote
     anything): remove its records, the marker last (a crash in between leaves the marker of
     a dead save, which the next save there releases or takes over)."""
-    store.delete(OWNED + save_id)
-    store.delete(HEARTBEAT + save_id)
+    store.delete_many([OWNED + save_id, HEARTBEAT + save_id])
     store.delete(MARKER)
 
 
