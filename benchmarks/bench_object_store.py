@@ -21,11 +21,14 @@ each method sends.
 
 A second measurement puts a distant store's round trip on every request: the same proxy holds
 each request ``--latency-ms`` before forwarding it (concurrent requests wait concurrently), and
-a small state (``--latency-mib``) is saved and loaded by ucp_zarr and by raw PUT/GET through
-it, at each thread count of ``--latency-workers`` (``max_workers`` for ucp_zarr, as many threads
-for raw): what a latency-bound save or load costs beyond its requests' own round trips (the
-serial ones: the transaction's records before the first shard and after the last, the commit
-record before the first read).
+a small state (``--latency-mib``) is saved, loaded and saved again over itself
+(``overwrite=True``, as the Lightning plug-in saves) by
+ucp_zarr, and put, got and put again over the same objects by raw PUT/GET through it, at each
+thread count of ``--latency-workers`` (``max_workers`` for ucp_zarr, as many threads for raw):
+what a latency-bound save or load costs beyond its requests' own round trips (the serial ones:
+the transaction's records before the first shard and after the last, the commit record before
+the first read; an overwrite also moves its staged objects into place and deletes the replaced
+ones).
 
 Run: ``python benchmarks/bench_object_store.py [--sizes 256,1024] [--repeat 3] [--latency-ms 10]
 [--latency-mib 16] [--latency-workers 4,16] [--json out.json]``.
@@ -224,6 +227,8 @@ def measure_latency(server: SeaweedServer, mib: float, latency_s: float, workers
                         save = timed(lambda: raw_put(client, prefix, sizes, src, w))
                         mid = proxy.counts.requests
                         load = timed(lambda: raw_get(client, prefix, sizes, read, w))
+                        end = proxy.counts.requests
+                        again = timed(lambda: raw_put(client, prefix, sizes, src, w))
                     else:
                         save = timed(lambda: ucp_zarr.save(sd, url, storage_options=opts, max_workers=w))
                         mid = proxy.counts.requests
@@ -231,11 +236,13 @@ def measure_latency(server: SeaweedServer, mib: float, latency_s: float, workers
                             t.zero_()
                         load = timed(lambda: ucp_zarr.load(dest, url, storage_options=opts, max_workers=w))
                         assert all(bit_equal(dest[k], v) for k, v in sd.items()), "the load differs"
-                    run[m] = {"save": save, "load": load}
-                    requests[m] = {"save": mid, "load": proxy.counts.requests - mid}
+                        end = proxy.counts.requests
+                        again = timed(lambda: ucp_zarr.save(sd, url, storage_options=opts, max_workers=w, overwrite=True))
+                    run[m] = {"save": save, "load": load, "overwrite": again}
+                    requests[m] = {"save": mid, "load": end - mid, "overwrite": proxy.counts.requests - end}
                 runs.append(run)
                 log(json.dumps({"latency_ms": latency_s * 1e3, "mib": round(out["mib"]), "workers": w, "repeat": i,
-                                **{f"{m}:{op}": round(run[m][op], 3) for m in run for op in ("save", "load")}}))
+                                **{f"{m}:{op}": round(t, 3) for m in run for op, t in run[m].items()}}))
             out["workers"][str(w)] = {"runs": runs, "requests": requests}
     return out
 
@@ -245,7 +252,9 @@ def latency_summary(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
     time over ucp_zarr's: median, min, max) and the requests of each."""
     out: dict[str, dict[str, Any]] = {}
     for w, got in r["workers"].items():
-        for op in ("save", "load"):
+        for op in ("save", "load", "overwrite"):
+            if not all(op in run["raw"] for run in got["runs"]):  # (results before 2026-12-06 lack overwrites)
+                continue
             ratios = [run["raw"][op] / run["ucp_zarr"][op] for run in got["runs"]]
             out[f"{op}:{w}"] = {
                 "ucp_zarr_s": statistics.median(run["ucp_zarr"][op] for run in got["runs"]),

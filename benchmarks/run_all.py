@@ -166,7 +166,7 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str, str]]:
                 out.append((f"{op} {r['mib']:.0f} MiB, loopback S3 + {r['latency_ms']:.0f} ms per request, obstore, "
                             f"{w} threads{default}",
                             f"{v['ucp_zarr_s'] * 1e3:.0f} ms, {v['requests'][0]} requests",
-                            f"raw obstore {'PUT' if op == 'save' else 'GET'}, {w} threads: {v['raw_s'] * 1e3:.0f} ms, "
+                            f"raw obstore {'GET' if op == 'load' else 'PUT'}, {w} threads: {v['raw_s'] * 1e3:.0f} ms, "
                             f"{v['requests'][1]} requests", f"{ratio[0]:.2f}x {rng(*ratio[1:])}", "(latency-bound)", ""))
             continue
         s = objstore_summary(r)

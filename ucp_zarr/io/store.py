@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence, TypeVar
 
 import numpy as np
 
@@ -23,6 +23,7 @@ Buffer = memoryview
 ReadRequest = tuple[int, Sequence[memoryview]]
 
 """Fill these writable buffers, one after another, from this byte offset of an object."""
+T = TypeVar("T")
 
 
 @dataclass
@@ -257,18 +258,18 @@ class Store:
         """Make the directory entries of everything written so far durable."""
 
 
-def at_once(store: Store, fn: Callable[[str], None], keys: Iterable[str]) -> None:
-    """``fn(key)`` for every key, :attr:`Store.request_concurrency` at a time where the
+def at_once(store: Store, fn: Callable[[T], None], items: Iterable[T]) -> None:
+    """``fn(item)`` for every item, :attr:`Store.request_concurrency` at a time where the
     store waits a round trip per request (one after another where it declares none); once
     none runs any more, the first failure is raised."""
-    keys = list(keys)
-    workers = min(store.request_concurrency or 1, len(keys))
+    items = list(items)
+    workers = min(store.request_concurrency or 1, len(items))
     if workers <= 1:
-        for key in keys:
-            fn(key)
+        for item in items:
+            fn(item)
         return
     with ThreadPoolExecutor(workers) as pool:
-        jobs = [pool.submit(fn, key) for key in keys]
+        jobs = [pool.submit(fn, item) for item in items]
     for job in jobs:
         job.result()
 
