@@ -23,6 +23,7 @@ import ucp_zarr
 import ucp_zarr.io.obstore as O
 from ucp_zarr.io.factory import open_store
 from ucp_zarr.io.fsspec import FsspecStore
+from ucp_zarr.protocol.liveness import MARKER
 
 BUCKET = "objstore"
 
@@ -317,6 +318,42 @@ def test_prune_and_remove_leave_no_folder_entries(seaweed, store: O.ObstoreStore
     store.remove()
     parent = store.root.rsplit("/", 1)[0]
     assert store._names(parent) == []
+
+
+def test_a_save_to_a_new_path_claims_it_after_one_round_of_reads(seaweed, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before its exclusive create of the claim, a save to a new path sends two listings at
+    once (the path's names, its staging siblings'), not six reads one after another (a
+    replacement record, siblings, the commit record twice, a claim, leftovers: a round
+    trip each on a distant store); a committed path and a path holding another file are
+    still refused, and an overwrite still goes through."""
+    from s3server import FaultProxy
+
+    create = O.ObstoreStore.create_exclusive
+    seen: list[tuple[int, int]] = []
+
+    def counted(self: O.ObstoreStore, key: str, data: bytes) -> None:
+        if key == MARKER and not seen:
+            counts = proxy.counts
+            seen.append((counts.requests, counts.most_held))
+        create(self, key, data)
+
+    monkeypatch.setattr(O.ObstoreStore, "create_exclusive", counted)
+    state = {"w": torch.randn(16, 8)}
+    with FaultProxy(seaweed.s3_port) as proxy:
+        proxy.delay(0.03)
+        options = seaweed.storage_options(proxy.endpoint)
+        url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+        proxy.reset_counts()
+        ucp_zarr.save(state, url, storage_options=options)
+        assert seen == [(2, 2)]
+        with pytest.raises(ucp_zarr.CheckpointExistsError, match="already committed"):
+            ucp_zarr.save(state, url, storage_options=options)
+        ucp_zarr.save({"w": state["w"] + 1}, url, storage_options=options, overwrite=True)
+        other = url.replace("/ck", "/other")
+        open_store(other, options).write_atomic("notes.txt", b"mine")
+        with pytest.raises(ucp_zarr.CheckpointExistsError, match="notes.txt"):
+            ucp_zarr.save(state, other, storage_options=options)
+    assert torch.equal(ucp_zarr.open(url, storage_options=seaweed.storage_options())["w"][...], state["w"] + 1)
 
 
 def test_an_overwrite_copies_at_once_and_deletes_in_bulk(seaweed, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,9 @@ A checkpoint path moves through these states (each a set of objects under the pa
   save id, host, PID namespace, process id and lease. It is created exclusively
   (``O_EXCL``/hard link on local disks, ``If-None-Match: *`` on object stores), so two saves
   never both own a path. Right after claiming, the save records the objects it will write
-  (``.ucp_zarr_owned.<save id>``, see :mod:`.owned`), before writing any;
+  (``.ucp_zarr_owned.<save id>``, see :mod:`.owned`), before writing any. On a store that
+  waits a round trip per request, the path's names and its staging siblings' are listed at
+  once first: a path found empty, with no sibling, is claimed with no other read before;
 * **committed**: the root ``zarr.json`` exists. It is created exclusively too, so a commit
   never replaces a committed checkpoint, and only after the owner re-checked the marker.
   A claim that finds the path committed right after it won the marker gives it back.
@@ -40,8 +42,9 @@ past its lease cannot replace a successor's objects. Every shard also carries it
 staging sibling ``.<name>.ucp_zarr-<save id>`` and commits it there; then the *replace
 record* ``.ucp_zarr_replace`` (created exclusively, naming the staging sibling) is written
 into the path, what the old checkpoint owns is recorded (``.ucp_zarr_retired``), the old
-root removed, the new objects adopted (hard links / server-side copies; data before
-documents), the old ones deleted, the new root created, the records and the sibling
+root removed, the new objects adopted (hard links / server-side copies, as many at once as
+the store keeps requests in flight; all data before any document), the old ones deleted (in
+bulk requests where the store has them), the new root created, the records and the sibling
 removed. Until the new root exists, readers follow the record to the complete staging copy;
 after a crash, whoever finds the record of a dead owner rolls the replacement forward. At
 every point the old or the new checkpoint is complete and findable, never a mix. Staging
@@ -55,8 +58,9 @@ import json
 import logging
 import re
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import (
     CheckpointExistsError,
@@ -208,6 +212,15 @@ def require_exclusive_create(store: Store, allow: bool) -> None:
 # --- the transaction (run by the coordinating rank) -------------------------------------------
 
 
+class _Look(NamedTuple):
+    """What a save saw at its path before claiming it (:meth:`Transaction._look`)."""
+
+    names: list[str]
+    """The path's names (top level)."""
+    staging: list[str]
+    """Its staging siblings' names."""
+
+
 class Transaction:
     """One save's claim on ``store``, from :meth:`begin` to :meth:`commit` or :meth:`abort`.
 
@@ -253,10 +266,15 @@ class Transaction:
     def begin(self) -> None:
         """Claim the path (or a staging sibling when overwriting) and record what this save
         will write, or raise :class:`CheckpointExistsError` / :class:`OwnershipError`."""
-        for _ in range(16):
-            self._settle_replacement()
-            collect_staging(self.store, self.liveness)
-            if self.store.exists(METADATA_FILE):
+        first = self._look()
+        for attempt in range(16):
+            # what the first look saw, unless there is a replacement to settle (or on a retry)
+            seen = first if attempt == 0 and first is not None and REPLACE_RECORD not in first.names else None
+            if seen is None:
+                self._settle_replacement()
+            if seen is None or seen.staging:
+                collect_staging(self.store, self.liveness)
+            if METADATA_FILE in seen.names if seen is not None else self.store.exists(METADATA_FILE):
                 holder = read_owner(self.store, MARKER)  # of a save that died right after its commit
                 if holder is not None and not self._alive(self.store, holder):
                     release_committed(self.store, holder.save_id)
@@ -267,7 +285,8 @@ class Transaction:
                     )
                 self.staged = staging_name(self.store, self.save_id)
                 self.target = self.store.sibling(self.staged)
-            if self._claim(self.target):
+            # (a new staging sibling, named by this save, or a path found empty: no leftovers)
+            if self._claim(self.target, empty=seen is not None and (self.staged is not None or not seen.names)):
                 break
             self.staged, self.target = None, self.store  # committed just before we claimed it
         else:
@@ -276,14 +295,29 @@ class Transaction:
         self.heartbeat = Heartbeat(self.target, self.save_id, self.lease_s)
         self.target.write_atomic(OWNED + self.save_id, self.owned.to_bytes())
 
+    def _look(self) -> _Look | None:
+        """On a store that waits a round trip per request, the path's names and its staging
+        siblings', both listed at once: they stand in for :meth:`begin`'s first reads, one
+        after another (a replacement to settle, staging to collect, a commit record,
+        leftovers); the exclusive create and the check after it decide, as always. None on
+        other stores (their reads cost no round trip)."""
+        if not self.store.request_concurrency:
+            return None
+        prefix = f".{self.store.name}{STAGING_INFIX}"
+        with ThreadPoolExecutor(1) as pool:
+            names = pool.submit(self.store.child_names)
+            staging = self.store.sibling_names(prefix)
+            return _Look(names.result(), staging)
+
     def _alive(self, store: Store, owner: Owner) -> bool:
         return not self.liveness.is_dead(owner, last_heartbeat(store, owner.save_id))
 
-    def _claim(self, store: Store) -> bool:
+    def _claim(self, store: Store, empty: bool = False) -> bool:
         """Own ``store``'s marker; False (and the marker given back) when the path turned
-        out committed once we held it: a save never writes into a committed path."""
-        for _ in range(16):
-            if not store.exists(MARKER) and not store.exists(METADATA_FILE):
+        out committed once we held it: a save never writes into a committed path. ``empty``:
+        the path was just found empty (the first try looks for no leftovers)."""
+        for attempt in range(16):
+            if not (empty and attempt == 0) and not store.exists(MARKER) and not store.exists(METADATA_FILE):
                 leftovers = [k for k in store.list() if not is_internal(k) and not _COMMIT_TEMP.fullmatch(k)]
                 if leftovers:
                     raise CheckpointExistsError(
