@@ -397,6 +397,28 @@ def test_an_overwrite_copies_at_once_and_deletes_in_bulk(seaweed, monkeypatch: p
     assert store.sibling_names(".ck") == [] and store._names(store.root.rsplit("/", 1)[0]) == ["ck"]
 
 
+def test_deleting_a_step_deletes_in_bulk(seaweed) -> None:
+    """Retention (``delete_step``) deletes a checkpoint's objects and folder entries in bulk
+    requests: a few dozen requests for 48 tensors, not one per object and folder (861
+    requests and 10.9 s for 225 objects at 10 ms per request before); nothing is left."""
+    from s3server import FaultProxy
+
+    from ucp_zarr.ops.steps import delete_step
+
+    state = {f"layer{i % 6}.w{i}": torch.randn(32, 16) for i in range(48)}
+    with FaultProxy(seaweed.s3_port) as proxy:
+        options = seaweed.storage_options(proxy.endpoint)
+        url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+        ucp_zarr.save(state, url, storage_options=options)
+        saved = proxy.counts.requests
+        proxy.reset_counts()
+        assert delete_step(open_store(url, options))
+        deleted = proxy.counts.requests
+    assert deleted <= 40 < saved, (saved, deleted)
+    store = open_store(url, seaweed.storage_options())
+    assert store.list() == [] and store._names(store.root.rsplit("/", 1)[0]) == []
+
+
 def test_adopt_is_a_server_side_copy(store: O.ObstoreStore) -> None:
     staged = store.sibling(".ck.staged")
     staged.write_atomic("a/0", b"new")
