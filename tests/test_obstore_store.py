@@ -419,6 +419,26 @@ def test_deleting_a_step_deletes_in_bulk(seaweed) -> None:
     assert store.list() == [] and store._names(store.root.rsplit("/", 1)[0]) == []
 
 
+def test_a_manager_asks_its_steps_at_once(seaweed) -> None:
+    """Whether each step folder is committed (a request per step) is asked at once on an
+    object store, by ``steps()`` and by retention after every save: their time stays about
+    one round trip as kept steps pile up (before: one after another, 100 -> 213 ms of
+    retention per save from 9 to 16 kept steps at 10 ms per request)."""
+    from s3server import FaultProxy
+
+    with FaultProxy(seaweed.s3_port) as proxy:
+        options = seaweed.storage_options(proxy.endpoint)
+        manager = ucp_zarr.CheckpointManager(f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/run", keep_last=8,
+                                             storage_options=options)
+        for step in range(1, 9):
+            manager.save(step, {"w": torch.full((4,), float(step))})
+        proxy.delay(0.02)
+        proxy.reset_counts()
+        assert manager.steps() == list(range(1, 9))
+        assert proxy.counts.most_held >= 6, proxy.counts
+        manager.close()
+
+
 def test_adopt_is_a_server_side_copy(store: O.ObstoreStore) -> None:
     staged = store.sibling(".ck.staged")
     staged.write_atomic("a/0", b"new")

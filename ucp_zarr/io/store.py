@@ -24,6 +24,7 @@ ReadRequest = tuple[int, Sequence[memoryview]]
 
 """Fill these writable buffers, one after another, from this byte offset of an object."""
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass
@@ -258,20 +259,17 @@ class Store:
         """Make the directory entries of everything written so far durable."""
 
 
-def at_once(store: Store, fn: Callable[[T], None], items: Iterable[T]) -> None:
+def at_once(store: Store, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
     """``fn(item)`` for every item, :attr:`Store.request_concurrency` at a time where the
-    store waits a round trip per request (one after another where it declares none); once
-    none runs any more, the first failure is raised."""
+    store waits a round trip per request (one after another where it declares none): the
+    results in the items' order; once none runs any more, the first failure is raised."""
     items = list(items)
     workers = min(store.request_concurrency or 1, len(items))
     if workers <= 1:
-        for item in items:
-            fn(item)
-        return
+        return [fn(item) for item in items]
     with ThreadPoolExecutor(workers) as pool:
         jobs = [pool.submit(fn, item) for item in items]
-    for job in jobs:
-        job.result()
+    return [job.result() for job in jobs]
 
 
 def fill(where: str, requests: Sequence[ReadRequest], datas: Sequence[Any]) -> None:

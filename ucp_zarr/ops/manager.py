@@ -18,7 +18,7 @@ from typing import Any, Callable, MutableMapping
 
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, NotACheckpointError
 from ..io.factory import open_store
-from ..io.store import Store
+from ..io.store import Store, at_once
 from ..protocol.liveness import DEFAULT_LEASE_S, Liveness
 from .interval import METHODS, _positive, optimal_interval, resolve_mtbf
 from .retention import check_policy, steps_to_delete
@@ -158,7 +158,13 @@ class CheckpointManager:
     def steps(self) -> list[int]:
         """The committed steps, ascending."""
         self._raise_failed()
-        return [s for s in step_numbers(self._store) if is_committed(self._step(s))]
+        return self._committed(step_numbers(self._store))
+
+    def _committed(self, numbers: list[int]) -> list[int]:
+        """Those of ``numbers`` whose folder holds a committed checkpoint (asked at once where
+        the store waits a round trip per request: a request per step)."""
+        steps = [self._step(s) for s in numbers]
+        return [s for s, yes in zip(numbers, at_once(self._store, is_committed, steps)) if yes]
 
     def latest(self) -> int | None:
         """The newest committed step whose commit record parses, or None."""
@@ -243,7 +249,7 @@ class CheckpointManager:
         """Apply the retention policy (never to the step just ``saved``; :func:`delete_step`
         backs off from steps being read) and remove uncommitted folders nobody alive works on."""
         numbers = step_numbers(self._store)
-        committed = [s for s in numbers if is_committed(self._step(s))]
+        committed = self._committed(numbers)
         deleted = []
         for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protected={saved}):
             if delete_step(self._step(s), lease_s=self.lease_s):
