@@ -320,6 +320,24 @@ def test_prune_and_remove_leave_no_folder_entries(seaweed, store: O.ObstoreStore
     assert store._names(parent) == []
 
 
+def test_prune_lists_only_the_emptied_folders_common_ancestor(store: O.ObstoreStore, monkeypatch) -> None:
+    """Pruning the folders of one tensor's deleted shards lists that tensor's objects, not
+    the checkpoint's (an overwrite that changed one tensor's grid, over a checkpoint of
+    thousands of objects), and keeps every folder that still holds one."""
+    for key in ("t1/model/c/0", "t2/model/c/0", "t2/model/c/1", "t2/optim/c/0"):
+        store.write_atomic(key, b"x")
+    listed: list[str] = []
+    keys = O.ObstoreStore._keys
+    monkeypatch.setattr(O.ObstoreStore, "_keys", lambda self, under: listed.append(under) or keys(self, under))
+    store.delete_many(["t2/model/c/0", "t2/model/c/1"])
+    store.prune(["t2/model/c", "t2/model"])
+    assert listed == ["t2/model"]
+    assert store.child_names() == ["t1", "t2"] and store._names(store._path("t2")) == ["optim"]
+    store.delete("t2/optim/c/0")
+    store.prune(["t2/optim/c", "t2/optim", "t2"])
+    assert listed[-1] == "t2" and store.child_names() == ["t1"]
+
+
 def test_a_save_to_a_new_path_claims_it_after_one_round_of_reads(seaweed, monkeypatch: pytest.MonkeyPatch) -> None:
     """Before its exclusive create of the claim, a save to a new path sends two listings at
     once (the path's names, its staging siblings'), not six reads one after another (a

@@ -251,9 +251,14 @@ class ObstoreStore(Store):
         return True
 
     def list(self) -> list[str]:
-        prefix = f"{self.root}/" if self.root else ""
+        return self._keys("")
+
+    def _keys(self, under: str) -> list[str]:
+        """The keys of the objects in folder ``under`` ("" for the root) at any depth."""
+        base = f"{self.root}/" if self.root else ""
+        prefix = f"{base}{under}/" if under else base
         pages = self._call(f"listing {self.url}", lambda: obstore.list(self.client, prefix or None).collect())
-        return sorted(m["path"][len(prefix) :] for m in pages if m["path"].startswith(prefix))
+        return sorted(m["path"][len(base) :] for m in pages if m["path"].startswith(prefix))
 
     def _names(self, folder: str) -> list[str]:
         """The names in ``folder`` (a path in the bucket, "" for its top): objects and
@@ -289,9 +294,11 @@ class ObstoreStore(Store):
 
     def prune(self, folders: Iterable[str]) -> None:
         # only stores that keep folder entries (SeaweedFS's filer) list emptied folders: one
-        # listing tells which folders still hold objects, bulk requests remove the others
+        # listing (of the folders' common ancestor: an overwrite that changed one tensor's
+        # grid lists that tensor's objects, not the checkpoint's) tells which folders still
+        # hold objects, bulk requests remove the others
         if folders := set(folders):
-            self._remove_folder_entries(folders - _folders(self.list()))
+            self._remove_folder_entries(folders - _folders(self._keys(posixpath.commonpath(list(folders)))))
         if not self._names(self.root):
             self._remove_folder_entries({""})
 
