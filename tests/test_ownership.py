@@ -486,3 +486,27 @@ def test_a_save_killed_while_committing_leaves_nothing_that_blocks_the_path(tmp_
     ucp_zarr.save(_state(3.0), alone)
     _assert_holds(alone, 3.0)
     assert sorted(os.listdir(alone)) == sorted(n for n in os.listdir(ck))
+
+
+def test_the_objects_of_a_record_without_consolidated_metadata(tmp_path: Path) -> None:
+    """What a commit record owns, where its root holds no consolidated copy of the arrays'
+    documents (older checkpoints): every array's grid is read from its own document, no
+    group's (a group holds no shard; an overwrite on a distant store read 32 of them one
+    after another), and the shards found are those of the consolidated record."""
+    import json
+
+    from ucp_zarr.protocol.owned import Owned
+
+    state = {f"layer{i % 3}.w{i}": torch.randn(8, 4) for i in range(6)} | {"opt": {"m": torch.randn(5)}}
+    path = tmp_path / "ck"
+    ucp_zarr.save(state, str(path))
+    raw = (path / "zarr.json").read_bytes()
+    full = Owned.from_commit_record(raw, "root")
+    bare = json.loads(raw)
+    del bare["consolidated_metadata"]
+    store, asked = LocalStore(str(path)), []
+    owned = Owned.from_commit_record(json.dumps(bare).encode(), "root", lambda key: asked.append(key) or store.read(key))
+    arrays = {a.path for a in full.arrays}
+    assert owned == full and len(arrays) == 7
+    assert sorted(k.removesuffix("/zarr.json") for k in asked) == sorted(arrays)
+    assert set(full.documents) > set(asked)  # (the groups' documents are owned, and not read)

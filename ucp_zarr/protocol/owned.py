@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from ..format.codec import chunk_key
 from ..errors import FormatError
@@ -91,11 +91,11 @@ class Owned:
         a node is not consolidated). :class:`FormatError` if the record is malformed."""
         meta = CheckpointMeta.from_zarr_json(parse_document(raw, where), where)
         documents = sorted(meta.documents) or _documents_of_entries(meta)
-        array_paths = _array_paths(meta)
+        groups = _parents(d.removesuffix("/" + METADATA_FILE) for d in documents)
         arrays = []
         for doc_key in documents:
             node = meta.consolidated.get(doc_key.removesuffix("/" + METADATA_FILE))
-            if node is None and read is not None and doc_key.removesuffix("/" + METADATA_FILE) in array_paths:
+            if node is None and read is not None and doc_key.removesuffix("/" + METADATA_FILE) not in groups:
                 try:
                     node = parse_document(read(doc_key), f"{where}: {doc_key}")
                 except FileNotFoundError:
@@ -110,18 +110,21 @@ class Owned:
         return cls(tuple(documents), tuple(arrays))
 
 
-def _array_paths(meta: CheckpointMeta) -> set[str]:
-    """The paths of a commit record's arrays (its tensors' and their per-rank copies'): any
-    other document is a group's, whose grid nothing needs."""
-    paths = {t.path for t in meta.tensors.values()}
-    for t in meta.tensors.values():
-        paths |= {c.path for c in (t.ranks or {}).values()}
-    return paths
+def _parents(paths: Iterable[str]) -> set[str]:
+    """Every node holding another of ``paths``: a group (an array holds no node), whose
+    document names no shard grid and need not be read."""
+    parents: set[str] = set()
+    for path in paths:
+        while (path := path.rpartition("/")[0]) and path not in parents:
+            parents.add(path)
+    return parents
 
 
 def _documents_of_entries(meta: CheckpointMeta) -> list[str]:
     """The documents of a commit record that predates ``documents``: its arrays' and groups'."""
-    paths = _array_paths(meta)
+    paths = {t.path for t in meta.tensors.values()}
+    for t in meta.tensors.values():
+        paths |= {c.path for c in (t.ranks or {}).values()}
     docs = {f"{p}/{METADATA_FILE}" for p in paths} | {f"{p.split('/')[0]}/{METADATA_FILE}" for p in paths}
     return sorted(docs)
 
