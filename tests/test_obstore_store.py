@@ -457,6 +457,26 @@ def test_a_manager_asks_its_steps_at_once(seaweed) -> None:
         manager.close()
 
 
+def test_deleting_what_is_absent_is_no_error_where_the_store_says_it_is(tmp_path) -> None:
+    """GCS and Azure answer a delete of an absent object with an error (obstore's docs; its
+    local store does the same, and stands in for them here), where S3 answers success: an
+    abort of a save that wrote part of what it owned, or a crashed overwrite rolled forward
+    again, deletes such objects, and must not fail on them. Single and bulk deletes."""
+    from obstore.store import LocalStore as ObstoreLocal
+
+    from ucp_zarr.protocol.owned import Owned, OwnedArray
+    from ucp_zarr.protocol.transaction import delete_owned
+
+    store = O.ObstoreStore("gs://bucket/ck", client=ObstoreLocal(str(tmp_path)))
+    for key in ("g/a/zarr.json", "g/a/c/0", "g/a/c/2", "keep"):
+        store.write_atomic(key, b"x")
+    store.delete("absent")
+    store.delete_many(["g/a/c/0", "absent", "g/b/c/1"])
+    assert store.list() == ["g/a/c/2", "g/a/zarr.json", "keep"]
+    delete_owned(store, Owned(("g/a/zarr.json", "g/b/zarr.json"), (OwnedArray("g/a", (3,), (1,)),)))
+    assert store.list() == ["keep"]
+
+
 def test_adopt_is_a_server_side_copy(store: O.ObstoreStore) -> None:
     staged = store.sibling(".ck.staged")
     staged.write_atomic("a/0", b"new")

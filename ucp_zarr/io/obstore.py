@@ -131,6 +131,10 @@ class ObstoreStore(Store):
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if self.root else key
 
+    def _where(self, path: str) -> str:
+        """The URL of ``path`` (a path in the bucket), for messages."""
+        return f"{self.url.split('://', 1)[0]}://{self.bucket}/{path}"
+
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         """``fn()`` (obstore retried what was transient), its errors as the library's."""
         try:
@@ -274,7 +278,14 @@ class ObstoreStore(Store):
         return [n for n in self._names(posixpath.dirname(self.root)) if n.startswith(prefix)]
 
     def delete(self, key: str) -> None:
-        self._call(f"deleting {self.url}/{key}", lambda: obstore.delete(self.client, self._path(key)))
+        self._delete_path(self._path(key))
+
+    def _delete_path(self, path: str) -> None:
+        """Delete ``path``; none there is no error (S3 answers so, GCS and Azure do not)."""
+        try:
+            self._call(f"deleting {self._where(path)}", lambda: obstore.delete(self.client, path))
+        except FileNotFoundError:
+            pass
 
     def delete_many(self, keys: Sequence[str]) -> None:
         self._delete_paths([self._path(k) for k in keys])
@@ -288,9 +299,17 @@ class ObstoreStore(Store):
             return
         split = max(BULK_DELETE_SPLIT, -(-len(paths) // (self.request_concurrency or 1)))
         size = min(BULK_DELETE, split)
-        batches = [paths[i : i + size] for i in range(0, len(paths), size)]
-        at_once(self, lambda batch: self._call(f"deleting {self.url}/{batch[0]} and {len(batch) - 1} more",
-                                               lambda: obstore.delete(self.client, batch)), batches)
+        at_once(self, self._delete_batch, [paths[i : i + size] for i in range(0, len(paths), size)])
+
+    def _delete_batch(self, paths: Sequence[str]) -> None:
+        """One bulk request; where the store refuses it for an absent object (GCS, Azure),
+        each path on its own."""
+        try:
+            self._call(f"deleting {self._where(paths[0])} and {len(paths) - 1} more",
+                       lambda: obstore.delete(self.client, paths))
+        except FileNotFoundError:
+            for path in paths:
+                self._delete_path(path)
 
     def prune(self, folders: Iterable[str]) -> None:
         # only stores that keep folder entries (SeaweedFS's filer) list emptied folders: one
