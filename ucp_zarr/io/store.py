@@ -100,7 +100,10 @@ class Store:
     request_concurrency: int | None = None
     """How many objects a save writes, and a load reads, at once when the caller does not
     say (``max_workers``): where each request waits a network round trip (an object store),
-    more than this machine's CPU threads; None: the library's default (4), right for disks."""
+    more than this machine's CPU threads; None: the library's default (4), right for disks.
+    Also how many of the protocol's own requests go at once (an overwrite's copies, bulk
+    deletes, a manager's step checks: :func:`at_once`), and, where set, a save's first
+    reads of its path are two listings at once (``Transaction.begin``)."""
 
     def holding(self, nbytes: int) -> AbstractContextManager[Any]:
         """Entered while ``nbytes`` of this store's traffic are in memory (an object fetched
