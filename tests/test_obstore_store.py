@@ -457,7 +457,7 @@ def test_a_manager_asks_its_steps_at_once(seaweed) -> None:
         manager.close()
 
 
-def test_deleting_what_is_absent_is_no_error_where_the_store_says_it_is(tmp_path) -> None:
+def test_deleting_what_is_absent_is_no_error_where_the_store_says_it_is(tmp_path, monkeypatch) -> None:
     """GCS and Azure answer a delete of an absent object with an error (obstore's docs; its
     local store does the same, and stands in for them here), where S3 answers success: an
     abort of a save that wrote part of what it owned, or a crashed overwrite rolled forward
@@ -475,6 +475,22 @@ def test_deleting_what_is_absent_is_no_error_where_the_store_says_it_is(tmp_path
     assert store.list() == ["g/a/c/2", "g/a/zarr.json", "keep"]
     delete_owned(store, Owned(("g/a/zarr.json", "g/b/zarr.json"), (OwnedArray("g/a", (3,), (1,)),)))
     assert store.list() == ["keep"]
+    # such a store keeps no folder entries (GCS has no object "t0/", and says so): removing
+    # them is not retried path by path
+    for i in range(40):
+        store.write_atomic(f"t{i}/model/c/0", b"x")
+    delete, singles = O.obstore.delete, []
+
+    def as_gcs(client: Any, paths: Any) -> None:
+        if isinstance(paths, str):
+            singles.append(paths)
+        if any(p.endswith("/") for p in ([paths] if isinstance(paths, str) else paths)):
+            raise FileNotFoundError("no such object")
+        delete(client, paths)
+
+    monkeypatch.setattr(O.obstore, "delete", as_gcs)
+    store.remove()
+    assert store.list() == [] and singles == []
 
 
 def test_adopt_is_a_server_side_copy(store: O.ObstoreStore) -> None:

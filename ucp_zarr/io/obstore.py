@@ -290,26 +290,28 @@ class ObstoreStore(Store):
     def delete_many(self, keys: Sequence[str]) -> None:
         self._delete_paths([self._path(k) for k in keys])
 
-    def _delete_paths(self, paths: Sequence[str]) -> None:
+    def _delete_paths(self, paths: Sequence[str], one_by_one_if_refused: bool = True) -> None:
         """Delete ``paths`` in bulk requests of at most :data:`BULK_DELETE`, split so that
         :attr:`request_concurrency` of them run at once (a store deletes one request's objects
         one after another: SeaweedFS's filer takes about 0.7 ms each), down to
-        :data:`BULK_DELETE_SPLIT` each."""
+        :data:`BULK_DELETE_SPLIT` each. A request refused for an absent object (GCS, Azure)
+        is sent again path by path, unless ``one_by_one_if_refused`` is False."""
         if not paths:
             return
         split = max(BULK_DELETE_SPLIT, -(-len(paths) // (self.request_concurrency or 1)))
         size = min(BULK_DELETE, split)
-        at_once(self, self._delete_batch, [paths[i : i + size] for i in range(0, len(paths), size)])
 
-    def _delete_batch(self, paths: Sequence[str]) -> None:
-        """One bulk request; where the store refuses it for an absent object (GCS, Azure),
-        each path on its own."""
-        try:
-            self._call(f"deleting {self._where(paths[0])} and {len(paths) - 1} more",
-                       lambda: obstore.delete(self.client, paths))
-        except FileNotFoundError:
-            for path in paths:
-                self._delete_path(path)
+        def batch(paths: Sequence[str]) -> None:
+            try:
+                self._call(f"deleting {self._where(paths[0])} and {len(paths) - 1} more",
+                           lambda: obstore.delete(self.client, paths))
+            except FileNotFoundError:
+                if not one_by_one_if_refused:
+                    raise
+                for path in paths:
+                    self._delete_path(path)
+
+        at_once(self, batch, [paths[i : i + size] for i in range(0, len(paths), size)])
 
     def prune(self, folders: Iterable[str]) -> None:
         # only stores that keep folder entries (SeaweedFS's filer) list emptied folders: one
@@ -334,8 +336,8 @@ class ObstoreStore(Store):
             if f or self.root:
                 depths.setdefault(f.count("/") + bool(f), []).append(f"{self._path(f) if f else self.root}/")
         for depth in sorted(depths, reverse=True):
-            try:
-                self._delete_paths(sorted(depths[depth]))
+            try:  # (a store that refuses to delete what is absent keeps no folder entries)
+                self._delete_paths(sorted(depths[depth]), one_by_one_if_refused=False)
             except Exception:  # (a store without folder entries: nothing to remove)
                 pass
 
