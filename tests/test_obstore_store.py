@@ -493,6 +493,24 @@ def test_deleting_what_is_absent_is_no_error_where_the_store_says_it_is(tmp_path
     assert store.list() == [] and singles == []
 
 
+def test_is_empty_asks_one_page(seaweed) -> None:
+    """Whether a checkpoint's folder is empty (the Lightning plug-in asks before removing
+    one) takes the listing's first page only: one request for 1001 objects, where the whole
+    listing takes two (a request per 1000 objects)."""
+    from s3server import FaultProxy
+
+    with FaultProxy(seaweed.s3_port) as proxy:
+        store = open_store(f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck", seaweed.storage_options(proxy.endpoint))
+        assert store.is_empty()
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda i: store.write_atomic(f"a/{i}", b"x"), range(1001)))
+        proxy.reset_counts()
+        assert not store.is_empty()
+        asked = proxy.counts.requests
+        assert len(store.list()) == 1001
+        assert (asked, proxy.counts.requests - asked) == (1, 2)
+
+
 def test_adopt_is_a_server_side_copy(store: O.ObstoreStore) -> None:
     staged = store.sibling(".ck.staged")
     staged.write_atomic("a/0", b"new")

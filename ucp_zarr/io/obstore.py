@@ -257,6 +257,16 @@ class ObstoreStore(Store):
     def list(self) -> list[str]:
         return self._keys("")
 
+    def is_empty(self) -> bool:
+        """(One request: the first page of the listing answers, however many objects.)"""
+        prefix = f"{self.root}/" if self.root else ""
+
+        def empty() -> bool:
+            pages = obstore.list(self.client, prefix or None, chunk_size=1)
+            return not any(m["path"].startswith(prefix) for page in pages for m in page)
+
+        return self._call(f"listing {self.url}", empty)
+
     def _keys(self, under: str) -> list[str]:
         """The keys of the objects in folder ``under`` ("" for the root) at any depth."""
         base = f"{self.root}/" if self.root else ""
