@@ -37,7 +37,7 @@ from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, No
 from ..format.documents import METADATA_FILE, parse_document
 from ..format.commit_record import CheckpointMeta
 from ..io.factory import open_store
-from ..io.store import Store
+from ..io.store import Store, at_once
 from ..protocol.owned import Owned
 from ..protocol.liveness import (
     DEFAULT_LEASE_S,
@@ -193,33 +193,37 @@ def inspect_step(store: Store, step: int, liveness: Liveness) -> _Folder:
 
 
 def scan(root: Store, liveness: Liveness | None = None) -> list[_Folder]:
-    """Every step folder under ``root``, ascending."""
+    """Every step folder under ``root``, ascending (asked at once where the store waits a
+    round trip per request)."""
     liveness = liveness or Liveness.here()
-    return [inspect_step(step_store(root, s), s, liveness) for s in step_numbers(root)]
+    return at_once(root, lambda s: inspect_step(step_store(root, s), s, liveness), step_numbers(root))
 
 
 def list_steps(root: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> list[StepInfo]:
     """Every step folder under ``root`` (a path or fsspec URL), ascending by step, with its
-    state and, for committed steps, what its commit record says. Reads JSON only (no torch)."""
-    infos = []
-    for f in scan(open_store(root, storage_options)):
-        info = StepInfo(
-            f.step, f.store.url, f.committed, f.state,
-            owner=None if f.owner is None else f.owner.__dict__.copy(), readers=len(f.live_readers),
-        )
-        if f.committed:
-            try:
-                meta = read_meta(f.store)
-            except (FormatError, FileNotFoundError, NotACheckpointError, IncompleteCheckpointError) as e:
-                info = StepInfo(f.step, f.store.url, False, "unreadable", error=str(e)[:300])
-            else:
-                nbytes = sum(t.nbytes * (len(t.ranks) if t.ranks else 1) for t in meta.tensors.values())
-                info = StepInfo(
-                    f.step, f.store.url, True, "committed", nbytes, len(meta.tensors), meta.world_size,
-                    meta.created, tuple(sorted(meta.layout)), meta.library, readers=len(f.live_readers),
-                )
-        infos.append(info)
-    return infos
+    state and, for committed steps, what its commit record says. Reads JSON only (no torch);
+    the commit records are read at once where the store waits a round trip per request."""
+    store = open_store(root, storage_options)
+    return at_once(store, _step_info, scan(store))
+
+
+def _step_info(f: _Folder) -> StepInfo:
+    """What :func:`list_steps` tells of the step folder ``f``."""
+    info = StepInfo(
+        f.step, f.store.url, f.committed, f.state,
+        owner=None if f.owner is None else f.owner.__dict__.copy(), readers=len(f.live_readers),
+    )
+    if not f.committed:
+        return info
+    try:
+        meta = read_meta(f.store)
+    except (FormatError, FileNotFoundError, NotACheckpointError, IncompleteCheckpointError) as e:
+        return StepInfo(f.step, f.store.url, False, "unreadable", error=str(e)[:300])
+    nbytes = sum(t.nbytes * (len(t.ranks) if t.ranks else 1) for t in meta.tensors.values())
+    return StepInfo(
+        f.step, f.store.url, True, "committed", nbytes, len(meta.tensors), meta.world_size,
+        meta.created, tuple(sorted(meta.layout)), meta.library, readers=len(f.live_readers),
+    )
 
 
 # --- reading under a lease -------------------------------------------------------------------
