@@ -519,6 +519,33 @@ def test_is_empty_asks_one_page(seaweed) -> None:
         assert (asked, proxy.counts.requests - asked) == (1, 2)
 
 
+def test_verify_checks_shards_at_once_and_names_the_first_bad_one(seaweed) -> None:
+    """``verify`` on an object store checks as many shards at once as the store keeps
+    requests in flight (a 17 MiB state at 10 ms per request: 4.2 -> 0.4 s), and of two bad
+    shards names the one of the earlier tensor, whichever was checked first."""
+    from s3server import FaultProxy
+
+    state = {f"t{i}": torch.randn(64, 32) for i in range(12)}
+    with FaultProxy(seaweed.s3_port) as proxy:
+        options = seaweed.storage_options(proxy.endpoint)
+        url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+        ucp_zarr.save(state, url, storage_options=options)
+        ck = ucp_zarr.open(url, storage_options=options)
+        proxy.delay(0.02)
+        proxy.reset_counts()
+        assert ck.verify() == sum(t.nbytes for t in state.values())
+        assert proxy.counts.most_held >= 8, proxy.counts
+        proxy.delay(0)
+        store = open_store(url, seaweed.storage_options())
+        for name in ("t9", "t3"):
+            key = f"{ck.meta.tensors[name].path}/c/0/0"
+            raw = bytearray(store.read(key))
+            raw[100] ^= 0xFF
+            store.write_atomic(key, bytes(raw))
+        with pytest.raises(ucp_zarr.CorruptChunkError, match=f"{ck.meta.tensors['t3'].path}/c/0/0"):
+            ucp_zarr.open(url, storage_options=options).verify()
+
+
 def test_adopt_is_a_server_side_copy(store: O.ObstoreStore) -> None:
     staged = store.sibling(".ck.staged")
     staged.write_atomic("a/0", b"new")

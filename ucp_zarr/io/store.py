@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import posixpath
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 import numpy as np
 
@@ -273,6 +274,28 @@ def at_once(store: Store, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
     with ThreadPoolExecutor(workers) as pool:
         jobs = [pool.submit(fn, item) for item in items]
     return [job.result() for job in jobs]
+
+
+def in_order(store: Store, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
+    """``fn(item)`` for every item, lazily, in the items' order, :attr:`Store.request_concurrency`
+    running at once where the store declares one (one after another where not), at most
+    twice that many taken from ``items`` ahead of the caller. A caller that stops early
+    cancels what has not started."""
+    workers = store.request_concurrency or 1
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    pool = ThreadPoolExecutor(workers)
+    try:
+        ahead: deque[Future[R]] = deque()
+        for item in items:
+            ahead.append(pool.submit(fn, item))
+            if len(ahead) >= 2 * workers:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def fill(where: str, requests: Sequence[ReadRequest], datas: Sequence[Any]) -> None:

@@ -48,7 +48,7 @@ from ..format.integrity import array_digest, check_signature, document_digest
 from ..layout import Box
 from ..format.statedict import from_json
 from ..io.factory import open_store
-from ..io.store import Store
+from ..io.store import Store, at_once, in_order
 from .transaction import committed_store
 
 if TYPE_CHECKING:
@@ -364,29 +364,61 @@ class CheckpointReader:
     def verify(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Check everything: every document against its digest, every chunk of every array
         (every per-rank copy too) against its crc32c and its shard's trailer, every array
-        against its digest, streaming one bounded buffer at a time. Returns the bytes of
-        tensor data checked; ``progress(done, total)`` is called after each shard.
+        against its digest, streaming one bounded buffer at a time per shard being checked
+        (as many shards at once as the store keeps requests in flight: one on disks).
+        Returns the bytes of tensor data checked; ``progress(done, total)`` is called after
+        each shard.
 
-        Raises :class:`~ucp_zarr.CorruptChunkError` naming the first bad object."""
-        for path in self.meta.documents:  # the stored objects, which generic readers read
-            self.document(path, stored=True)
-        total = 0
+        Raises :class:`~ucp_zarr.CorruptChunkError` naming the first bad object (in the order
+        of the record's tensors, their copies and their shards, whichever was checked first)."""
+        at_once(self.store, lambda path: self.document(path, stored=True), self.meta.documents)
         everything = sum(e.nbytes * len(e.ranks or (None,)) for e in self.meta.tensors.values())
-        for key, entry in self.meta.tensors.items():
-            for rank in sorted(entry.ranks) if entry.ranks is not None else [None]:
-                meta = self.array_meta(key, rank)
-                ref = entry.array(rank)
-                seals = []
-                for n, shard in enumerate(meta.grid.all_shards(), 1):
-                    seals.append(verify_shard(self.store, ref.path, meta, shard, self.seal))
-                    if progress is not None:
-                        progress(total + entry.nbytes * n // math.prod(meta.grid.shard_counts), everything)
-                if array_digest(seals) != ref.digest:
-                    raise CorruptChunkError(
-                        f"{self.store.url}/{ref.path} (tensor {key!r}): its shards do not match the array digest "
-                        "in the commit record (a shard was replaced)"
-                    )
-                total += entry.nbytes
+        lock, done = threading.Lock(), [0]
+
+        def steps() -> Iterator[tuple[Any, ...]]:
+            """Each shard to check, then its array's end; an array whose document does not
+            parse ends the walk where it comes."""
+            for key, entry in self.meta.tensors.items():
+                for rank in sorted(entry.ranks) if entry.ranks is not None else [None]:
+                    try:
+                        meta = self.array_meta(key, rank)
+                    except Exception as e:
+                        yield ("error", e)
+                        return
+                    count = math.prod(meta.grid.shard_counts)
+                    for n, shard in enumerate(meta.grid.all_shards(), 1):
+                        yield ("shard", entry, rank, meta, shard, entry.nbytes * n // count - entry.nbytes * (n - 1) // count)
+                    yield ("array", key, entry, rank)
+
+        def check(step: tuple[Any, ...]) -> Any:
+            if step[0] != "shard":
+                return step[1] if step[0] == "error" else step
+            _, entry, rank, meta, shard, share = step
+            try:
+                seal = verify_shard(self.store, entry.array(rank).path, meta, shard, self.seal)
+            except Exception as e:
+                return e
+            if progress is not None:
+                with lock:
+                    done[0] += share
+                    progress(done[0], everything)
+            return seal
+
+        total, seals = 0, []
+        for outcome in in_order(self.store, check, steps()):
+            if isinstance(outcome, BaseException):
+                raise outcome
+            if isinstance(outcome, bytes):
+                seals.append(outcome)
+                continue
+            _, key, entry, rank = outcome
+            ref = entry.array(rank)
+            if array_digest(seals) != ref.digest:
+                raise CorruptChunkError(
+                    f"{self.store.url}/{ref.path} (tensor {key!r}): its shards do not match the array digest "
+                    "in the commit record (a shard was replaced)"
+                )
+            total, seals = total + entry.nbytes, []
         return total
 
     # --- reprs ---------------------------------------------------------------------------
