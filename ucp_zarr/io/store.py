@@ -103,8 +103,9 @@ class Store:
     say (``max_workers``): where each request waits a network round trip (an object store),
     more than this machine's CPU threads; None: the library's default (4), right for disks.
     Also how many of the protocol's own requests go at once (an overwrite's copies, bulk
-    deletes, a manager's step checks: :func:`at_once`), and, where set, a save's first
-    reads of its path are two listings at once (``Transaction.begin``)."""
+    deletes, a manager's step checks, a listing of a run's steps: :func:`at_once`; the
+    shards ``verify`` checks: :func:`in_order`), and, where set, a save's first reads of
+    its path are two listings at once (``Transaction.begin``)."""
 
     def holding(self, nbytes: int) -> AbstractContextManager[Any]:
         """Entered while ``nbytes`` of this store's traffic are in memory (an object fetched
