@@ -15,7 +15,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Generator, Iterable, Protocol, Sequence, TypeVar
 
 import numpy as np
 
@@ -277,7 +277,7 @@ def at_once(store: Store, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
     return [job.result() for job in jobs]
 
 
-def in_order(store: Store, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
+def in_order(store: Store, fn: Callable[[T], R], items: Iterable[T]) -> Generator[R, None, None]:
     """``fn(item)`` for every item, lazily, in the items' order, :attr:`Store.request_concurrency`
     running at once where the store declares one (one after another where not), at most
     twice that many taken from ``items`` ahead of the caller. A caller that stops early

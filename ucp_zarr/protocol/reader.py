@@ -405,20 +405,21 @@ class CheckpointReader:
             return seal
 
         total, seals = 0, []
-        for outcome in in_order(self.store, check, steps()):
-            if isinstance(outcome, BaseException):
-                raise outcome
-            if isinstance(outcome, bytes):
-                seals.append(outcome)
-                continue
-            _, key, entry, rank = outcome
-            ref = entry.array(rank)
-            if array_digest(seals) != ref.digest:
-                raise CorruptChunkError(
-                    f"{self.store.url}/{ref.path} (tensor {key!r}): its shards do not match the array digest "
-                    "in the commit record (a shard was replaced)"
-                )
-            total, seals = total + entry.nbytes, []
+        with contextlib.closing(in_order(self.store, check, steps())) as outcomes:  # (stops the pool on a raise)
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                if isinstance(outcome, bytes):
+                    seals.append(outcome)
+                    continue
+                _, key, entry, rank = outcome
+                ref = entry.array(rank)
+                if array_digest(seals) != ref.digest:
+                    raise CorruptChunkError(
+                        f"{self.store.url}/{ref.path} (tensor {key!r}): its shards do not match the array digest "
+                        "in the commit record (a shard was replaced)"
+                    )
+                total, seals = total + entry.nbytes, []
         return total
 
     # --- reprs ---------------------------------------------------------------------------
