@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 import fsspec
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
-from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, fill
+from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, fill, folders_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -240,13 +240,7 @@ class FsspecStore(Store):
             self.delete(key)
         # object stores that keep folder entries (SeaweedFS's filer) list emptied prefixes
         # until their "<prefix>/" entries are deleted too; elsewhere these deletes are no-ops
-        folders: set[str] = set()
-        for key in keys:
-            folder = posixpath.dirname(key)
-            while folder:
-                folders.add(folder)
-                folder = posixpath.dirname(folder)
-        for folder in sorted(folders, key=lambda f: -f.count("/")):
+        for folder in sorted(folders_of(keys), key=lambda f: -f.count("/")):
             self._remove_folder_entry(posixpath.join(self.root, folder))
         self._remove_folder_entry(self.root)
 

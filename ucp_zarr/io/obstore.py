@@ -46,7 +46,7 @@ from obstore.exceptions import (
 )
 
 from .fsspec import FsspecStore
-from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, at_once, fill
+from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, at_once, fill, folders_of
 
 T = TypeVar("T")
 
@@ -311,14 +311,14 @@ class ObstoreStore(Store):
         split = max(BULK_DELETE_SPLIT, -(-len(paths) // (self.request_concurrency or 1)))
         size = min(BULK_DELETE, split)
 
-        def batch(paths: Sequence[str]) -> None:
+        def batch(chunk: Sequence[str]) -> None:
             try:
-                self._call(f"deleting {self._where(paths[0])} and {len(paths) - 1} more",
-                           lambda: obstore.delete(self.client, paths))
+                self._call(f"deleting {self._where(chunk[0])} and {len(chunk) - 1} more",
+                           lambda: obstore.delete(self.client, chunk))
             except FileNotFoundError:
                 if not one_by_one_if_refused:
                     raise
-                for path in paths:
+                for path in chunk:
                     self._delete_path(path)
 
         at_once(self, batch, [paths[i : i + size] for i in range(0, len(paths), size)])
@@ -329,14 +329,14 @@ class ObstoreStore(Store):
         # grid lists that tensor's objects, not the checkpoint's) tells which folders still
         # hold objects, bulk requests remove the others
         if folders := set(folders):
-            self._remove_folder_entries(folders - _folders(self._keys(posixpath.commonpath(list(folders)))))
+            self._remove_folder_entries(folders - folders_of(self._keys(posixpath.commonpath(list(folders)))))
         if not self._names(self.root):
             self._remove_folder_entries({""})
 
     def remove(self) -> None:
         keys = self.list()
         self._delete_paths([self._path(k) for k in keys])
-        self._remove_folder_entries(_folders(keys) | {""})
+        self._remove_folder_entries(folders_of(keys) | {""})
 
     def _remove_folder_entries(self, folders: Iterable[str]) -> None:
         """Delete the entries of ``folders`` ("" for the root) where the store keeps any,
@@ -366,19 +366,6 @@ class ObstoreStore(Store):
         if not isinstance(src, ObstoreStore) or src.client is not self.client:
             raise TypeError(f"cannot adopt objects of {src.url} into {self.url}")
         self._call(f"copying {src.url}/{key}", lambda: obstore.copy(self.client, src._path(key), self._path(key)))
-
-
-def _folders(keys: Iterable[str]) -> set[str]:
-    """Every folder holding one of ``keys`` at any depth ("" for the root, when any)."""
-    folders: set[str] = set()
-    for key in keys:
-        folder = key
-        while folder:
-            folder = posixpath.dirname(folder)
-            if folder in folders:
-                break
-            folders.add(folder)
-    return folders
 
 
 def _runs(starts: Sequence[int], ends: Sequence[int]) -> int:

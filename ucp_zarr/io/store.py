@@ -264,6 +264,16 @@ class Store:
         """Make the directory entries of everything written so far durable."""
 
 
+def folders_of(keys: Iterable[str]) -> set[str]:
+    """Every folder holding one of ``keys`` (``a/b`` for ``a/b/c``, and ``a``), at any depth;
+    not the root."""
+    folders: set[str] = set()
+    for key in keys:
+        while (key := key.rpartition("/")[0]) and key not in folders:
+            folders.add(key)
+    return folders
+
+
 def at_once(store: Store, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
     """``fn(item)`` for every item, :attr:`Store.request_concurrency` at a time where the
     store waits a round trip per request (one after another where it declares none): the

@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ..format.codec import chunk_key
 from ..errors import FormatError
 from ..format.documents import METADATA_FILE, check_array_path, check_document_path, parse_document
 from ..format.commit_record import CheckpointMeta
+from ..io.store import folders_of
 from ..layout.boxes import grid_indices
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ class Owned:
         a node is not consolidated). :class:`FormatError` if the record is malformed."""
         meta = CheckpointMeta.from_zarr_json(parse_document(raw, where), where)
         documents = sorted(meta.documents) or _documents_of_entries(meta)
-        groups = _parents(d.removesuffix("/" + METADATA_FILE) for d in documents)
+        groups = folders_of(d.removesuffix("/" + METADATA_FILE) for d in documents)  # (an array holds no node)
         arrays = []
         for doc_key in documents:
             node = meta.consolidated.get(doc_key.removesuffix("/" + METADATA_FILE))
@@ -108,16 +109,6 @@ class Owned:
                     raise FormatError(f"{where}: the document of {path} has no chunk grid") from None
                 arrays.append(_array(path, node.get("shape"), shard_shape, where))
         return cls(tuple(documents), tuple(arrays))
-
-
-def _parents(paths: Iterable[str]) -> set[str]:
-    """Every node holding another of ``paths``: a group (an array holds no node), whose
-    document names no shard grid and need not be read."""
-    parents: set[str] = set()
-    for path in paths:
-        while (path := path.rpartition("/")[0]) and path not in parents:
-            parents.add(path)
-    return parents
 
 
 def _documents_of_entries(meta: CheckpointMeta) -> list[str]:

@@ -58,7 +58,6 @@ import json
 import logging
 import re
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any, NamedTuple
 
@@ -72,7 +71,7 @@ from ..errors import (
 )
 from ..format.documents import METADATA_FILE, NAME_COMPONENT
 from .owned import Owned
-from ..io.store import Store, at_once, temp_name
+from ..io.store import Store, at_once, folders_of, temp_name
 from .liveness import (
     DEFAULT_LEASE_S,
     FENCE_INTERVAL_S,
@@ -116,11 +115,7 @@ def delete_owned(store: Store, owned: Owned, tag: str | None = None, keep: froze
     for keys in owned.deletion_phases():
         keys = [k for k in keys if k not in keep]
         store.delete_many([*keys, *(temp_name(k, tag) for k in keys)] if staged else keys)  # type: ignore[arg-type]
-        for key in keys:
-            folder = key.rpartition("/")[0]
-            while folder and folder not in folders:
-                folders.add(folder)
-                folder = folder.rpartition("/")[0]
+        folders |= folders_of(keys)
     store.prune(folders)
 
 
@@ -304,10 +299,8 @@ class Transaction:
         if not self.store.request_concurrency:
             return None
         prefix = f".{self.store.name}{STAGING_INFIX}"
-        with ThreadPoolExecutor(1) as pool:
-            names = pool.submit(self.store.child_names)
-            staging = self.store.sibling_names(prefix)
-            return _Look(names.result(), staging)
+        asks = [self.store.child_names, lambda: self.store.sibling_names(prefix)]
+        return _Look(*at_once(self.store, lambda ask: ask(), asks))
 
     def _alive(self, store: Store, owner: Owner) -> bool:
         return not self.liveness.is_dead(owner, last_heartbeat(store, owner.save_id))
