@@ -367,7 +367,8 @@ class CheckpointReader:
         against its digest, streaming one bounded buffer at a time per shard being checked
         (as many shards at once as the store keeps requests in flight: one on disks).
         Returns the bytes of tensor data checked; ``progress(done, total)`` is called after
-        each shard.
+        each shard (where shards are checked at once, from the checking threads, one call at
+        a time).
 
         Raises :class:`~ucp_zarr.CorruptChunkError` naming the first bad object (in the order
         of the record's tensors, their copies and their shards, whichever was checked first)."""
