@@ -100,3 +100,32 @@ def test_staged_chunks_land_where_they_belong(tmp_path) -> None:
     ucp_zarr.load({"w": out}, path)
     assert torch.equal(out, w)
     assert np.array_equal(ucp_zarr.open(path).read_numpy("w"), w.numpy())
+
+
+def test_a_loads_reads_raise_the_first_failure_in_their_order_and_stop() -> None:
+    """The load's pool (:func:`~ucp_zarr.protocol.filling._run_all`): of two failing reads the
+    earlier one's error is raised, even when the later one fails first, and reads not yet
+    started when one fails are not started."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ucp_zarr.protocol.filling import _run_all
+
+    ran: list[int] = []
+    lock = threading.Lock()
+
+    def job(i: int) -> None:
+        if i == 0:
+            time.sleep(0.2)
+            raise CorruptChunkError("read 0")
+        if i == 1:
+            raise CorruptChunkError("read 1")
+        time.sleep(0.05)
+        with lock:
+            ran.append(i)
+
+    with ThreadPoolExecutor(2) as pool:
+        with pytest.raises(CorruptChunkError, match="read 0"):
+            _run_all(pool, [lambda i=i: job(i) for i in range(40)])
+    assert len(ran) <= 2, ran  # (the worker freed by read 1 may take one more before the cancel)
