@@ -103,14 +103,14 @@ def test_staged_chunks_land_where_they_belong(tmp_path) -> None:
 
 
 def test_a_loads_reads_raise_the_first_failure_in_their_order_and_stop() -> None:
-    """The load's pool (:func:`~ucp_zarr.protocol.filling._run_all`): of two failing reads the
+    """The load's pool (:func:`~ucp_zarr.protocol.filling.run_all`): of two failing reads the
     earlier one's error is raised, even when the later one fails first, and reads not yet
     started when one fails are not started."""
     import threading
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from ucp_zarr.protocol.filling import _run_all
+    from ucp_zarr.protocol.filling import run_all
 
     ran: list[int] = []
     lock = threading.Lock()
@@ -127,5 +127,5 @@ def test_a_loads_reads_raise_the_first_failure_in_their_order_and_stop() -> None
 
     with ThreadPoolExecutor(2) as pool:
         with pytest.raises(CorruptChunkError, match="read 0"):
-            _run_all(pool, [lambda i=i: job(i) for i in range(40)])
+            run_all(pool, [lambda i=i: job(i) for i in range(40)])
     assert len(ran) <= 2, ran  # (the worker freed by read 1 may take one more before the cancel)

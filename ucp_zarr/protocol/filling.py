@@ -50,10 +50,10 @@ def fill(ck: CheckpointReader, reads: list[_Read], rank: int, lossy: bool, max_w
     jobs = [job for r in alone for job in _prepare(ck, r, rank, lossy)]
     jobs += [lambda g=group: _fill_shared(ck, [reads[i] for i in g], rank, lossy) for group in shared]
     with ThreadPoolExecutor(read_workers(ck.store, max_workers)) as pool:
-        _run_all(pool, jobs)
+        run_all(pool, jobs)
 
 
-def _run_all(pool: ThreadPoolExecutor, jobs: list[Callable[[], None]]) -> None:
+def run_all(pool: ThreadPoolExecutor, jobs: list[Callable[[], None]]) -> None:
     """Run every job on ``pool``, the caller asleep until all are done: not woken per job as
     by ``pool.map``, which costs a GIL hand-off each (~2 ms of a cold 16 MiB load of 96
     tensors, 5%). Once one fails, those not started are cancelled and, when the running

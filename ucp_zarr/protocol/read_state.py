@@ -11,13 +11,13 @@ from typing import Any, Iterable
 import torch
 
 from .distributed import Comm
-from .reader import CheckpointReader, open_store_reader
+from .reader import open_store_reader
 from ..format.dtypes import stored_dtype_by_name
 from ..errors import KeyMismatchError
 from ..format.commit_record import CheckpointMeta
 from ..format.statedict import STRUCTURE_FORMAT, Structure, from_json
 from ..io.factory import open_store
-from .filling import read_workers
+from .filling import read_workers, run_all
 
 
 # --- the whole state dict ----------------------------------------------------------------------
@@ -52,9 +52,14 @@ def read_state_dict(
     wanted = _selected(stored, keys)
     device = torch.device(device)
     needed = wanted | {meta.ties[a] for a in wanted & set(meta.ties)}
-    to_read = [k for k in meta.tensors if k in needed]
+    tensors, reads = {}, []
+    for key in (k for k in meta.tensors if k in needed):  # each read prepared here, run in the pool
+        entry = meta.tensors[key]
+        out = torch.empty(tuple(entry.shape), dtype=stored_dtype_by_name(entry.dtype).torch_dtype, device=device)
+        tensors[key], read = ck.prepare_read(key, out=out)
+        reads.append(read)
     with ThreadPoolExecutor(read_workers(ck.store)) as pool:
-        tensors = dict(zip(to_read, pool.map(lambda k: _materialise(ck, k, device), to_read)))
+        run_all(pool, reads)
     where = f"{ck.store.url}/zarr.json"
     structure, blobs = meta.structure, _dcp_blobs(meta)
     if structure is None:
@@ -91,12 +96,6 @@ def _selects(key: str, asked: Iterable[str] | None) -> bool:
         return True
     asked = [asked] if isinstance(asked, str) else asked
     return any(key == a or key.startswith(a + ".") for a in asked)
-
-
-def _materialise(ck: CheckpointReader, key: str, device: torch.device) -> torch.Tensor:
-    entry = ck.meta.tensors[key]
-    out = torch.empty(tuple(entry.shape), dtype=stored_dtype_by_name(entry.dtype).torch_dtype, device=device)
-    return ck.read(key, out=out)
 
 
 def _dcp_structure(meta: CheckpointMeta, where: str) -> Structure | None:
