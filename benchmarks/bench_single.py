@@ -247,6 +247,13 @@ def ucp_load(sd_like, dest, path: str) -> dict[str, torch.Tensor]:
     return dest
 
 
+def ucp_fresh_load(sd_like, dest, path: str) -> dict[str, torch.Tensor]:
+    """``ucp_zarr.read_state_dict``: new tensors, nothing preallocated (as ``torch.load``)."""
+    import ucp_zarr
+
+    return ucp_zarr.read_state_dict(path)
+
+
 def torch_save(sd, path: str) -> None:
     with open(path, "wb") as f:
         torch.save(sd, f)
@@ -295,6 +302,7 @@ def dcp_load(sd_like, dest, path: str) -> dict[str, torch.Tensor]:
 METHODS: dict[str, tuple[str, Callable, Callable, str]] = {
     # name: (label, save, load, output suffix)
     "ucp_zarr": ("ucp_zarr", ucp_save, ucp_load, ".zarr"),
+    "ucp_fresh": ("ucp_zarr save / read_state_dict (fresh tensors)", ucp_save, ucp_fresh_load, ".zarr"),
     "raw": ("raw limit: 4 threads write+fsync / preadv", raw_save, raw_load, ".raw"),
     "torch": ("torch.save+fsync / torch.load", torch_save, torch_load, ".pt"),
     "safetensors": ("safetensors save_file+fsync / load_file", st_save, st_load, ".safetensors"),
@@ -445,6 +453,10 @@ def main(argv: list[str] | None = None) -> None:
     if "ucp_zarr" in names and "torch" in names:
         r = mibs("ucp_zarr", "load") / mibs("torch", "load")
         print(f"ucp_zarr load / torch.load      = {r:.2f}x  (target >= 0.80: {'PASS' if r >= 0.8 else 'FAIL'})")
+    for peer in ("torch", "safetensors"):
+        if "ucp_fresh" in names and peer in names:
+            r = mibs("ucp_fresh", "load") / mibs(peer, "load")
+            print(f"ucp_zarr read_state_dict / {METHODS[peer][0].split(' / ')[-1]} (both into fresh tensors) = {r:.2f}x")
 
 
 if __name__ == "__main__":
