@@ -478,19 +478,12 @@ def _selected(ck: "Checkpoint", patterns: list[str]) -> list[str]:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from .browse.inspect import tensor_stats
+    from .browse.inspect import stats_of
 
     ck = open_checkpoint(args.path, args)
     keys = _selected(ck, args.keys)
-    total = sum(ck.meta.tensors[k].nbytes for k in keys)
-    done = 0
-    out = []
     with progress_bar(args, "stats") as bar:
-        for k in keys:
-            base = done
-            out.append(tensor_stats(ck, k, rank=args.rank,
-                                    progress=None if bar is None else lambda d, _t: bar(base + d, total)))
-            done += ck.meta.tensors[k].nbytes
+        out = stats_of(ck, keys, rank=args.rank, progress=bar)
     if args.json:
         emit([s.to_dict() for s in out])
         return 0

@@ -6,11 +6,13 @@ from __future__ import annotations
 import html
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from ..io.store import in_order
 from ..protocol.reader import CheckpointReader, open_reader
 from .inspect import _json_float, matches, select_keys
 from .values import MAX_BYTES, Progress, _PIECE, _value_itemsize, block_boxes, block_shape, widen
@@ -280,15 +282,22 @@ def diff(
     in_b = set(kb)
     common = [k for k in ka if k in in_b]
     total = sum(ca.meta.tensors[k].nbytes * len(ca.meta.tensors[k].ranks or (None,)) for k in common)
-    done = 0
+    # an object store's requests overlap: as many tensors compared at once as it keeps
+    # requests in flight (each within its share of max_bytes), the rows in order
+    store = max((ca.store, cb.store), key=lambda s: s.request_concurrency or 0)
+    budget = max(1, max_bytes // (store.request_concurrency or 1))
+    lock, done = threading.Lock(), [0]
 
     def tick(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress(done, total)
+        with lock:
+            done[0] += n
+            if progress is not None:
+                progress(done[0], total)
 
-    rows: list[DiffRow] = []
+    def compare(key: str, rank: int | None) -> Callable[[], DiffRow]:
+        return lambda: _compare(ca, cb, key, rank, budget, tick)
+
+    rows: list[DiffRow | Callable[[], DiffRow]] = []
     in_a = set(ka)
     for key in ka + [k for k in kb if k not in in_a]:
         ea, eb = ca.meta.tensors.get(key), cb.meta.tensors.get(key)
@@ -301,14 +310,15 @@ def diff(
             rows.append(DiffRow(key, status, *shapes, *dtypes))
             continue
         if ea.ranks is None or eb.ranks is None:
-            rows.append(_compare(ca, cb, key, None, max_bytes, tick))
+            rows.append(compare(key, None))
             continue
         for r in sorted(set(ea.ranks) | set(eb.ranks)):
             if r in ea.ranks and r in eb.ranks:
-                rows.append(_compare(ca, cb, key, r, max_bytes, tick))
+                rows.append(compare(key, r))
             else:
                 e, status = (ea, "only_a") if r in ea.ranks else (eb, "only_b")
                 shapes = (tuple(e.shape), None) if status == "only_a" else (None, tuple(e.shape))
                 dtypes = (e.dtype, None) if status == "only_a" else (None, e.dtype)
                 rows.append(DiffRow(key, status, *shapes, *dtypes, rank=r))
-    return CheckpointDiff(ca.store.url, cb.store.url, rows, _diff_values(ca, cb, patterns))
+    made = list(in_order(store, lambda row: row if isinstance(row, DiffRow) else row(), rows))
+    return CheckpointDiff(ca.store.url, cb.store.url, made, _diff_values(ca, cb, patterns))

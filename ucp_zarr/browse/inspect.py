@@ -11,12 +11,13 @@ from __future__ import annotations
 import fnmatch
 import math
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from ..io.store import at_once, in_order
 from ..protocol.reader import CheckpointReader
 from .values import MAX_BYTES, Progress, _PIECE, iter_blocks
 
@@ -92,8 +93,7 @@ def list_tensors(ck: CheckpointReader, pattern: str | None = None) -> list[Tenso
             ranks=None if e.ranks is None else tuple(sorted(e.ranks)),
         )
 
-    with ThreadPoolExecutor(8) as pool:  # one document per array: overlap the requests of remote stores
-        return list(pool.map(row, keys))
+    return at_once(ck.store, row, keys)  # (one document per array: an object store's requests overlap)
 
 
 def checkpoint_info(ck: CheckpointReader) -> dict[str, Any]:
@@ -353,6 +353,32 @@ def tensor_stats(
         mean=m.mean if m.n else None, std=math.sqrt(m.m2 / m.n) if m.n else None, norm=math.sqrt(m.sq),
         nan=nan, inf=inf, html=html,
     )
+
+
+def stats_of(
+    ck: CheckpointReader, keys: Iterable[str], *, max_bytes: int = MAX_BYTES, rank: int | None = None,
+    progress: Progress | None = None,
+) -> list[TensorStats]:
+    """:func:`tensor_stats` of each of ``keys``, in order. Where the store keeps requests in
+    flight (an object store), that many tensors are read at once, each within its share of
+    ``max_bytes``; ``progress(done, total)`` counts bytes over all of them (called one call at
+    a time). The first failure in the keys' order is raised."""
+    keys = list(keys)
+    budget = max(1, max_bytes // (ck.store.request_concurrency or 1))
+    total = sum(ck.meta.tensors[ck.meta.canonical(k)].nbytes for k in keys)
+    lock, done, each = threading.Lock(), [0], [0] * len(keys)
+
+    def one(i: int) -> TensorStats:
+        def moved(d: int, _total: int) -> None:
+            with lock:
+                done[0] += d - each[i]
+                each[i] = d
+                if progress is not None:
+                    progress(done[0], total)
+
+        return tensor_stats(ck, keys[i], max_bytes=budget, rank=rank, progress=moved)
+
+    return list(in_order(ck.store, one, range(len(keys))))
 
 
 def _finite(block: np.ndarray) -> np.ndarray:
