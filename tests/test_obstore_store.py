@@ -583,6 +583,32 @@ def test_stats_and_diff_read_tensors_at_once_and_answer_as_one_at_a_time(seaweed
     assert [r.key for r in changed.rows if r.ndiff] == ["t3"]
 
 
+def test_the_dcp_drop_in_keeps_the_stores_requests_in_flight(seaweed) -> None:
+    """``ZarrStorageWriter`` / ``ZarrStorageReader`` without ``max_workers`` save and load an
+    object store with as many requests at once as ``ucp_zarr.save`` and ``load`` do (they
+    kept 4: a 17 MiB state at 10 ms per request saved in 1.0-1.2 s and loaded in 0.4 s, against
+    0.45 and 0.16 s natively)."""
+    import torch.distributed.checkpoint as dcp
+    from s3server import FaultProxy
+
+    from ucp_zarr.adapters.dcp import ZarrStorageReader, ZarrStorageWriter
+
+    state = {f"t{i}": torch.randn(64, 32) for i in range(24)}
+    dest = {k: torch.zeros_like(v) for k, v in state.items()}
+    with FaultProxy(seaweed.s3_port) as proxy:
+        options = seaweed.storage_options(proxy.endpoint)
+        url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+        proxy.delay(0.02)
+        proxy.reset_counts()
+        dcp.save(state, storage_writer=ZarrStorageWriter(url, storage_options=options), no_dist=True)
+        assert proxy.counts.most_held >= 8, proxy.counts
+        proxy.reset_counts()
+        dcp.load(dest, storage_reader=ZarrStorageReader(url, storage_options=options), no_dist=True)
+        assert proxy.counts.most_held >= 8, proxy.counts
+        proxy.delay(0)
+    assert all(torch.equal(dest[k], v) for k, v in state.items())
+
+
 def test_adopt_is_a_server_side_copy(store: O.ObstoreStore) -> None:
     staged = store.sibling(".ck.staged")
     staged.write_atomic("a/0", b"new")

@@ -74,6 +74,7 @@ Limits
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from collections.abc import Iterable, Sequence
@@ -102,9 +103,11 @@ from ..protocol.fragments import Fragment
 from ..layout import Box
 from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ..protocol.collect import Collected
+from ..protocol.filling import read_workers
 from ..protocol.saver import SaveOptions, prepare
+from ..protocol.saving import DEFAULT_WORKERS
 from ..io.factory import open_store
-from ..io.store import Buffer, ReadRequest, Store, WriteGuard
+from ..io.store import Buffer, ReadRequest, Store, WriteGuard, at_once
 from ..protocol.transaction import is_checkpoint_object
 from .dcp_plans import (
     _MISSING,
@@ -262,17 +265,18 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
         hmac_key: bytes | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         shard_bytes: int = DEFAULT_SHARD_BYTES,
-        max_workers: int = 4,
+        max_workers: int | None = None,
         unsafe_non_exclusive_store: bool = False,
     ) -> None:
         super().__init__()
         self.path = path
         self.storage_options = storage_options
         self.process_group = process_group
+        self.max_workers = max_workers
         self.options = SaveOptions(
             chunk_bytes=chunk_bytes,
             shard_bytes=shard_bytes,
-            max_workers=max_workers,
+            max_workers=max_workers or DEFAULT_WORKERS,
             overwrite=overwrite,
             overwrite_incomplete=overwrite_incomplete,
             hmac_key=hmac_key,
@@ -343,7 +347,9 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
         gathered = comm.agree(error, "preparing the save", blobs)
         # what the commit record keeps for DCP; only rank 0 (DCP's coordinator) writes it
         dcp_layout = _dcp_layout(planner_data, sorted({k for ks in gathered for k in ks}))
-        prepared = prepare(lambda: Collected(fragments, values), store, comm, self.options, copy=False)
+        # (as ucp_zarr.save: max_workers unset, as many writers as the store keeps requests in flight)
+        options = dataclasses.replace(self.options, write_workers=self.max_workers or store.request_concurrency)
+        prepared = prepare(lambda: Collected(fragments, values), store, comm, options, copy=False)
         if dcp_layout:
             prepared.layout = {**prepared.layout, "dcp": dcp_layout}
         self.result = prepared.finish()
@@ -364,7 +370,8 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
     DCP's ``FileSystemReader``.
 
     Each rank reads only the chunks overlapping what its state dict holds, using up to
-    ``max_workers`` threads. Per-rank state saved by ``ucp_zarr.save`` is read from the copy
+    ``max_workers`` threads (default: as ``ucp_zarr.load``, the store's request concurrency
+    on an object store, else 4). Per-rank state saved by ``ucp_zarr.save`` is read from the copy
     of this rank (its rank in the group ``dcp.load`` runs on) when the checkpoint has one;
     otherwise the state dict keeps its own value, as ``ucp_zarr.load`` does.
     """
@@ -374,7 +381,7 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
         path: str | os.PathLike[str],
         *,
         storage_options: dict[str, Any] | None = None,
-        max_workers: int = 4,
+        max_workers: int | None = None,
         unsafe_non_exclusive_store: bool = False,
     ) -> None:
         super().__init__()
@@ -416,8 +423,7 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
             dtype = stored_dtype_by_name(entry.dtype).torch_dtype
             return TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), chunks)
 
-        with ThreadPoolExecutor(max(1, self.max_workers)) as pool:
-            described = dict(zip(tensors, pool.map(describe, tensors)))
+        described = dict(zip(tensors, at_once(ck.store, describe, tensors)))
         md: dict[str, Any] = dict(described)
         for alias, canonical in ck.meta.ties.items():  # (tied tensors: each alias reads its canonical tensor)
             md[alias] = described[canonical]
@@ -447,10 +453,11 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read this rank's items: tensor boxes straight from the overlapping chunks, JSON
         values through ``planner.load_bytes``. Planner calls stay on this thread; only the
-        reads run on worker threads (at most ``2 * max_workers`` in flight)."""
+        reads run on worker threads (at most twice as many in flight)."""
         ck = self._checkpoint()
         rank = self.rank if self.rank is not None else 0
-        window = max(1, 2 * self.max_workers)
+        workers = read_workers(ck.store, self.max_workers)
+        window = 2 * workers
         pending: list[tuple[ReadItem, torch.Tensor, _PyFuture]] = []
 
         def settle(n: int) -> None:
@@ -459,7 +466,7 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
                 fut.result()
                 planner.commit_tensor(item, target)
 
-        with ThreadPoolExecutor(max(1, self.max_workers)) as pool:
+        with ThreadPoolExecutor(workers) as pool:
             try:
                 for item in plan.items:
                     fqn = item.storage_index.fqn
