@@ -609,6 +609,29 @@ def test_the_dcp_drop_in_keeps_the_stores_requests_in_flight(seaweed) -> None:
     assert all(torch.equal(dest[k], v) for k, v in state.items())
 
 
+def test_convert_writes_an_object_store_with_its_requests_in_flight(seaweed, tmp_path) -> None:
+    """``convert`` (``ucp-zarr convert``) without ``max_workers`` writes an object store with
+    as many requests at once as ``ucp_zarr.save`` does (it kept 4)."""
+    import safetensors.torch
+    from s3server import FaultProxy
+
+    from ucp_zarr.converters import convert
+
+    state = {f"t{i}": torch.randn(64, 32) for i in range(24)}
+    src = tmp_path / "model.safetensors"
+    safetensors.torch.save_file(state, str(src))
+    with FaultProxy(seaweed.s3_port) as proxy:
+        options = seaweed.storage_options(proxy.endpoint)
+        url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+        proxy.delay(0.02)
+        proxy.reset_counts()
+        convert(src, url, storage_options=options)
+        assert proxy.counts.most_held >= 8, proxy.counts
+        proxy.delay(0)
+        got = ucp_zarr.read_state_dict(url, storage_options=options)
+    assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
+
+
 def test_adopt_is_a_server_side_copy(store: O.ObstoreStore) -> None:
     staged = store.sibling(".ck.staged")
     staged.write_atomic("a/0", b"new")

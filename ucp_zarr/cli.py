@@ -156,8 +156,9 @@ def build_parser() -> _Parser:
                    help="allow full unpickling of pickle-based files (runs code from them): only for files you trust")
     c.add_argument("--prefix", default="", help="prepended to the keys of flat sources (e.g. 'model.')")
     c.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
-    c.add_argument("--workers", dest="max_workers", type=int, default=4, metavar="N",
-                   help="threads reading and writing shards (default 4)")
+    c.add_argument("--workers", dest="max_workers", type=int, default=None, metavar="N",
+                   help="threads reading and writing shards (default 4; on an object store, as many writers as it "
+                        "keeps requests in flight)")
     progress(c)
     e = command("export", "export a ucp_zarr checkpoint into another format",
                 epilog_of=lambda: _kinds("formats (--to)", "TARGETS"))

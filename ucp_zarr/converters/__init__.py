@@ -32,6 +32,7 @@ from ..protocol.reader import open_reader
 from ..errors import ConversionError, Keyword
 from ..format.safe_paths import check_no_links_under
 from ..protocol.saver import SaveOptions, SaveResult
+from ..protocol.saving import DEFAULT_WORKERS
 from ..io.factory import open_store
 from ..protocol.writer import CONVERT_SHARD_BYTES, total_bytes, write_checkpoint
 from .base import Imported
@@ -84,7 +85,7 @@ def convert(
     trust: bool = False,
     prefix: str = "",
     overwrite: bool = False,
-    max_workers: int = 4,
+    max_workers: int | None = None,
     shard_bytes: int = CONVERT_SHARD_BYTES,
     storage_options: dict[str, Any] | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -97,11 +98,15 @@ def convert(
     :class:`~ucp_zarr.errors.UntrustedInputError` naming it. ``prefix`` is prepended to
     the keys of flat sources (``"model."`` makes a safetensors file loadable into
     ``{"model": model.state_dict()}``). ``rules`` (a :class:`~ucp_zarr.Rules`) describe
-    tensor-parallel sources that carry no layout of their own. ``progress(done, total)``
-    is called with bytes as shards are read."""
+    tensor-parallel sources that carry no layout of their own. ``max_workers`` as in
+    :func:`ucp_zarr.save` (unset: 4, with as many writers as an object store keeps requests
+    in flight). ``progress(done, total)`` is called with bytes as shards are read."""
     imported = read_source(src, source, rules=rules, trust=trust, prefix=prefix)
-    options = SaveOptions(shard_bytes=shard_bytes, max_workers=max_workers, overwrite=overwrite)
     store = open_store(dst, storage_options)
+    options = SaveOptions(  # (max_workers unset: as ucp_zarr.save)
+        shard_bytes=shard_bytes, max_workers=max_workers or DEFAULT_WORKERS,
+        write_workers=max_workers or store.request_concurrency, overwrite=overwrite,
+    )
     if store.local_path is not None:
         check_no_links_under(Path(store.local_path), f"converting {src}")
     return write_checkpoint(
