@@ -632,6 +632,30 @@ def test_convert_writes_an_object_store_with_its_requests_in_flight(seaweed, tmp
     assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
 
 
+def test_an_export_reads_small_tensors_ahead_at_once(seaweed, tmp_path) -> None:
+    """An export (safetensors, Hugging Face) from an object store reads the small tensors
+    ahead of the one being written, as many at once as the store keeps requests in flight
+    (232 tensors at 10 ms per request: 6.0 -> 0.6 s), and writes what the checkpoint holds."""
+    from safetensors.torch import load_file
+    from s3server import FaultProxy
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"t{i}": torch.randn(64, 32, generator=g) for i in range(24)}
+    state["big"] = torch.randn(1200, 1024, generator=g)  # over AHEAD_BYTES: read as it is written
+    with FaultProxy(seaweed.s3_port) as proxy:
+        options = seaweed.storage_options(proxy.endpoint)
+        url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+        ucp_zarr.save(state, url, storage_options=options)
+        proxy.delay(0.02)
+        proxy.reset_counts()
+        ucp_zarr.export(url, tmp_path / "st", to="safetensors", storage_options=options)
+        assert proxy.counts.most_held >= 8, proxy.counts
+        proxy.delay(0)
+    got = load_file(tmp_path / "st" / "model.safetensors")
+    assert got.keys() == state.keys()
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
 def test_adopt_is_a_server_side_copy(store: O.ObstoreStore) -> None:
     staged = store.sibling(".ck.staged")
     staged.write_atomic("a/0", b"new")

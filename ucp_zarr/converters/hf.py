@@ -111,7 +111,7 @@ def write(
         raise ConversionError(f"several tensors of checkpoint {ck.store.url} are mapped to the names {twice[:5]}")
     index = {"total_parameters": sum(math.prod(t.shape) for t in items)}
     with atomic_update(Path(dst), replaced=lambda n: WEIGHT_FILE.fullmatch(n) is not None, overwrite=overwrite) as tmp:
-        write_shards(tmp, items, limit, {"format": "pt"}, progress, index)
+        write_shards(tmp, items, limit, {"format": "pt"}, progress, index, ck.store)
     return Path(dst)
 
 

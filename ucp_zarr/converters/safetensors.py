@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -25,6 +25,7 @@ from ..protocol.reader import CheckpointReader
 from ..errors import ConversionError
 from ..layout import Box
 from ..format.safe_paths import inside_relative
+from ..io.store import Store, in_order
 from .base import Imported, atomic_file, atomic_folder
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -33,6 +34,10 @@ TIES_METADATA = "ucp_zarr.ties"
 """The ``__metadata__`` entry where an export records tied names (JSON: alias -> the name it reads)."""
 BLOCK_BYTES = 64 << 20
 """Tensors are copied out in row blocks of about this size."""
+AHEAD_BYTES = 4 << 20
+"""Tensors up to this size are read ahead of the one being written, as many at once as the
+checkpoint's store keeps requests in flight (an object store: each is a round trip or two,
+which would otherwise come one after another); larger ones are read as they are written."""
 
 _CODES = {
     torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.uint16: "U16",
@@ -170,10 +175,10 @@ def write(
         metadata[TIES_METADATA] = json.dumps(ties, sort_keys=True)
     if Path(dst).name.endswith(".safetensors"):
         with atomic_file(Path(dst), overwrite=overwrite) as tmp:
-            write_file(tmp, items, metadata, progress)
+            write_file(tmp, items, metadata, progress, ck.store)
         return Path(dst)
     with atomic_folder(Path(dst), overwrite=overwrite) as tmp:
-        write_shards(tmp, items, max_shard_bytes, metadata, progress)
+        write_shards(tmp, items, max_shard_bytes, metadata, progress, None, ck.store)
     return Path(dst)
 
 
@@ -194,13 +199,14 @@ class OutTensor:
 
 def write_shards(
     folder: Path, items: list[OutTensor], max_shard_bytes: int, metadata: dict[str, str],
-    progress: Callable[[int], None] | None, index_metadata: dict[str, Any] | None = None,
+    progress: Callable[[int], None] | None, index_metadata: dict[str, Any] | None = None, source: Store | None = None,
 ) -> list[str]:
     """``items`` into ``folder`` as Hugging Face names them: ``model.safetensors``, or shards
     ``model-00001-of-0000n.safetensors`` of at most ``max_shard_bytes`` each (split as
     ``huggingface_hub.split_torch_state_dict_into_shards`` splits: in order, a tensor larger
     than the limit alone) and ``model.safetensors.index.json`` (``total_size``, with
-    ``index_metadata``, and the weight map). Returns the file names written."""
+    ``index_metadata``, and the weight map). Returns the file names written. ``source``: the
+    store the items are read from (see :func:`write_file`)."""
     bad = sorted({str(t.dtype) for t in items if t.dtype not in _CODES})
     if bad:
         raise ConversionError(f"safetensors cannot hold the dtypes {bad} (of {[t.name for t in items if t.dtype not in _CODES][:5]})")
@@ -219,19 +225,31 @@ def write_shards(
     if current or not shards:
         shards.append(current)
     if len(shards) == 1:
-        write_file(folder / "model.safetensors", shards[0], metadata, progress)
+        write_file(folder / "model.safetensors", shards[0], metadata, progress, source)
         return ["model.safetensors"]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name, shard in zip(names, shards):
-        write_file(folder / name, shard, metadata, progress)
+        write_file(folder / name, shard, metadata, progress, source)
     index = {"metadata": (index_metadata or {}) | {"total_size": sum(t.nbytes for t in items)},
              "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard}}
     (folder / ("model" + INDEX_SUFFIX)).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return [*names, "model" + INDEX_SUFFIX]
 
 
-def write_file(file: Path, items: list[OutTensor], metadata: dict[str, str], progress: Callable[[int], None] | None) -> None:
-    """One safetensors file of ``items``, streamed block by block."""
+def write_file(
+    file: Path, items: list[OutTensor], metadata: dict[str, str], progress: Callable[[int], None] | None,
+    source: Store | None = None,
+) -> None:
+    """One safetensors file of ``items``, streamed block by block; those of at most
+    :data:`AHEAD_BYTES` read ahead, as many at once as ``source`` (the store they are read
+    from) keeps requests in flight."""
+
+    def ahead(t: OutTensor) -> OutTensor:
+        if t.nbytes > AHEAD_BYTES:
+            return t
+        got = list(t.blocks())
+        return replace(t, blocks=lambda: iter(got))
+
     header: dict[str, Any] = {"__metadata__": metadata}
     at = 0
     for t in items:
@@ -244,7 +262,7 @@ def write_file(file: Path, items: list[OutTensor], metadata: dict[str, str], pro
     with open(file, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for t in items:
+        for t in items if source is None else in_order(source, ahead, items):
             written = 0
             for block in t.blocks():
                 if block.dtype != t.dtype:
