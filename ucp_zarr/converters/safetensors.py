@@ -37,7 +37,8 @@ BLOCK_BYTES = 64 << 20
 AHEAD_BYTES = 4 << 20
 """Tensors up to this size are read ahead of the one being written, as many at once as the
 checkpoint's store keeps requests in flight (an object store: each is a round trip or two,
-which would otherwise come one after another); larger ones are read as they are written."""
+which would otherwise come one after another), at most twice that many ahead (128 MiB at
+16); larger ones are read as they are written."""
 
 _CODES = {
     torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.uint16: "U16",
