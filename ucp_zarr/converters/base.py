@@ -1,4 +1,5 @@
-"""What every converter shares: the imported form, safe unpickling, atomic output folders."""
+"""What every converter shares: the imported form, safe unpickling, atomic output folders,
+reading ahead for exports."""
 
 from __future__ import annotations
 
@@ -12,14 +13,35 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Generator, Iterable, Iterator, TypeVar
 
 import torch
 
 from ..errors import ConversionError, Keyword, UntrustedInputError
 from ..format.safe_paths import inside
 from ..io.local import exchange_paths, fsync_dir
+from ..io.store import Store, in_order
 from ..protocol.writer import TensorSource
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+AHEAD_BYTES = 4 << 20
+"""An export reads the parts of up to this size ahead of the one it writes (see :func:`read_ahead`)."""
+
+
+def read_ahead(
+    store: Store | None, read: Callable[[T], R], parts: Iterable[T], nbytes: Callable[[T], int]
+) -> Generator[R | None, None, None]:
+    """For each of ``parts`` in order, ``read(part)`` when it is at most :data:`AHEAD_BYTES`
+    (read ahead, as many at once as ``store``, where they come from, keeps requests in
+    flight: an object store, where each read is a round trip or two; at most twice that many
+    ahead, 128 MiB at 16), else None: the caller reads a larger part as it writes it. Close
+    it (``contextlib.closing``) when stopping early."""
+    if store is None:
+        yield from (None for _ in parts)
+        return
+    yield from in_order(store, lambda part: read(part) if nbytes(part) <= AHEAD_BYTES else None, parts)
 
 
 @dataclass

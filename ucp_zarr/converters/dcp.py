@@ -34,7 +34,7 @@ import pickle
 import re
 import uuid
 import zipfile
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import IO, Any, Callable, Iterator
@@ -46,7 +46,7 @@ from ..errors import ConversionError, Keyword, NotJSONableError, UntrustedInputE
 from ..layout import Box
 from ..format.safe_paths import inside_relative
 from ..format.statedict import from_json, to_json
-from .base import Imported, atomic_folder
+from .base import Imported, atomic_folder, read_ahead
 
 METADATA_FILE = ".metadata"
 DATA_FILE = "__0_0.distcp"
@@ -523,14 +523,20 @@ def write(
         raise ConversionError(f"block_bytes must be positive, not {block_bytes}")
     sdm: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
-    with atomic_folder(Path(dst), overwrite=overwrite) as tmp, open(tmp / DATA_FILE, "wb") as f:
+    tensor_keys = [k for k in keys if meta.canonical(k) in meta.tensors]
+    firsts: dict[str, str] = {}  # stored key -> the key its data is written under (tied tensors: once)
+    for k in tensor_keys:
+        firsts.setdefault(meta.canonical(k), k)
+    reads = [(k, box) for k in firsts.values() for box in _blocks(*_shape_and_itemsize(ck, k), block_bytes)]
+    ahead_of = read_ahead(ck.store, lambda r: ck.read(*r), reads, lambda r: r[1].numel * _shape_and_itemsize(ck, r[0])[1])
+    with atomic_folder(Path(dst), overwrite=overwrite) as tmp, open(tmp / DATA_FILE, "wb") as f, closing(ahead_of) as read:
         for k in (k for k in keys if k in meta.values):  # byte entries first, as FileSystemWriter writes them
             start = f.tell()
             torch.save(from_json(meta.values[k], k), f)
             sdm[k] = BytesStorageMetadata()
             storage[MetadataIndex(k)] = _StorageInfo(DATA_FILE, start, f.tell() - start)
-        written: dict[str, str] = {}  # stored key -> the key its data was written under (tied tensors: once)
-        for k in (k for k in keys if meta.canonical(k) in meta.tensors):
+        written: dict[str, str] = {}
+        for k in tensor_keys:
             if meta.canonical(k) in written:
                 first = written[meta.canonical(k)]
                 sdm[k] = sdm[first]
@@ -541,7 +547,8 @@ def write(
             shape = tuple(meta.tensors[meta.canonical(k)].shape)
             chunks = []
             for i, box in enumerate(_blocks(shape, dtype.itemsize, block_bytes)):
-                t = ck.read(k, box)
+                ahead = next(read)  # (this block, when small: read ahead, see read_ahead)
+                t = ck.read(k, box) if ahead is None else ahead
                 start = f.tell()
                 torch.save(t, f)
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(box.offset), sizes=torch.Size(box.shape)))
@@ -562,6 +569,11 @@ def write(
         with open(tmp / METADATA_FILE, "wb") as mf:
             pickle.dump(md, mf)
     return Path(dst)
+
+
+def _shape_and_itemsize(ck: CheckpointReader, key: str) -> tuple[tuple[int, ...], int]:
+    entry = ck.meta.tensors[ck.meta.canonical(key)]
+    return tuple(entry.shape), getattr(torch, entry.dtype).itemsize
 
 
 def _blocks(shape: tuple[int, ...], itemsize: int, block_bytes: int) -> Iterator[Box]:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass, replace
+from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -25,8 +26,8 @@ from ..protocol.reader import CheckpointReader
 from ..errors import ConversionError
 from ..layout import Box
 from ..format.safe_paths import inside_relative
-from ..io.store import Store, in_order
-from .base import Imported, atomic_file, atomic_folder
+from ..io.store import Store
+from .base import Imported, atomic_file, atomic_folder, read_ahead
 
 INDEX_SUFFIX = ".safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
@@ -34,11 +35,6 @@ TIES_METADATA = "ucp_zarr.ties"
 """The ``__metadata__`` entry where an export records tied names (JSON: alias -> the name it reads)."""
 BLOCK_BYTES = 64 << 20
 """Tensors are copied out in row blocks of about this size."""
-AHEAD_BYTES = 4 << 20
-"""Tensors up to this size are read ahead of the one being written, as many at once as the
-checkpoint's store keeps requests in flight (an object store: each is a round trip or two,
-which would otherwise come one after another), at most twice that many ahead (128 MiB at
-16); larger ones are read as they are written."""
 
 _CODES = {
     torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.uint16: "U16",
@@ -241,15 +237,8 @@ def write_file(
     file: Path, items: list[OutTensor], metadata: dict[str, str], progress: Callable[[int], None] | None,
     source: Store | None = None,
 ) -> None:
-    """One safetensors file of ``items``, streamed block by block; those of at most
-    :data:`AHEAD_BYTES` read ahead, as many at once as ``source`` (the store they are read
-    from) keeps requests in flight."""
-
-    def ahead(t: OutTensor) -> OutTensor:
-        if t.nbytes > AHEAD_BYTES:
-            return t
-        got = list(t.blocks())
-        return replace(t, blocks=lambda: iter(got))
+    """One safetensors file of ``items``, streamed block by block; the small ones read ahead
+    from ``source``, the store they come from (:func:`~.base.read_ahead`)."""
 
     header: dict[str, Any] = {"__metadata__": metadata}
     at = 0
@@ -260,12 +249,12 @@ def write_file(
         at += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(file, "wb") as f:
+    with open(file, "wb") as f, closing(read_ahead(source, lambda t: list(t.blocks()), items, lambda t: t.nbytes)) as got:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for t in items if source is None else in_order(source, ahead, items):
+        for t, ahead in zip(items, got):
             written = 0
-            for block in t.blocks():
+            for block in t.blocks() if ahead is None else ahead:
                 if block.dtype != t.dtype:
                     raise ConversionError(f"tensor {t.name!r}: a block of {block.dtype}, announced {t.dtype}")
                 f.write(memoryview(block.contiguous().view(torch.uint8).numpy()))
