@@ -133,3 +133,34 @@ def test_load_serialises_each_array_document_once(tmp_path, monkeypatch) -> None
     out = ucp_zarr.load({k: torch.zeros(3, 5) for k in sd}, tmp_path / "ck")
     assert all(torch.equal(out[k], sd[k]) for k in sd)
     assert calls == {"dump": len(sd), "compare": 0}
+
+
+def test_the_commit_records_consolidated_copy_is_each_document_as_written(tmp_path) -> None:
+    """The commit record splices each document's bytes into its consolidated metadata
+    (:func:`~ucp_zarr.format.documents.dump_consolidated`): parsed, each node is the document
+    written at its path (a group's with its own empty inline listing), in path order, and
+    the record is exactly what dumping its parsed form gives (one compact JSON document)."""
+    from pathlib import Path
+
+    from ucp_zarr.format.documents import dump_document
+
+    g = torch.Generator().manual_seed(0)
+    state = {"model": {"layers": [{"w": torch.randn(8, 4, generator=g), "b": torch.randn(4, generator=g)}] * 2,
+                       "head": torch.randn(3, 8, generator=g).to(torch.bfloat16)},
+             "optim": {"state": {0: {"exp_avg": torch.randn(8, 4, generator=g)}}}, "step": 7}
+    ucp_zarr.save(state, tmp_path / "ck")
+    raw = (tmp_path / "ck" / "zarr.json").read_bytes()
+    root = json.loads(raw)
+    assert dump_document(root) == raw
+    nodes = root["consolidated_metadata"]["metadata"]
+    assert root["consolidated_metadata"]["kind"] == "inline" and list(nodes) == sorted(nodes)
+    written = {str(p.parent.relative_to(tmp_path / "ck")): json.loads(p.read_bytes())
+               for p in Path(tmp_path / "ck").rglob("zarr.json") if p.parent != tmp_path / "ck"}
+    assert nodes.keys() == written.keys()
+    for node, doc in written.items():
+        if doc["node_type"] == "group":
+            doc = doc | {"consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": {}}}
+        assert nodes[node] == doc, node
+    zarr = pytest.importorskip("zarr")
+    group = zarr.open_consolidated(str(tmp_path / "ck"), mode="r")
+    assert set(group.keys()) >= {n for n in nodes if "/" not in n}

@@ -17,7 +17,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Collection, Sequence
 
 from .dtypes import StoredDtype, stored_dtype_by_name
 from .integrity import document_digest
@@ -361,19 +361,25 @@ def group_zarr_json() -> dict[str, Any]:
     return {"zarr_format": 3, "node_type": "group", "attributes": {}}
 
 
-def consolidated_nodes(documents: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    """The root's consolidated metadata from every group and array document (``<path>/
-    zarr.json`` -> document): zarr-python's flat inline form, where a group lists its
-    children through the root."""
-    nodes: dict[str, Any] = {}
-    for path, doc in documents:
-        node = path.removesuffix("/" + METADATA_FILE)
-        if doc.get("node_type") == "group":
-            doc = doc | {"consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": {}}}
-        nodes[node] = doc
-    # in path order: zarr-python (3.1) groups a parent's children with itertools.groupby
-    # after sorting by depth only, so they must already be adjacent
-    return dict(sorted(nodes.items()))
+def dump_consolidated(root: dict[str, Any], documents: Sequence[tuple[str, bytes]], groups: Collection[str]) -> bytes:
+    """The root document's bytes (``dump_document(root)``) with zarr-python's inline
+    consolidated metadata of every group and array document (``<path>/zarr.json`` -> its
+    bytes as written; the paths in ``groups`` are groups, which list their children through
+    the root) as its last member. The documents' bytes are spliced in, not decoded and
+    encoded again: the same bytes as dumping the parsed documents, without keeping them
+    parsed while a save runs. Nodes in path order: zarr-python (3.1) groups a parent's
+    children with itertools.groupby after sorting by depth only, so they must already be
+    adjacent."""
+    head = dump_document(root)
+    if not documents:
+        return head
+    inline = dump_document({"consolidated_metadata": {"kind": "inline", "must_understand": False, "metadata": {}}})
+    nodes = sorted(
+        (path.removesuffix("/" + METADATA_FILE), raw[:-1] + b"," + inline[1:] if path in groups else raw)
+        for path, raw in documents
+    )
+    body = b",".join(json.dumps(node).encode() + b":" + raw for node, raw in nodes)
+    return head[:-1] + b"," + inline[1:-3] + body + b"}}}"
 
 
 def dump_document(doc: dict[str, Any]) -> bytes:

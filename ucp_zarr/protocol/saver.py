@@ -27,7 +27,7 @@ import logging
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -37,7 +37,7 @@ from ..io.writer_process import DocumentJob, ShardJob, WriterProcess
 from .distributed import Comm, describe, raise_failures
 from ..errors import LayoutError
 from .exchange import Exchange, build_exchange, check_sizes
-from ..format.documents import METADATA_FILE, consolidated_nodes, dump_document, group_zarr_json
+from ..format.documents import METADATA_FILE, dump_consolidated, dump_document, group_zarr_json
 from ..format.commit_record import ArrayRef, CheckpointMeta, TensorEntry
 from .collect import Collected, fragment_infos, merge_values
 from .hooks import LayoutHooks
@@ -150,7 +150,7 @@ class PreparedSave:
         self.whole = plan if whole is None else whole
         """The whole plan, on the coordinator (``plan`` is this rank's part; a process
         saving alone may pass its whole plan as ``plan``)."""
-        self._docs: list[tuple[str, dict[str, Any], bytes]] | None = None
+        self._docs: list[tuple[str, bytes]] | None = None
         self.writer = writer
         """The process (and its pid, which the claim names) that writes the shards staged
         in shared memory and the documents (a background save to a local store, see
@@ -207,17 +207,20 @@ class PreparedSave:
         except Exception as e:  # the save's own error is what the caller needs to see
             log.warning("ucp_zarr: could not clean up the failed save at %s: %s", self.store.url, e)
 
-    def _documents(self) -> list[tuple[str, dict[str, Any], bytes]]:
+    def _documents(self) -> list[tuple[str, bytes]]:
         """Every group and array ``zarr.json`` of the whole plan (:attr:`whole`: on a rank
-        other than the coordinator, its part): key, document, bytes as written (made once per
-        save: the documents written and the commit record's digests of them)."""
+        other than the coordinator, its part): key and bytes as written (made once per save:
+        the documents written, the commit record's digests of them and its consolidated
+        copy). Kept as bytes, not parsed: thousands of dicts and lists alive for the whole
+        of a background write count towards Python's trigger of a full garbage collection
+        of the training process (~100 ms, see benchmarks/results/profiles.md)."""
         if self._docs is None:
-            self._docs = [(k, d, dump_document(d)) for k, d in document_dicts(self.whole)]
+            self._docs = [(k, dump_document(d)) for k, d in documents_of(self.whole)]
         return self._docs
 
     def _write_documents(self, rank: int, fence: Fence) -> None:
         """Write this rank's group and array documents behind the fence, durably."""
-        docs = [(k, b) for k, _, b in self._documents() if self.plan.doc_writers.get(k) == rank]
+        docs = [(k, b) for k, b in self._documents() if self.plan.doc_writers.get(k) == rank]
         if self.writer is not None and docs:
             process, pid = self.writer
             process.write(self.target, [DocumentJob(k, d) for k, d in docs], fence, self.seal, None,
@@ -325,7 +328,6 @@ class PreparedSave:
             entries[key] = TensorEntry(first.path, meta.shape, meta.dtype.name, first.digest, copies)
         position = {k: i for i, k in enumerate(self.order)}
         made = self._documents()
-        docs = [(k, d) for k, d, _ in made]
         global_values, rank_values = self.values
         stored = set(entries) | set(global_values) | set(rank_values) | set(self.ties)
         meta = CheckpointMeta(
@@ -338,14 +340,13 @@ class PreparedSave:
             layout=self.layout,
             rank_values=rank_values,
             structure=None if self.structure is None else self.structure.select(stored.__contains__, lambda _: True),
-            documents={k: document_digest(b) for k, _, b in made},
-            consolidated=consolidated_nodes(docs),
+            documents={k: document_digest(b) for k, b in made},
             ties=self.ties,
         )
         attrs = meta.attributes()
         if self.options.hmac_key is not None:
             attrs["signature"] = sign(attrs, self.options.hmac_key)
-        return dump_document(meta.to_zarr_json(attrs))
+        return dump_consolidated(meta.to_zarr_json(attrs), made, {f"{g}/{METADATA_FILE}" for g in plan.groups})
 
 
 def _first_failure(jobs: list[Future]) -> None:
@@ -366,9 +367,15 @@ def _shard_nbytes(plan: SavePlan, task: ShardTask) -> int:
 
 def document_dicts(plan: SavePlan) -> list[tuple[str, dict[str, Any]]]:
     """Every group and array ``zarr.json`` of the checkpoint."""
-    docs = [(f"{g}/{METADATA_FILE}", group_zarr_json()) for g in plan.groups]
-    docs += [(f"{p}/{METADATA_FILE}", m.to_zarr_json()) for p, m in plan.arrays.values()]
-    return docs
+    return list(documents_of(plan))
+
+
+def documents_of(plan: SavePlan) -> Iterator[tuple[str, dict[str, Any]]]:
+    """:func:`document_dicts` one at a time (a save dumps each as it is made)."""
+    for g in plan.groups:
+        yield f"{g}/{METADATA_FILE}", group_zarr_json()
+    for p, m in plan.arrays.values():
+        yield f"{p}/{METADATA_FILE}", m.to_zarr_json()
 
 
 
