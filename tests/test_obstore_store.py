@@ -632,23 +632,29 @@ def test_convert_writes_an_object_store_with_its_requests_in_flight(seaweed, tmp
     assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
 
 
-@pytest.mark.parametrize("to", ["safetensors", "dcp"])
+@pytest.mark.parametrize("to", ["safetensors", "dcp", "ds-universal"])
 def test_an_export_reads_small_tensors_ahead_at_once(seaweed, tmp_path, to: str) -> None:
-    """An export (safetensors, Hugging Face, DCP) from an object store reads the small
-    tensors ahead of the one being written, as many at once as the store keeps requests in
-    flight (232 tensors to Hugging Face at 10 ms per request: 6.0 -> 0.6 s), and writes what
-    the checkpoint holds."""
+    """An export (safetensors, Hugging Face, DCP, DeepSpeed universal) from an object store
+    reads the small tensors ahead of the one being written, as many at once as the store
+    keeps requests in flight (232 tensors to Hugging Face at 10 ms per request: 6.0 -> 0.6
+    s), and writes what the checkpoint holds."""
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
     from s3server import FaultProxy
 
+    from ucp_zarr.protocol.writer import InMemory, write_checkpoint
+
     g = torch.Generator().manual_seed(0)
-    state = {f"t{i}": torch.randn(64, 32, generator=g) for i in range(24)}
-    state["big"] = torch.randn(1200, 1024, generator=g)  # over AHEAD_BYTES: read as it is written
+    names = [f"t{i}" for i in range(12)] + ["big"]  # big: over AHEAD_BYTES, read as it is written
+    state = {f"model.{n}": torch.randn(1200, 1024, generator=g) if n == "big" else torch.randn(64, 32, generator=g)
+             for n in names}
+    state |= {f"optim.state.{n}.{k}": torch.randn(state[f"model.{n}"].shape, generator=g)
+              for n in names for k in ("exp_avg", "exp_avg_sq")}
     with FaultProxy(seaweed.s3_port) as proxy:
         options = seaweed.storage_options(proxy.endpoint)
         url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
-        ucp_zarr.save(state, url, storage_options=options)
+        write_checkpoint(open_store(url, options), {k: InMemory(v) for k, v in state.items()},
+                         {"optim.param_groups": [{"params": names, "lr": 0.1}]})
         proxy.delay(0.02)
         proxy.reset_counts()
         ucp_zarr.export(url, tmp_path / "out", to=to, storage_options=options)
@@ -656,11 +662,15 @@ def test_an_export_reads_small_tensors_ahead_at_once(seaweed, tmp_path, to: str)
         proxy.delay(0)
     if to == "safetensors":
         got = load_file(tmp_path / "out" / "model.safetensors")
-    else:
+    elif to == "dcp":
         got = {k: torch.zeros_like(v) for k, v in state.items()}
         dcp.load(got, storage_reader=dcp.FileSystemReader(tmp_path / "out"), no_dist=True)
+    else:
+        ucp_zarr.convert(tmp_path / "out", tmp_path / "back", source="ds-universal")
+        ck = ucp_zarr.open(tmp_path / "back")
+        got = {k: ck.read(k) for k in state}
     assert got.keys() == state.keys()
-    assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert all(torch.equal(got[k].float(), v) for k, v in state.items())
 
 
 def test_adopt_is_a_server_side_copy(store: O.ObstoreStore) -> None:

@@ -71,6 +71,7 @@ import re
 import types
 import warnings
 from collections import OrderedDict
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -82,7 +83,7 @@ from ..layout import Box
 from ..layout.zero import FlatPiece
 from ..format.safe_paths import check_name, inside
 from ..protocol.writer import InMemory
-from .base import Imported, Opaque, atomic_folder, plain, release_pages, torch_load, torch_load_mapped
+from .base import Imported, Opaque, atomic_folder, plain, read_ahead, release_pages, torch_load, torch_load_mapped
 from .deepspeed_files import OPAQUE, _check_rank_numbers, _get, _load, _rank, _scalar
 from .deepspeed_zero import FlatParam, Mapped, _other_state, _rows
 
@@ -353,15 +354,18 @@ def write(
         folder = tmp / folder_name
         zero = folder / "zero"
         zero.mkdir(parents=True)
-        group_steps: list[Any] = []
-        for group in shapes:
-            group_steps.append(None)
-            for name, shape in group.items():
+        group_steps: list[Any] = [None] * len(shapes)
+        params = [(i, name, shape, _param_tensors(ck, name, state_keys.get(name, [])))
+                  for i, group in enumerate(shapes) for name, shape in group.items()]
+        read = read_ahead(ck.store, lambda p: {k: ck.read(k) for k in p[3]}, params,
+                          lambda p: sum(tensors[ck.meta.canonical(k)].nbytes for k in p[3]))
+        with closing(read) as ahead:
+            for (i, name, shape, _), got in zip(params, ahead):
                 where = f"checkpoint {ck.store.url}: the parameter of 'optim.param_groups' (or of its optimizer state)"
                 step = _write_param(ck, values, inside(zero, name, where, write=True), name, shape,
-                                    state_keys.get(name, []), progress)
-                if group_steps[-1] is None:
-                    group_steps[-1] = step
+                                    state_keys.get(name, []), progress, got or {})
+                if group_steps[i] is None:
+                    group_steps[i] = step
         _save(_optimizer_state(values, groups, group_steps), zero / OPTIMIZER_STATE)
         model = _model_state(ck, values, shapes, dtypes, progress)
         _save(model, folder / MODEL_FILES[0])
@@ -386,15 +390,24 @@ def _state_keys(keys: list[str], names: set[str]) -> dict[str, list[str]]:
     return out
 
 
+def _param_tensors(ck: Any, name: str, keys: list[str]) -> list[str]:
+    """The stored tensors :func:`_write_param` reads for parameter ``name`` (those it finds:
+    it reads any other itself, and names what is missing)."""
+    master = f"optim.state.{name}.fp32" if MASTER in keys else f"model.{name}"
+    wanted = [master, *(f"optim.state.{name}.{k}" for k in keys if k != MASTER)]
+    return [k for k in wanted if ck.meta.canonical(k) in ck.meta.tensors]
+
+
 def _write_param(ck: Any, values: dict[str, Any], folder: Path, name: str, shape: torch.Size, keys: list[str],
-                 progress: Callable[[int], None] | None) -> Any:
-    """``folder/fp32.pt`` and one file per optimizer state; returns the step (or None)."""
+                 progress: Callable[[int], None] | None, read: dict[str, torch.Tensor]) -> Any:
+    """``folder/fp32.pt`` and one file per optimizer state; returns the step (or None).
+    ``read``: those of its tensors already read (:func:`~.base.read_ahead`)."""
     folder.mkdir()
     tensors = ck.meta.tensors
     numel = math.prod(shape)
 
     def tensor(key: str) -> torch.Tensor:
-        t = ck.read(key)
+        t = read[key] if key in read else ck.read(key)
         if progress is not None:
             progress(t.numel() * t.element_size())
         return t
