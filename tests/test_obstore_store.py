@@ -673,6 +673,32 @@ def test_an_export_reads_small_tensors_ahead_at_once(seaweed, tmp_path, to: str)
     assert all(torch.equal(got[k].float(), v) for k, v in state.items())
 
 
+def test_a_deepspeed_universal_export_reads_frozen_tensors_at_once(seaweed, tmp_path) -> None:
+    """The DeepSpeed-universal export holds every non-trainable tensor (buffers, frozen
+    parameters: most of a LoRA run) in its model-states file; from an object store it reads
+    them at once, and they come back as saved."""
+    from s3server import FaultProxy
+
+    from ucp_zarr.protocol.writer import InMemory, write_checkpoint
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"model.frozen{i}": torch.randn(32, 16, generator=g) for i in range(20)}
+    state |= {"model.lora": torch.randn(4, 16, generator=g), "optim.state.lora.exp_avg": torch.randn(4, 16, generator=g)}
+    with FaultProxy(seaweed.s3_port) as proxy:
+        options = seaweed.storage_options(proxy.endpoint)
+        url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+        write_checkpoint(open_store(url, options), {k: InMemory(v) for k, v in state.items()},
+                         {"optim.param_groups": [{"params": ["lora"], "lr": 0.1}]})
+        proxy.delay(0.02)
+        proxy.reset_counts()
+        ucp_zarr.export(url, tmp_path / "out", to="ds-universal", storage_options=options)
+        assert proxy.counts.most_held >= 8, proxy.counts
+        proxy.delay(0)
+    ucp_zarr.convert(tmp_path / "out", tmp_path / "back", source="ds-universal")
+    ck = ucp_zarr.open(tmp_path / "back")
+    assert all(torch.equal(ck.read(k), v) for k, v in state.items())
+
+
 def test_adopt_is_a_server_side_copy(store: O.ObstoreStore) -> None:
     staged = store.sibling(".ck.staged")
     staged.write_atomic("a/0", b"new")

@@ -82,6 +82,7 @@ from ..errors import ConversionError
 from ..layout import Box
 from ..layout.zero import FlatPiece
 from ..format.safe_paths import check_name, inside
+from ..io.store import at_once
 from ..protocol.writer import InMemory
 from .base import Imported, Opaque, atomic_folder, plain, read_ahead, release_pages, torch_load, torch_load_mapped
 from .deepspeed_files import OPAQUE, _check_rank_numbers, _get, _load, _rank, _scalar
@@ -466,6 +467,8 @@ def _model_state(ck: Any, values: dict[str, Any], shapes: list[OrderedDict[str, 
     ZeRO-1/2 files do) and each trainable parameter as an empty tensor of its training
     dtype (as ZeRO-3 files do: the values are in ``zero/``)."""
     trainable = {n for g in shapes for n in g}
+    whole = [k for k in ck.meta.tensors if k.startswith("model.") and k[len("model."):] not in trainable]
+    read = dict(zip(whole, at_once(ck.store, ck.read, whole)))  # (all are held: read at once on an object store)
     module: OrderedDict[str, torch.Tensor] = OrderedDict()
     for key in ck.meta.tensors:
         if not key.startswith("model."):
@@ -474,7 +477,7 @@ def _model_state(ck: Any, values: dict[str, Any], shapes: list[OrderedDict[str, 
         if name in trainable:
             module[name] = torch.empty(0, dtype=dtypes[name])
         else:
-            module[name] = ck.read(key)
+            module[name] = read[key]
             if progress is not None:
                 progress(module[name].numel() * module[name].element_size())
     for name in trainable - set(module):
