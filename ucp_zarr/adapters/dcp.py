@@ -105,7 +105,7 @@ from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ..protocol.collect import Collected
 from ..protocol.filling import read_workers
 from ..protocol.saver import SaveOptions, prepare
-from ..protocol.saving import DEFAULT_WORKERS
+from ..protocol.saving import DEFAULT_WORKERS, save_workers
 from ..io.factory import open_store
 from ..io.store import Buffer, ReadRequest, Store, WriteGuard, at_once
 from ..protocol.transaction import is_checkpoint_object
@@ -347,8 +347,7 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
         gathered = comm.agree(error, "preparing the save", blobs)
         # what the commit record keeps for DCP; only rank 0 (DCP's coordinator) writes it
         dcp_layout = _dcp_layout(planner_data, sorted({k for ks in gathered for k in ks}))
-        # (as ucp_zarr.save: max_workers unset, as many writers as the store keeps requests in flight)
-        options = dataclasses.replace(self.options, write_workers=self.max_workers or store.request_concurrency)
+        options = dataclasses.replace(self.options, **save_workers(store, self.max_workers))  # (as ucp_zarr.save)
         prepared = prepare(lambda: Collected(fragments, values), store, comm, options, copy=False)
         if dcp_layout:
             prepared.layout = {**prepared.layout, "dcp": dcp_layout}

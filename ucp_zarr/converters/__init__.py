@@ -32,7 +32,7 @@ from ..protocol.reader import open_reader
 from ..errors import ConversionError, Keyword
 from ..format.safe_paths import check_no_links_under
 from ..protocol.saver import SaveOptions, SaveResult
-from ..protocol.saving import DEFAULT_WORKERS
+from ..protocol.saving import save_workers
 from ..io.factory import open_store
 from ..protocol.writer import CONVERT_SHARD_BYTES, total_bytes, write_checkpoint
 from .base import Imported
@@ -103,10 +103,7 @@ def convert(
     in flight). ``progress(done, total)`` is called with bytes as shards are read."""
     imported = read_source(src, source, rules=rules, trust=trust, prefix=prefix)
     store = open_store(dst, storage_options)
-    options = SaveOptions(  # (max_workers unset: as ucp_zarr.save)
-        shard_bytes=shard_bytes, max_workers=max_workers or DEFAULT_WORKERS,
-        write_workers=max_workers or store.request_concurrency, overwrite=overwrite,
-    )
+    options = SaveOptions(shard_bytes=shard_bytes, **save_workers(store, max_workers), overwrite=overwrite)
     if store.local_path is not None:
         check_no_links_under(Path(store.local_path), f"converting {src}")
     return write_checkpoint(

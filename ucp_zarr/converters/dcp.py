@@ -527,8 +527,8 @@ def write(
     firsts: dict[str, str] = {}  # stored key -> the key its data is written under (tied tensors: once)
     for k in tensor_keys:
         firsts.setdefault(meta.canonical(k), k)
-    reads = [(k, box) for k in firsts.values() for box in _blocks(*_shape_and_itemsize(ck, k), block_bytes)]
-    ahead_of = read_ahead(ck.store, lambda r: ck.read(*r), reads, lambda r: r[1].numel * _shape_and_itemsize(ck, r[0])[1])
+    reads = [(k, box) for k in firsts.values() for box in _blocks(_shape(ck, k), _dtype(ck, k).itemsize, block_bytes)]
+    ahead_of = read_ahead(ck.store, lambda r: ck.read(*r), reads, lambda r: r[1].numel * _dtype(ck, r[0]).itemsize)
     with atomic_folder(Path(dst), overwrite=overwrite) as tmp, open(tmp / DATA_FILE, "wb") as f, closing(ahead_of) as read:
         for k in (k for k in keys if k in meta.values):  # byte entries first, as FileSystemWriter writes them
             start = f.tell()
@@ -543,8 +543,7 @@ def write(
                 storage |= {MetadataIndex(k, i.offset, i.index): info for i, info in list(storage.items()) if i.fqn == first}
                 continue
             written[meta.canonical(k)] = k
-            dtype = getattr(torch, meta.tensors[meta.canonical(k)].dtype)
-            shape = tuple(meta.tensors[meta.canonical(k)].shape)
+            dtype, shape = _dtype(ck, k), _shape(ck, k)
             chunks = []
             for i, box in enumerate(_blocks(shape, dtype.itemsize, block_bytes)):
                 ahead = next(read)  # (this block, when small: read ahead, see read_ahead)
@@ -571,9 +570,12 @@ def write(
     return Path(dst)
 
 
-def _shape_and_itemsize(ck: CheckpointReader, key: str) -> tuple[tuple[int, ...], int]:
-    entry = ck.meta.tensors[ck.meta.canonical(key)]
-    return tuple(entry.shape), getattr(torch, entry.dtype).itemsize
+def _shape(ck: CheckpointReader, key: str) -> tuple[int, ...]:
+    return tuple(ck.meta.tensors[ck.meta.canonical(key)].shape)
+
+
+def _dtype(ck: CheckpointReader, key: str) -> torch.dtype:
+    return getattr(torch, ck.meta.tensors[ck.meta.canonical(key)].dtype)
 
 
 def _blocks(shape: tuple[int, ...], itemsize: int, block_bytes: int) -> Iterator[Box]:

@@ -391,11 +391,15 @@ def _state_keys(keys: list[str], names: set[str]) -> dict[str, list[str]]:
     return out
 
 
+def _master_key(name: str, keys: list[str]) -> str:
+    """The stored tensor ``fp32.pt`` of parameter ``name`` (optimizer state ``keys``) holds."""
+    return f"optim.state.{name}.fp32" if MASTER in keys else f"model.{name}"
+
+
 def _param_tensors(ck: Any, name: str, keys: list[str]) -> list[str]:
     """The stored tensors :func:`_write_param` reads for parameter ``name`` (those it finds:
     it reads any other itself, and names what is missing)."""
-    master = f"optim.state.{name}.fp32" if MASTER in keys else f"model.{name}"
-    wanted = [master, *(f"optim.state.{name}.{k}" for k in keys if k != MASTER)]
+    wanted = [_master_key(name, keys), *(f"optim.state.{name}.{k}" for k in keys if k != MASTER)]
     return [k for k in wanted if ck.meta.canonical(k) in ck.meta.tensors]
 
 
@@ -413,7 +417,7 @@ def _write_param(ck: Any, values: dict[str, Any], folder: Path, name: str, shape
             progress(t.numel() * t.element_size())
         return t
 
-    master_key = f"optim.state.{name}.fp32" if MASTER in keys else f"model.{name}"
+    master_key = _master_key(name, keys)
     _save({"param": tensor(master_key).float().reshape(shape), "cat_dim": 0}, folder / "fp32.pt")
     if progress is not None and master_key != f"model.{name}" and f"model.{name}" in tensors:
         progress(tensors[f"model.{name}"].nbytes)  # the training-dtype copy: the master stands for it

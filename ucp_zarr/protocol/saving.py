@@ -185,17 +185,22 @@ def async_save(
 _async_save = async_save  # (for save, whose keyword of that name hides the function)
 
 
+def save_workers(store: Store, max_workers: int | None) -> dict[str, int | None]:
+    """A save's ``max_workers`` and ``write_workers`` (:class:`SaveOptions`) for the
+    ``max_workers`` its caller gave: unset, ``DEFAULT_WORKERS``, with as many writers as
+    ``store`` keeps requests in flight where it says (:attr:`Store.request_concurrency`)."""
+    return {"max_workers": max_workers or DEFAULT_WORKERS, "write_workers": max_workers or store.request_concurrency}
+
+
 def _options(
     store: Store, chunk_bytes: int, shard_bytes: int, max_workers: int | None, overwrite: bool,
     overwrite_incomplete: bool, lease_s: float, hmac_key: bytes | None, unsafe_non_exclusive_store: bool,
 ) -> SaveOptions:
-    """The save's options; ``max_workers`` unset: ``DEFAULT_WORKERS``, with as many writers
-    as ``store`` keeps requests in flight where it says (:attr:`Store.request_concurrency`)."""
+    """The save's options (threads: :func:`save_workers`)."""
     return SaveOptions(
         chunk_bytes=chunk_bytes,
         shard_bytes=shard_bytes,
-        max_workers=max_workers or DEFAULT_WORKERS,
-        write_workers=max_workers or store.request_concurrency,
+        **save_workers(store, max_workers),
         overwrite=overwrite,
         overwrite_incomplete=overwrite_incomplete,
         lease_s=lease_s,
