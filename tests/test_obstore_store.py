@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -413,6 +414,27 @@ def test_an_overwrite_copies_at_once_and_deletes_in_bulk(seaweed, monkeypatch: p
     assert all(torch.equal(out[k], v) for k, v in newer.items())
     store = open_store(url, seaweed.storage_options())
     assert store.sibling_names(".ck") == [] and store._names(store.root.rsplit("/", 1)[0]) == ["ck"]
+
+def test_an_overwrite_leaves_no_lease_behind_its_staging_copy(seaweed, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The staging copy's lease is renewed until the copy is removed, never after (before: a
+    renewal after the removal put the lease object back, and the removed copy's folder stayed
+    with it in the bucket until the next save at the path)."""
+    import ucp_zarr.protocol.transaction as T
+
+    remove = T.remove_staging
+
+    def remove_then_wait(staged: Any) -> None:  # the lease renews every 0.05 s: renewals fall after
+        remove(staged)
+        time.sleep(0.2)
+
+    monkeypatch.setattr(T, "remove_staging", remove_then_wait)
+    options = seaweed.storage_options()
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+    ucp_zarr.save({"w": torch.ones(4, 4)}, url, storage_options=options)
+    ucp_zarr.save({"w": torch.full((4, 4), 2.0)}, url, storage_options=options, overwrite=True, lease_s=0.2)
+    store = open_store(url, options)
+    assert store.sibling_names(".ck") == [] and store._names(store.root.rsplit("/", 1)[0]) == ["ck"]
+    assert torch.equal(ucp_zarr.open(url, storage_options=options).read("w"), torch.full((4, 4), 2.0))
 
 
 def test_deleting_a_step_deletes_in_bulk(seaweed) -> None:

@@ -416,6 +416,7 @@ class Transaction:
             roll_forward(self.store, self.target, fence)
         finally:
             lease.stop()
+        self._stop_heartbeat()  # (the staging copy's lease: a renewal after its removal would put it back)
         finish_replacement(self.store, self.target, self.save_id)
 
     # -- commit and abort --------------------------------------------------------------------
