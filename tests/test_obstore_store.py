@@ -436,6 +436,56 @@ def test_an_overwrite_leaves_no_lease_behind_its_staging_copy(seaweed, monkeypat
     assert store.sibling_names(".ck") == [] and store._names(store.root.rsplit("/", 1)[0]) == ["ck"]
     assert torch.equal(ucp_zarr.open(url, storage_options=options).read("w"), torch.full((4, 4), 2.0))
 
+def test_an_overwrite_puts_its_copy_in_place_without_waiting_on_what_it_knows(
+    seaweed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Putting an overwrite in place neither reads back what it wrote (the staged commit
+    record, the retired record) nor waits, one request after another, on what can run
+    meanwhile: the staging copy is listed while the old root is read, recorded and removed,
+    and removed while the records at the path are (before: ~6 more round trips in a row)."""
+    from s3server import FaultProxy
+
+    from ucp_zarr.protocol.liveness import REPLACE_RECORD, RETIRED
+
+    events: list[tuple[str, str, str, float, float]] = []  # (op, store url, key, start, end)
+
+    def timed(name: str) -> None:
+        original = getattr(O.ObstoreStore, name)
+
+        def call(self: O.ObstoreStore, *args: Any) -> Any:
+            start = time.monotonic()
+            try:
+                return original(self, *args)
+            finally:
+                key = args[0] if args and isinstance(args[0], str) else ""
+                events.append((name, self.url, key, start, time.monotonic()))
+
+        monkeypatch.setattr(O.ObstoreStore, name, call)
+
+    state = {f"layer{i % 6}.w{i}": torch.randn(32, 16) for i in range(24)}
+    with FaultProxy(seaweed.s3_port) as proxy:
+        proxy.delay(0.02)
+        options = seaweed.storage_options(proxy.endpoint)
+        url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+        ucp_zarr.save(state, url, storage_options=options)
+        for name in ("read", "list", "remove", "delete", "_names", "_keys"):
+            timed(name)
+        ucp_zarr.save({k: v + 1 for k, v in state.items()}, url, storage_options=options, overwrite=True)
+    staging = [u for _, u, _, _, _ in events if ".ck.ucp_zarr-" in u][0]
+    assert not [e for e in events if e[0] == "read" and (e[2] == RETIRED or (e[1], e[2]) == (staging, "zarr.json"))]
+
+    def first(op: str, where: str, key: str = "") -> tuple[float, float]:
+        return next((s, e) for o, u, k, s, e in events if (o, u) == (op, where) and k == key)
+
+    listed, old_root_gone = first("list", staging), first("delete", url, "zarr.json")
+    assert listed[0] < old_root_gone[0], "the staging copy is listed only after the old root is gone"
+    removing, removed = first("delete", staging, "zarr.json"), first("remove", staging)
+    record_gone = first("delete", url, REPLACE_RECORD)
+    assert removing[0] < record_gone[0] < removed[1], "the staging copy is removed only after the records"
+    assert not [e for e in events if e[0] in ("_names", "_keys") and e[1] == url and e[3] > old_root_gone[1]]
+    out = ucp_zarr.load({k: torch.zeros_like(v) for k, v in state.items()}, url, storage_options=seaweed.storage_options())
+    assert all(torch.equal(out[k], v + 1) for k, v in state.items())
+
 
 def test_deleting_a_step_deletes_in_bulk(seaweed) -> None:
     """Retention (``delete_step``) deletes a checkpoint's objects and folder entries in bulk

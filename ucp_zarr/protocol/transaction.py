@@ -58,8 +58,9 @@ import json
 import logging
 import re
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from ..errors import (
     CheckpointExistsError,
@@ -112,11 +113,14 @@ def delete_owned(store: Store, owned: Owned, tag: str | None = None, keep: froze
     them, then the folders left empty."""
     staged = tag is not None and store.stages_writes
     folders: set[str] = set()
+    deleted = False
     for keys in owned.deletion_phases():
         keys = [k for k in keys if k not in keep]
         store.delete_many([*keys, *(temp_name(k, tag) for k in keys)] if staged else keys)  # type: ignore[arg-type]
         folders |= folders_of(keys)
-    store.prune(folders)
+        deleted = deleted or bool(keys)
+    if deleted:  # (nothing deleted empties no folder: no listing for an overwrite of the same layout)
+        store.prune(folders)
 
 
 _NAME = NAME_COMPONENT.pattern  # an escaped group or array name (schema/FORMAT.md, section 1)
@@ -399,7 +403,7 @@ class Transaction:
             self.store.delete(HEARTBEAT + record.save_id)
             self.store.delete(REPLACE_RECORD)
 
-    def _replace(self) -> None:
+    def _replace(self, root: bytes) -> None:
         record = Owner.this_process(self.save_id, self.lease_s, staged=self.staged)
         assert self.staged is not None
         for _ in range(16):
@@ -413,7 +417,7 @@ class Transaction:
         lease = Heartbeat(self.store, self.save_id, self.lease_s)  # the record's liveness
         try:
             fence = Fence(self.store, self.save_id, min(FENCE_INTERVAL_S, self.lease_s / 4), lease=lease, key=REPLACE_RECORD)
-            roll_forward(self.store, self.target, fence)
+            roll_forward(self.store, self.target, fence, root=root)
         finally:
             lease.stop()
         self._stop_heartbeat()  # (the staging copy's lease: a renewal after its removal would put it back)
@@ -432,7 +436,7 @@ class Transaction:
         self.claimed = False
         if self.staged is not None:
             try:
-                self._replace()  # the staging sibling keeps its marker and lease until removed
+                self._replace(root)  # the staging sibling keeps its marker and lease until removed
             finally:
                 self._stop_heartbeat()
             return
@@ -468,40 +472,59 @@ class Transaction:
             self.heartbeat = None
 
 
-def roll_forward(store: Store, staged: Store, fence: Fence | None = None) -> None:
+def roll_forward(store: Store, staged: Store, fence: Fence | None = None, *, root: bytes | None = None) -> None:
     """Put the committed checkpoint of ``staged`` (named by the replace record of ``store``)
     in place at ``store``, idempotently (then :func:`finish_replacement`). ``fence`` (the
-    replacing save's own) is checked before every change."""
+    replacing save's own) is checked before every change; ``root``: the staged commit record,
+    where the caller has it."""
     check = fence.check if fence is not None else (lambda: None)
-    root = staged.read(METADATA_FILE)
-    try:
-        current: bytes | None = store.read(METADATA_FILE)
-    except FileNotFoundError:
-        current = None
-    if current != root:
-        if current is not None:  # what the old checkpoint owns, kept until it is deleted
-            check()
-            store.write_atomic(RETIRED, _owned_by_root(store, current).to_bytes())
-            store.delete(METADATA_FILE)
-        new = [k for k in staged.list() if _FINAL_OBJECT.fullmatch(k)]
-        tag = staged.name.rpartition(STAGING_INFIX)[2]  # the replacing save's id
-
-        def adopt(key: str) -> None:
-            check()
-            store.adopt(staged, key, tag)
-
-        at_once(store, adopt, [k for k in new if not k.endswith(METADATA_FILE)])  # data first,
-        at_once(store, adopt, [k for k in new if k.endswith(METADATA_FILE)])  # then documents
-        check()
-        delete_owned(store, read_owned(store, RETIRED) or Owned(), keep=frozenset(new))
-        store.sync()
-        check()
+    if root is None:
+        root = staged.read(METADATA_FILE)
+    with ThreadPoolExecutor(1) as pool:
+        listing = pool.submit(staged.list)  # (a round trip or more on an object store: meanwhile, the steps below)
         try:
-            store.create_exclusive(METADATA_FILE, root)
-        except FileExistsError:
-            if store.read(METADATA_FILE) != root:
-                raise OwnershipError(f"{store.url} was committed by another save while being replaced") from None
+            current: bytes | None = store.read(METADATA_FILE)
+        except FileNotFoundError:
+            current = None
+        if current == root:
+            listing.cancel()
+        else:
+            _put_in_place(store, staged, root, current, listing.result, check)
     store.delete(RETIRED)
+
+
+def _put_in_place(
+    store: Store, staged: Store, root: bytes, current: bytes | None, listing: Callable[[], list[str]],
+    check: Callable[[], None],
+) -> None:
+    """:func:`roll_forward`'s work where ``store``'s commit record is ``current`` (None when
+    gone), not yet ``root``; ``listing()``: the keys of ``staged``."""
+    retired = None
+    if current is not None:  # what the old checkpoint owns, kept until it is deleted
+        check()
+        retired = _owned_by_root(store, current)
+        store.write_atomic(RETIRED, retired.to_bytes())
+        store.delete(METADATA_FILE)
+    new = [k for k in listing() if _FINAL_OBJECT.fullmatch(k)]
+    tag = staged.name.rpartition(STAGING_INFIX)[2]  # the replacing save's id
+
+    def adopt(key: str) -> None:
+        check()
+        store.adopt(staged, key, tag)
+
+    at_once(store, adopt, [k for k in new if not k.endswith(METADATA_FILE)])  # data first,
+    at_once(store, adopt, [k for k in new if k.endswith(METADATA_FILE)])  # then documents
+    check()
+    if retired is None:
+        retired = read_owned(store, RETIRED) or Owned()
+    delete_owned(store, retired, keep=frozenset(new))
+    store.sync()
+    check()
+    try:
+        store.create_exclusive(METADATA_FILE, root)
+    except FileExistsError:
+        if store.read(METADATA_FILE) != root:
+            raise OwnershipError(f"{store.url} was committed by another save while being replaced") from None
 
 
 def release_committed(store: Store, save_id: str) -> None:
@@ -514,10 +537,14 @@ def release_committed(store: Store, save_id: str) -> None:
 
 def finish_replacement(store: Store, staged: Store, save_id: str) -> None:
     """After :func:`roll_forward`: remove the replacing save ``save_id``'s lease, then its
-    replace record (so no lease outlives its record), then ``staged``."""
-    store.delete(HEARTBEAT + save_id)
-    store.delete(REPLACE_RECORD)
-    remove_staging(staged)
+    replace record (so no lease outlives its record), and meanwhile ``staged`` (the new root
+    exists: nobody follows the record to it any more; a record left naming a copy without its
+    root is garbage, :meth:`Transaction._settle_replacement`)."""
+    with ThreadPoolExecutor(1) as pool:
+        removing = pool.submit(remove_staging, staged)
+        store.delete(HEARTBEAT + save_id)
+        store.delete(REPLACE_RECORD)
+        removing.result()
 
 
 def _owned_by_root(store: Store, root: bytes) -> Owned:
