@@ -486,6 +486,49 @@ def test_an_overwrite_puts_its_copy_in_place_without_waiting_on_what_it_knows(
     out = ucp_zarr.load({k: torch.zeros_like(v) for k, v in state.items()}, url, storage_options=seaweed.storage_options())
     assert all(torch.equal(out[k], v + 1) for k, v in state.items())
 
+@pytest.mark.parametrize("overwrite, trips", [(False, 4), (True, 3)])
+def test_a_save_sends_its_first_shard_after_a_few_round_trips(
+    seaweed, monkeypatch: pytest.MonkeyPatch, overwrite: bool, trips: int
+) -> None:
+    """Before its first shard a save lists the path and its siblings (at once), claims the
+    path, makes sure nobody committed it just before (overwriting, it claims a staging sibling
+    named by itself instead, where nobody else commits), and starts its lease while it records
+    what it will write. It reads back no claim it holds and asks no marker the listing did not
+    show (before: 6 and 7 round trips in a row)."""
+    events: list[tuple[str, str, float, float]] = []  # (op, key, start, end)
+    for name in ("read", "exists", "write", "write_atomic", "create_exclusive", "child_names", "sibling_names"):
+        original = getattr(O.ObstoreStore, name)
+
+        def call(self: O.ObstoreStore, *args: Any, _original: Any = original, _name: str = name) -> Any:
+            start = time.monotonic()
+            try:
+                return _original(self, *args)
+            finally:
+                events.append((_name, args[0] if args and isinstance(args[0], str) else "", start, time.monotonic()))
+
+        monkeypatch.setattr(O.ObstoreStore, name, call)
+    from s3server import FaultProxy
+
+    state = {f"layer{i % 3}.w{i}": torch.randn(8, 8) for i in range(6)}
+    with FaultProxy(seaweed.s3_port) as proxy:
+        options = seaweed.storage_options(proxy.endpoint)
+        url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+        if overwrite:
+            ucp_zarr.save(state, url, storage_options=options)
+        proxy.delay(0.03)
+        events.clear()
+        ucp_zarr.save(state, url, storage_options=options, overwrite=overwrite)
+    first_shard = min(start for op, key, start, _ in events if op == "write" and "/c/" in key)
+    before = sorted((start, end, op) for op, _, start, end in events if start < first_shard)
+    in_a_row, end = 0, -1.0  # requests one after another: each starts after the one before ended
+    for start, stop, _ in before:
+        if start >= end:
+            in_a_row, end = in_a_row + 1, stop
+        else:
+            end = max(end, stop)
+    assert in_a_row == trips, before
+    assert ucp_zarr.open(url, storage_options=seaweed.storage_options()).verify()
+
 
 def test_deleting_a_step_deletes_in_bulk(seaweed) -> None:
     """Retention (``delete_step``) deletes a checkpoint's objects and folder entries in bulk

@@ -278,7 +278,8 @@ class Fence:
     every ``interval_s``, that the record ``key`` of ``store`` (the owner marker, or the
     replace record) still names save ``save_id``, and, on every call, that the save's own
     ``lease`` (when this rank holds it) has not lapsed. Every writing rank calls
-    :meth:`check` before each object it writes."""
+    :meth:`check` before each object it writes. ``checked``: the ``time.monotonic()`` at
+    which the record is known to have named the save (its claim), if any."""
 
     def __init__(
         self,
@@ -288,6 +289,7 @@ class Fence:
         *,
         lease: Heartbeat | None = None,
         key: str = MARKER,
+        checked: float = -math.inf,
     ) -> None:
         self.store = store
         self.save_id = save_id
@@ -295,7 +297,7 @@ class Fence:
         self.interval_s = interval_s
         self.lease = lease
         self.key = key
-        self._checked = -float("inf")
+        self._checked = checked
         self._failed: BaseException | None = None
         self._lock = threading.Lock()
 

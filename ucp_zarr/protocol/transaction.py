@@ -56,7 +56,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -254,11 +256,18 @@ class Transaction:
         self.target = store
         """Where this save's objects go: ``store``, or the staging sibling."""
         self.claimed = False
+        self.claimed_at = -math.inf
+        """``time.monotonic()`` just before this save created the marker (-inf when it took
+        the path over instead): the marker named this save then, as a fence's check would
+        have found."""
         self.heartbeat: Heartbeat | None = None
 
     def fence(self) -> Fence:
         """The coordinator's fence: the marker and this save's own lease."""
-        return Fence(self.target, self.save_id, min(FENCE_INTERVAL_S, self.lease_s / 4), lease=self.heartbeat)
+        return Fence(
+            self.target, self.save_id, min(FENCE_INTERVAL_S, self.lease_s / 4), lease=self.heartbeat,
+            checked=self.claimed_at,
+        )
 
     # -- begin ---------------------------------------------------------------------------
 
@@ -274,7 +283,8 @@ class Transaction:
             if seen is None or seen.staging:
                 collect_staging(self.store, self.liveness)
             if METADATA_FILE in seen.names if seen is not None else self.store.exists(METADATA_FILE):
-                holder = read_owner(self.store, MARKER)  # of a save that died right after its commit
+                # the marker of a save that died right after its commit (none where none was listed)
+                holder = read_owner(self.store, MARKER) if seen is None or MARKER in seen.names else None
                 if holder is not None and not self._alive(self.store, holder):
                     release_committed(self.store, holder.save_id)
                 if not self.overwrite:
@@ -291,8 +301,12 @@ class Transaction:
         else:
             raise OwnershipError(f"could not claim {self.store.url}: other saves keep committing it")
         self.claimed = True
-        self.heartbeat = Heartbeat(self.target, self.save_id, self.lease_s)
-        self.target.write_atomic(OWNED + self.save_id, self.owned.to_bytes())
+        with ThreadPoolExecutor(1) as pool:  # (the lease and the record at once: one round trip, not two)
+            recording = pool.submit(self.target.write_atomic, OWNED + self.save_id, self.owned.to_bytes())
+            try:
+                self.heartbeat = Heartbeat(self.target, self.save_id, self.lease_s)
+            finally:
+                recording.result()
 
     def _look(self) -> _Look | None:
         """On a store that waits a round trip per request, the path's names and its staging
@@ -322,7 +336,11 @@ class Transaction:
                         f"{leftovers[0]!r}); refusing to write into it"
                     )
             try:
+                claimed_at = time.monotonic()
                 store.create_exclusive(MARKER, self.me.to_bytes())
+                self.claimed_at = claimed_at
+                if self.staged is not None:
+                    return True  # (a staging sibling named by this save: no other save commits there)
                 won = True
             except FileExistsError:
                 holder = read_owner(store, MARKER)
@@ -408,6 +426,7 @@ class Transaction:
         assert self.staged is not None
         for _ in range(16):
             try:
+                created_at = time.monotonic()
                 self.store.create_exclusive(REPLACE_RECORD, record.to_bytes())
                 break
             except FileExistsError:
@@ -416,7 +435,10 @@ class Transaction:
             raise OwnershipError(f"could not replace {self.store.url}: other saves keep replacing it")
         lease = Heartbeat(self.store, self.save_id, self.lease_s)  # the record's liveness
         try:
-            fence = Fence(self.store, self.save_id, min(FENCE_INTERVAL_S, self.lease_s / 4), lease=lease, key=REPLACE_RECORD)
+            fence = Fence(
+                self.store, self.save_id, min(FENCE_INTERVAL_S, self.lease_s / 4), lease=lease, key=REPLACE_RECORD,
+                checked=created_at,
+            )
             roll_forward(self.store, self.target, fence, root=root)
         finally:
             lease.stop()
@@ -490,7 +512,6 @@ def roll_forward(store: Store, staged: Store, fence: Fence | None = None, *, roo
             listing.cancel()
         else:
             _put_in_place(store, staged, root, current, listing.result, check)
-    store.delete(RETIRED)
 
 
 def _put_in_place(
@@ -536,12 +557,14 @@ def release_committed(store: Store, save_id: str) -> None:
 
 
 def finish_replacement(store: Store, staged: Store, save_id: str) -> None:
-    """After :func:`roll_forward`: remove the replacing save ``save_id``'s lease, then its
-    replace record (so no lease outlives its record), and meanwhile ``staged`` (the new root
-    exists: nobody follows the record to it any more; a record left naming a copy without its
-    root is garbage, :meth:`Transaction._settle_replacement`)."""
+    """After :func:`roll_forward`: remove the record of what the old checkpoint owned, the
+    replacing save ``save_id``'s lease, then its replace record (so no lease outlives its
+    record), and meanwhile ``staged`` (the new root exists: nobody follows the record to it
+    any more; a record left naming a copy without its root is garbage,
+    :meth:`Transaction._settle_replacement`)."""
     with ThreadPoolExecutor(1) as pool:
         removing = pool.submit(remove_staging, staged)
+        store.delete(RETIRED)
         store.delete(HEARTBEAT + save_id)
         store.delete(REPLACE_RECORD)
         removing.result()
