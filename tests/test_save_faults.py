@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -133,6 +134,25 @@ def case_claim_refused(root: Path, rank: int) -> None:
     ucp_zarr.save({"w": _rows(rank)}, root / "claim_refused")
 
 
+def case_writer_fails(root: Path, rank: int) -> None:
+    # rank 1 cannot start the process that writes a background save (rank 0 claims the path
+    # meanwhile): rank 0 used to raise without giving the claim back, its lease renewed by a
+    # thread for as long as the process lived, so the path stayed held by a live save
+    import ucp_zarr.io.writer_process as wp
+
+    original = wp.WriterProcess.start
+
+    def failing_start(self: Any) -> int:
+        raise OSError("injected: cannot start the writer process")
+
+    if rank == 1:
+        wp.WriterProcess.start = failing_start  # type: ignore[method-assign]
+    try:
+        ucp_zarr.async_save({"w": _rows(rank)}, root / "writer_fails").result()
+    finally:
+        wp.WriterProcess.start = original  # type: ignore[method-assign]
+
+
 def case_plain_tensor_differs(root: Path, rank: int) -> None:
     emb = torch.ones(1024, 1024)  # 4 MiB
     if rank == 3:
@@ -143,7 +163,7 @@ def case_plain_tensor_differs(root: Path, rank: int) -> None:
 def case_redo_after_failures(root: Path, rank: int) -> None:
     """A new save onto each path a failed save left behind works at once (the failed
     save's claim is aborted, so it counts as dead), and loads bit-exactly."""
-    for name in ("stage_fails", "exchange_fails", "write_fails", "commit_fails"):
+    for name in ("stage_fails", "exchange_fails", "write_fails", "commit_fails", "writer_fails"):
         ucp_zarr.save({"w": _rows(rank)}, root / name)
         out = {"w": _rows(rank, torch.zeros(2, 4096))}
         ucp_zarr.load(out, root / name)
@@ -195,6 +215,7 @@ CASES: list[tuple[str, Callable[[Path, int], None]]] = [
     ("write_fails", case_write_fails),
     ("commit_fails", case_commit_fails),
     ("claim_refused", case_claim_refused),
+    ("writer_fails", case_writer_fails),
     ("plain_differs", case_plain_tensor_differs),
     ("redo", case_redo_after_failures),
     ("async_subgroups", case_async_subgroups),
@@ -216,6 +237,7 @@ def _job(rank: int, world: int, root: str) -> None:
             record = {"ok": False, "types": [c.__name__ for c in type(e).__mro__], "message": str(e),
                       "trace": traceback.format_exc()}
         record["elapsed"] = time.perf_counter() - start
+        record["leases"] = sum(t.name == "ucp_zarr-heartbeat" for t in threading.enumerate())  # renewing now
         dist.barrier()
         record["after"] = _state(Path(root) / name)  # what the case left at its path
         (out / f"{name}.{rank}.json").write_text(json.dumps(record))
@@ -268,6 +290,7 @@ def _assert_failed_everywhere(records: list[dict[str, Any]], error: str, *needle
         ("exchange_fails", 2, "no host memory for the exchange buffer", "nothing"),
         ("write_fails", 3, "disk full", "incomplete"),
         ("commit_fails", 0, "the commit record cannot be written", "incomplete"),
+        ("writer_fails", 1, "cannot start the writer process", "nothing"),
     ],
 )
 def test_a_failure_in_any_phase_fails_every_rank_promptly(results, name, failing, detail, after):
@@ -277,6 +300,7 @@ def test_a_failure_in_any_phase_fails_every_rank_promptly(results, name, failing
         others = [f"rank {r}: " for r in range(WORLD) if r != failing]
         assert not any(o in rec["message"] for o in others), rec["message"]  # only the failing rank is named
         assert rec["after"] == after, rec["after"]
+        assert rec["leases"] == 0, f"rank {rank} still renews a lease of the failed save"
 
 
 def test_refused_claim_raises_the_same_error_class_everywhere(results):

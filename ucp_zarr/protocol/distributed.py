@@ -112,6 +112,7 @@ class Comm:
         plan: Callable[[list[Any], list[range]], list[Any]],
         split: Callable[[Any, range, list[Any]], list[Any]],
         compact: Callable[[list[Any]], list[Any]] | None = None,
+        on_failure: Callable[[], None] | None = None,
     ) -> Any:
         """Gather ``(error, payload)`` on rank 0 through the group leaders of
         :func:`leader_groups`; when no rank failed, rank 0 runs ``plan(payloads, groups)``
@@ -119,7 +120,9 @@ class Comm:
         (one part per rank of its group), and each rank gets its part. ``compact`` (on each
         leader, over its group's payloads) may replace equal objects by one, so that they
         travel and are unpickled once. Any failure (``plan``'s too) is raised on every rank,
-        as :meth:`agree` does; ``split`` must not fail (it only cuts up the answer)."""
+        as :meth:`agree` does, once rank 0 ran ``on_failure`` (giving back what it holds for
+        them all, so that no rank sees the failure before that is done); ``split`` (it only
+        cuts up the answer) and ``on_failure`` must not fail."""
         groups = leader_groups(self.world)
         mine = next(g for g in groups if self.rank in g)
         leader = mine[0]
@@ -130,13 +133,13 @@ class Comm:
             raise_failures(self, failures or {}, error, what)
             return part
         with gc_paused():  # (a leader builds large graphs of objects: the lists, the plan, the parts)
-            return self._lead(error, what, payload, (plan, split, compact), groups, mine)
+            return self._lead(error, what, payload, (plan, split, compact, on_failure), groups, mine)
 
     def _lead(
         self, error: BaseException | None, what: str, payload: Any, steps: tuple, groups: list[range], mine: range
     ) -> Any:
         """:meth:`coordinate` on a group leader (rank 0 leads the first group)."""
-        plan, split, compact = steps
+        plan, split, compact, on_failure = steps
         leader = mine[0]
         got = self._send_recv({}, [r for r in mine if r != leader])
         entries = [(describe(error), payload) if r == leader else _loads(got[r]) for r in mine]
@@ -157,6 +160,8 @@ class Comm:
                     answers = plan([p for _, ps in received for p in ps], groups)
                 except BaseException as e:
                     error, failures = e, {0: describe(e)}  # type: ignore[dict-item]
+            if failures and on_failure is not None:
+                on_failure()
             self._send_recv({g[0]: _dumps((failures, a)) for g, a in zip(groups[1:], answers[1:])}, ())
             answer = answers[0]
         # 2. each leader -> its ranks: their parts

@@ -470,8 +470,23 @@ def prepare(
             txn = begin_transaction(store, whole, options, () if writer_pid is None else (writer_pid,))
         except BaseException as e:
             error = e
-    claim = comm.agree(error, f"starting a checkpoint at {store.url}", (txn.save_id, txn.staged) if txn else None)
-    save_id, staged = claim[0]
+
+    def give_back() -> None:  # (on rank 0, once any rank failed: before any rank raises)
+        if txn is not None:
+            try:
+                txn.abort(wrote=False)  # nothing was written yet: the path is left as it was
+            except Exception as e:  # the save's own error is what the caller needs to see
+                log.warning("ucp_zarr: could not give back the claim on %s: %s", store.url, e)
+
+    try:  # the claim, to every rank (rank 0 holds it: a failure elsewhere gives it back first)
+        save_id, staged = comm.coordinate(
+            error, f"starting a checkpoint at {store.url}", None,
+            lambda _, groups: [(txn.save_id, txn.staged)] * len(groups),  # type: ignore[union-attr]
+            lambda claim, group, _: [claim] * len(group), on_failure=give_back,
+        )
+    except BaseException:
+        give_back()  # (a failure of the exchange itself)
+        raise
 
     # 3. show replicas equal, stage and build the exchange
     error = None
@@ -491,10 +506,11 @@ def prepare(
         return [None] * len(groups)
 
     try:
-        comm.coordinate(error, "staging the save", digests, compare, lambda _, group, __: [None] * len(group))
+        comm.coordinate(
+            error, "staging the save", digests, compare, lambda _, group, __: [None] * len(group), on_failure=give_back
+        )
     except BaseException:
-        if txn is not None:
-            txn.abort(wrote=False)  # nothing was written yet: the path is left as it was
+        give_back()  # (a failure of the exchange itself; giving back twice does nothing)
         raise
     assert staging is not None
     return PreparedSave(
