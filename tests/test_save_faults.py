@@ -8,9 +8,12 @@ timeout after that long, so "every rank raised within ``PROMPT_S``" really tests
 
 Cases: a failure while staging host copies (a tensor whose copy fails), while building the
 exchange (the copy of a boundary piece fails), while writing, while committing, a claim
-refused, a plain tensor that differs between ranks (per-rank state must be explicit), and
-asynchronous saves over subgroups (the background group used to be created by a collective
-that every rank of the world had to join).
+refused, a background save's writer process that does not start on one rank, a plain tensor
+that differs between ranks (per-rank state must be explicit), and asynchronous saves over
+subgroups (the background group used to be created by a collective that every rank of the
+world had to join). A failed save's path is, when the save raises on any rank, as it stays
+(rank 0 gives back its claim before the failure reaches the others: before, other ranks saw
+the claim still there, and a failure in the claim's agreement left it held by a live lease).
 """
 
 from __future__ import annotations
@@ -154,10 +157,24 @@ def case_writer_fails(root: Path, rank: int) -> None:
 
 
 def case_plain_tensor_differs(root: Path, rank: int) -> None:
+    # rank 0 takes its time to give the path back: the other ranks raise only once it has
+    from ucp_zarr.protocol.transaction import Transaction
+
+    original = Transaction.abort
+
+    def slow_abort(self: Transaction, **kwargs: Any) -> None:
+        time.sleep(0.5)
+        original(self, **kwargs)
+
     emb = torch.ones(1024, 1024)  # 4 MiB
     if rank == 3:
         emb[517, 3] = 2.0
-    ucp_zarr.save({"emb": emb, "w": _rows(rank)}, root / "plain_differs")
+    if rank == 0:
+        Transaction.abort = slow_abort  # type: ignore[method-assign]
+    try:
+        ucp_zarr.save({"emb": emb, "w": _rows(rank)}, root / "plain_differs")
+    finally:
+        Transaction.abort = original  # type: ignore[method-assign]
 
 
 def case_redo_after_failures(root: Path, rank: int) -> None:
@@ -237,6 +254,7 @@ def _job(rank: int, world: int, root: str) -> None:
             record = {"ok": False, "types": [c.__name__ for c in type(e).__mro__], "message": str(e),
                       "trace": traceback.format_exc()}
         record["elapsed"] = time.perf_counter() - start
+        record["right_after"] = _state(Path(root) / name)  # as this rank found it when its save returned
         record["leases"] = sum(t.name == "ucp_zarr-heartbeat" for t in threading.enumerate())  # renewing now
         dist.barrier()
         record["after"] = _state(Path(root) / name)  # what the case left at its path
@@ -299,7 +317,7 @@ def test_a_failure_in_any_phase_fails_every_rank_promptly(results, name, failing
     for rank, rec in enumerate(records):
         others = [f"rank {r}: " for r in range(WORLD) if r != failing]
         assert not any(o in rec["message"] for o in others), rec["message"]  # only the failing rank is named
-        assert rec["after"] == after, rec["after"]
+        assert rec["after"] == rec["right_after"] == after, (rec["after"], rec["right_after"])
         assert rec["leases"] == 0, f"rank {rank} still renews a lease of the failed save"
 
 
@@ -314,7 +332,8 @@ def test_plain_tensor_that_differs_between_ranks_is_refused_naming_it_and_the_ra
     per rank silently (and left untouched on ranks that did not exist at save time)."""
     records = _records(results, "plain_differs")
     _assert_failed_everywhere(records, "LayoutError", "'emb'", "ranks [0, 1, 2] vs ranks [3]", "PerRank")
-    assert all(rec["after"] == "nothing" for rec in records)  # refused before anything was written
+    # refused before anything was written, and given back before any rank raised
+    assert all(rec["after"] == rec["right_after"] == "nothing" for rec in records), records
 
 
 def test_a_failed_save_leaves_a_path_the_next_save_can_use_at_once(results):
