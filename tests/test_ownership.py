@@ -333,14 +333,17 @@ def test_racing_exclusive_creates_have_one_winner(tmp_path):
             assert len(won) == 1 and store.read(MARKER) == str(won[0]).encode()
 
 
-def test_a_store_without_exclusive_create_is_refused_unless_the_risk_is_taken():
+def test_a_store_without_exclusive_create_is_refused_unless_the_risk_is_taken(tmp_path):
     url = f"simplecache::memory://nonexclusive-{os.getpid()}/ck"
-    store = open_store(url)
+    # (a cache folder of the test's own: one fsspec made would be removed whenever its
+    # filesystem is collected, maybe in a later test's forked child that forbids writes)
+    options = {"simplecache": {"cache_storage": str(tmp_path / "cache")}}
+    store = open_store(url, options)
     assert isinstance(store, FsspecStore) and not store.exclusive_create
     with pytest.raises(OwnershipError, match="unsafe_non_exclusive_store=True"):
-        ucp_zarr.save(_state(1.0), url)
+        ucp_zarr.save(_state(1.0), url, storage_options=options)
     ucp_zarr.save(_state(1.0), f"memory://nonexclusive-{os.getpid()}/ok")  # memory:// creates exclusively
-    ucp_zarr.save(_state(2.0), url, unsafe_non_exclusive_store=True)
+    ucp_zarr.save(_state(2.0), url, unsafe_non_exclusive_store=True, storage_options=options)
 
 
 # --- staging siblings of crashed overwrites ---------------------------------------------------------
@@ -391,6 +394,38 @@ def test_a_killed_overwrite_leaves_a_staging_copy_that_the_manager_collects(tmp_
         assert manager.steps() == [1, 2]
     assert not list(root.glob(".step_*.ucp_zarr-*"))
     _assert_holds(root / "step_00000001", 1.0)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_claim_whose_records_cannot_be_written_is_given_back(tmp_path, monkeypatch, overwrite):
+    """A save that claimed its path (or staging sibling) but could not record what it will
+    write (the store failed right after the claim) raises and gives the claim back: no lease
+    left renewing, no record left, and the next save there works at once. Before, the marker
+    of a live save stayed, its lease renewed by a thread for the life of the process, and
+    every later save there was refused."""
+    from ucp_zarr.protocol.liveness import OWNED
+
+    ck = tmp_path / "ck"
+    if overwrite:
+        ucp_zarr.save(_state(1.0), ck)
+    leases = {t for t in threading.enumerate() if t.name == "ucp_zarr-heartbeat"}
+    write_atomic = LocalStore.write_atomic
+
+    def failing(self: LocalStore, key: str, data: bytes) -> None:
+        if key.startswith(OWNED):
+            raise OSError("injected: the store failed right after the claim")
+        write_atomic(self, key, data)
+
+    monkeypatch.setattr(LocalStore, "write_atomic", failing)
+    with pytest.raises(Exception, match="injected"):
+        ucp_zarr.save(_state(2.0), ck, overwrite=overwrite)
+    monkeypatch.setattr(LocalStore, "write_atomic", write_atomic)
+    assert {t for t in threading.enumerate() if t.name == "ucp_zarr-heartbeat"} <= leases
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".")], list(tmp_path.rglob("*"))
+    if overwrite:
+        _assert_holds(ck, 1.0)
+    ucp_zarr.save(_state(3.0), ck, overwrite=overwrite)
+    _assert_holds(ck, 3.0)
 
 
 # --- what a generic Zarr reader sees during a save --------------------------------------------------

@@ -279,7 +279,10 @@ class Fence:
     replace record) still names save ``save_id``, and, on every call, that the save's own
     ``lease`` (when this rank holds it) has not lapsed. Every writing rank calls
     :meth:`check` before each object it writes. ``checked``: the ``time.monotonic()`` at
-    which the record is known to have named the save (its claim), if any."""
+    which the record is known to have named the save, if any: a replace record just created
+    (nobody takes over a live replacement). Never the owner marker's claim: a save taken over
+    by force (``overwrite_incomplete``) while it stalled between its claim and its first
+    object must find out at that object."""
 
     def __init__(
         self,

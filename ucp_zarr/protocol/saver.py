@@ -24,7 +24,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import math
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -170,7 +169,6 @@ class PreparedSave:
         fence = Fence(
             self.target, self.save_id, min(FENCE_INTERVAL_S, self.options.lease_s / 4),
             lease=None if self.txn is None else self.txn.heartbeat,
-            checked=-math.inf if self.txn is None else self.txn.claimed_at,
         )
         try:
             received = self.exchange.run(comm)

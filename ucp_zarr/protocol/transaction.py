@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import time
 import uuid
@@ -256,24 +255,40 @@ class Transaction:
         self.target = store
         """Where this save's objects go: ``store``, or the staging sibling."""
         self.claimed = False
-        self.claimed_at = -math.inf
-        """``time.monotonic()`` just before this save created the marker (-inf when it took
-        the path over instead): the marker named this save then, as a fence's check would
-        have found."""
+        self._may_hold = False
         self.heartbeat: Heartbeat | None = None
 
     def fence(self) -> Fence:
         """The coordinator's fence: the marker and this save's own lease."""
-        return Fence(
-            self.target, self.save_id, min(FENCE_INTERVAL_S, self.lease_s / 4), lease=self.heartbeat,
-            checked=self.claimed_at,
-        )
+        return Fence(self.target, self.save_id, min(FENCE_INTERVAL_S, self.lease_s / 4), lease=self.heartbeat)
 
     # -- begin ---------------------------------------------------------------------------
 
     def begin(self) -> None:
         """Claim the path (or a staging sibling when overwriting) and record what this save
-        will write, or raise :class:`CheckpointExistsError` / :class:`OwnershipError`."""
+        will write, or raise :class:`CheckpointExistsError` / :class:`OwnershipError`. A
+        failure once the claim may be this save's gives it back (its records and lease too),
+        as :meth:`abort` does for a save that wrote nothing: no live lease is left behind."""
+        try:
+            self._claim_path()
+            self.claimed = True
+            with ThreadPoolExecutor(1) as pool:  # (the lease and the record at once: one round trip, not two)
+                recording = pool.submit(self.target.write_atomic, OWNED + self.save_id, self.owned.to_bytes())
+                try:
+                    self.heartbeat = Heartbeat(self.target, self.save_id, self.lease_s)
+                finally:
+                    recording.result()
+        except BaseException:
+            if self._may_hold:
+                self.claimed = True  # (abort gives back only a marker that names this save)
+                try:
+                    self.abort(wrote=False)
+                except Exception as e:  # the failure itself is what the caller needs to see
+                    log.warning("ucp_zarr: could not give back the claim on %s: %s", self.target.url, e)
+            raise
+
+    def _claim_path(self) -> None:
+        """:meth:`begin`'s claim: the path's marker, or a new staging sibling's."""
         first = self._look()
         for attempt in range(16):
             # what the first look saw, unless there is a replacement to settle (or on a retry)
@@ -300,13 +315,6 @@ class Transaction:
             self.staged, self.target = None, self.store  # committed just before we claimed it
         else:
             raise OwnershipError(f"could not claim {self.store.url}: other saves keep committing it")
-        self.claimed = True
-        with ThreadPoolExecutor(1) as pool:  # (the lease and the record at once: one round trip, not two)
-            recording = pool.submit(self.target.write_atomic, OWNED + self.save_id, self.owned.to_bytes())
-            try:
-                self.heartbeat = Heartbeat(self.target, self.save_id, self.lease_s)
-            finally:
-                recording.result()
 
     def _look(self) -> _Look | None:
         """On a store that waits a round trip per request, the path's names and its staging
@@ -336,9 +344,8 @@ class Transaction:
                         f"{leftovers[0]!r}); refusing to write into it"
                     )
             try:
-                claimed_at = time.monotonic()
+                self._may_hold = True  # (from here on, a failure may leave a marker naming this save)
                 store.create_exclusive(MARKER, self.me.to_bytes())
-                self.claimed_at = claimed_at
                 if self.staged is not None:
                     return True  # (a staging sibling named by this save: no other save commits there)
                 won = True
