@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -426,6 +427,35 @@ def test_a_claim_whose_records_cannot_be_written_is_given_back(tmp_path, monkeyp
         _assert_holds(ck, 1.0)
     ucp_zarr.save(_state(3.0), ck, overwrite=overwrite)
     _assert_holds(ck, 3.0)
+
+
+@pytest.mark.parametrize("failing", ["adopt", "remove"])
+def test_an_overwrite_that_fails_while_put_in_place_leaves_the_path_to_the_next_save(tmp_path, monkeypatch, failing):
+    """A store failing while an overwrite puts its committed staging copy in place (a copy
+    back; the staging copy's removal) fails the save; readers still find a complete
+    checkpoint, and the next save at the path (this process's own: a manager or Lightning
+    saving the same name again) finishes the replacement and goes on at once. Before, the
+    replace record named a live process: every later save there was refused until it ended."""
+    ck = tmp_path / "ck"
+    ucp_zarr.save(_state(1.0), ck)
+    original = getattr(LocalStore, failing)
+    calls = [0]
+
+    def fails_once(self: LocalStore, *args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 2 or failing == "remove":
+            raise OSError(f"injected: {failing} failed")
+        return original(self, *args)
+
+    monkeypatch.setattr(LocalStore, failing, fails_once)
+    with pytest.raises(Exception, match="injected"):
+        ucp_zarr.save(_state(2.0), ck, overwrite=True)
+    monkeypatch.setattr(LocalStore, failing, original)
+    _assert_holds(ck, 2.0)  # (the complete staging copy, through the replace record, or in place)
+    ucp_zarr.save(_state(3.0), ck, overwrite=True)
+    _assert_holds(ck, 3.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    assert not [p.name for p in ck.iterdir() if p.name.startswith(".")]
 
 
 # --- what a generic Zarr reader sees during a save --------------------------------------------------

@@ -440,17 +440,38 @@ class Transaction:
                 self._settle_replacement()
         else:
             raise OwnershipError(f"could not replace {self.store.url}: other saves keep replacing it")
-        lease = Heartbeat(self.store, self.save_id, self.lease_s)  # the record's liveness
+        lease: Heartbeat | None = None
         try:
+            lease = Heartbeat(self.store, self.save_id, self.lease_s)  # the record's liveness
             fence = Fence(
                 self.store, self.save_id, min(FENCE_INTERVAL_S, self.lease_s / 4), lease=lease, key=REPLACE_RECORD,
                 checked=created_at,
             )
             roll_forward(self.store, self.target, fence, root=root)
-        finally:
             lease.stop()
-        self._stop_heartbeat()  # (the staging copy's lease: a renewal after its removal would put it back)
-        finish_replacement(self.store, self.target, self.save_id)
+            self._stop_heartbeat()  # (the staging copy's lease: a renewal after its removal would put it back)
+            finish_replacement(self.store, self.target, self.save_id)
+        except BaseException:
+            if lease is not None:
+                lease.stop()
+            self._stop_heartbeat()
+            self._give_up_replacement()
+            raise
+
+    def _give_up_replacement(self) -> None:
+        """After a failure once the replace record exists: mark this save aborted, at the
+        path while the record names it and in the staging copy, so that the next save here
+        (this process's too) rolls the replacement forward, and then removes the copy, at
+        once, instead of finding a live replacement until this process ends."""
+        aborted = json.dumps({"aborted": True}).encode()
+        try:
+            record = read_owner(self.store, REPLACE_RECORD)
+            if record is not None and record.save_id == self.save_id:
+                self.store.write_atomic(HEARTBEAT + self.save_id, aborted)
+            if read_owner(self.target, MARKER) is not None:
+                self.target.write_atomic(HEARTBEAT + self.save_id, aborted)
+        except Exception as e:  # the failure itself is what the caller needs to see
+            log.warning("ucp_zarr: could not mark the failed replacement of %s aborted: %s", self.store.url, e)
 
     # -- commit and abort --------------------------------------------------------------------
 
