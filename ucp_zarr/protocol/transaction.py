@@ -46,7 +46,8 @@ root removed, the new objects adopted (hard links / server-side copies, as many 
 the store keeps requests in flight; all data before any document), the old ones deleted (in
 bulk requests where the store has them), the new root created, then the records removed (the
 retired record, the lease, the replace record, in that order) while the sibling is. Until the new root exists, readers follow the record to the complete staging copy;
-after a crash, whoever finds the record of a dead owner rolls the replacement forward. At
+after a crash, whoever finds the record of a dead owner rolls the replacement forward (a
+replacement that fails in a live process marks itself aborted, so the same goes for it). At
 every point the old or the new checkpoint is complete and findable, never a mix. Staging
 siblings of dead saves that never got that far are removed by the next save at the path
 (and by the manager's retention).
