@@ -458,6 +458,27 @@ def test_an_overwrite_that_fails_while_put_in_place_leaves_the_path_to_the_next_
     assert not [p.name for p in ck.iterdir() if p.name.startswith(".")]
 
 
+def test_a_deletion_that_fails_is_resumed_by_the_next_at_once(tmp_path, monkeypatch):
+    """Retention whose store fails mid-deletion raises; the next deletion of that step (this
+    process's own: the next retention) resumes it at once. Before, the failed deletion's
+    record named a live process, so every later one skipped the step until it ended."""
+    from ucp_zarr.ops.steps import delete_step
+
+    ck = tmp_path / "step_00000001"
+    ucp_zarr.save(_state(1.0), ck)
+    delete_many = LocalStore.delete_many
+
+    def failing(self: LocalStore, keys: Any) -> None:
+        raise OSError("injected: the store failed mid-deletion")
+
+    monkeypatch.setattr(LocalStore, "delete_many", failing)
+    with pytest.raises(OSError, match="injected"):
+        delete_step(open_store(ck))
+    monkeypatch.setattr(LocalStore, "delete_many", delete_many)
+    assert delete_step(open_store(ck))
+    assert not ck.exists()
+
+
 # --- what a generic Zarr reader sees during a save --------------------------------------------------
 
 

@@ -51,6 +51,7 @@ from ..protocol.liveness import (
     Liveness,
     Owner,
     last_heartbeat,
+    mark_aborted,
     read_owner,
 )
 from ..protocol.transaction import Transaction, collect_staging, committed_store, delete_owned, read_owned
@@ -290,19 +291,32 @@ def delete_step(store: Store, *, lease_s: float = DEFAULT_LEASE_S, liveness: Liv
         if other is not None and _alive(store, other, liveness):
             return False
         store.write_atomic(DELETING, me.to_bytes())  # resume a dead deleter's work
-    for name in store.child_names():
-        if name.startswith(READER):
-            reader = read_owner(store, name)
-            if reader is not None and _alive(store, reader, liveness):
-                _withdraw(store, me)
-                return False
-    remove_checkpoint(store)
-    for name in store.child_names():  # the protocol's records (dead readers' leases among them)
-        if name.startswith(INTERNAL_PREFIX) and name not in (DELETING, REPLACE_RECORD):
-            store.delete(name)
-    store.delete(DELETING)
-    store.prune(())
+    try:
+        for name in store.child_names():
+            if name.startswith(READER):
+                reader = read_owner(store, name)
+                if reader is not None and _alive(store, reader, liveness):
+                    _withdraw(store, me)
+                    return False
+        remove_checkpoint(store)
+        for name in store.child_names():  # the protocol's records (dead readers' leases among them)
+            if name.startswith(INTERNAL_PREFIX) and name not in (DELETING, REPLACE_RECORD):
+                store.delete(name)
+        store.delete(DELETING)
+        store.prune(())
+    except BaseException:
+        _give_up(store, me)
+        raise
     return True
+
+
+def _give_up(store: Store, me: Owner) -> None:
+    """After a failed deletion: mark it aborted, so that the next one (this process's too)
+    resumes it at once rather than finding a live deleter until this process ends."""
+    try:
+        mark_aborted(store, me.save_id)
+    except Exception as e:  # the failure itself is what the caller needs to see
+        log.warning("ucp_zarr: could not mark the failed deletion of %s aborted: %s", store.url, e)
 
 
 def remove_checkpoint(store: Store) -> None:

@@ -222,6 +222,12 @@ def last_heartbeat(store: Store, save_id: str) -> float | None:
         return None
 
 
+def mark_aborted(store: Store, save_id: str) -> None:
+    """Mark ``save_id`` aborted in ``store``: it counts as dead from now on (:func:`last_heartbeat`),
+    so that its leftovers may be taken over at once, even while its process lives."""
+    store.write_atomic(HEARTBEAT + save_id, json.dumps({"aborted": True}).encode())
+
+
 # --- the lease and the fence ----------------------------------------------------------------------
 
 

@@ -55,7 +55,6 @@ siblings of dead saves that never got that far are removed by the next save at t
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -92,6 +91,7 @@ from .liveness import (
     TAKEOVER,
     _SAVE_ID,
     last_heartbeat,
+    mark_aborted,
     read_owner,
 )
 
@@ -464,13 +464,12 @@ class Transaction:
         path while the record names it and in the staging copy, so that the next save here
         (this process's too) rolls the replacement forward, and then removes the copy, at
         once, instead of finding a live replacement until this process ends."""
-        aborted = json.dumps({"aborted": True}).encode()
         try:
             record = read_owner(self.store, REPLACE_RECORD)
             if record is not None and record.save_id == self.save_id:
-                self.store.write_atomic(HEARTBEAT + self.save_id, aborted)
+                mark_aborted(self.store, self.save_id)
             if read_owner(self.target, MARKER) is not None:
-                self.target.write_atomic(HEARTBEAT + self.save_id, aborted)
+                mark_aborted(self.target, self.save_id)
         except Exception as e:  # the failure itself is what the caller needs to see
             log.warning("ucp_zarr: could not mark the failed replacement of %s aborted: %s", self.store.url, e)
 
@@ -514,7 +513,7 @@ class Transaction:
             release_committed(self.target, self.save_id)  # (its records, the marker last)
             self.target.prune(())
             return
-        self.target.write_atomic(HEARTBEAT + self.save_id, json.dumps({"aborted": True}).encode())
+        mark_aborted(self.target, self.save_id)
         delete_owned(self.target, self.owned, tag=self.save_id)
 
     def _stop_heartbeat(self) -> None:
