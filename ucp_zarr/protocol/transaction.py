@@ -45,10 +45,11 @@ into the path, what the old checkpoint owns is recorded (``.ucp_zarr_retired``),
 root removed, the new objects adopted (hard links / server-side copies, as many at once as
 the store keeps requests in flight; all data before any document), the old ones deleted (in
 bulk requests where the store has them), the new root created, then the records removed (the
-retired record, the lease, the replace record, in that order) while the sibling is. Until the new root exists, readers follow the record to the complete staging copy;
-after a crash, whoever finds the record of a dead owner rolls the replacement forward (a
-replacement that fails in a live process marks itself aborted, so the same goes for it). At
-every point the old or the new checkpoint is complete and findable, never a mix. Staging
+retired record, the lease, the replace record, in that order) while the sibling is. Until
+the new root exists, readers follow the record to the complete staging copy; after a crash,
+whoever finds the record of a dead owner rolls the replacement forward (a replacement that
+fails in a live process marks itself aborted, so the same goes for it). At every point the
+old or the new checkpoint is complete and findable, never a mix. Staging
 siblings of dead saves that never got that far are removed by the next save at the path
 (and by the manager's retention).
 """
