@@ -429,29 +429,36 @@ def test_a_claim_whose_records_cannot_be_written_is_given_back(tmp_path, monkeyp
     _assert_holds(ck, 3.0)
 
 
-@pytest.mark.parametrize("failing", ["adopt", "remove"])
+@pytest.mark.parametrize("failing", ["record", "adopt", "remove"])
 def test_an_overwrite_that_fails_while_put_in_place_leaves_the_path_to_the_next_save(tmp_path, monkeypatch, failing):
-    """A store failing while an overwrite puts its committed staging copy in place (a copy
-    back; the staging copy's removal) fails the save; readers still find a complete
-    checkpoint, and the next save at the path (this process's own: a manager or Lightning
-    saving the same name again) finishes the replacement and goes on at once. Before, the
-    replace record named a live process: every later save there was refused until it ended."""
+    """A store failing while an overwrite puts its committed staging copy in place (creating
+    the replace record, a copy back, the staging copy's removal) fails the save; readers
+    still find a complete checkpoint (the old one, or the new one through the record or in
+    place), and the next save at the path (this process's own: a manager or Lightning saving
+    the same name again) finishes the replacement or collects the copy, and goes on at once.
+    Before, the replace record named a live process (every later save there was refused
+    until it ended), or the staging copy did (it was never collected)."""
+    from ucp_zarr.protocol.liveness import REPLACE_RECORD
+
     ck = tmp_path / "ck"
     ucp_zarr.save(_state(1.0), ck)
-    original = getattr(LocalStore, failing)
+    name = {"record": "create_exclusive"}.get(failing, failing)
+    original = getattr(LocalStore, name)
     calls = [0]
 
-    def fails_once(self: LocalStore, *args: Any) -> Any:
+    def fails(self: LocalStore, *args: Any) -> Any:
         calls[0] += 1
-        if calls[0] == 2 or failing == "remove":
+        if (failing == "adopt" and calls[0] == 2) or failing == "remove" or (
+            failing == "record" and args[0] == REPLACE_RECORD
+        ):
             raise OSError(f"injected: {failing} failed")
         return original(self, *args)
 
-    monkeypatch.setattr(LocalStore, failing, fails_once)
+    monkeypatch.setattr(LocalStore, name, fails)
     with pytest.raises(Exception, match="injected"):
         ucp_zarr.save(_state(2.0), ck, overwrite=True)
-    monkeypatch.setattr(LocalStore, failing, original)
-    _assert_holds(ck, 2.0)  # (the complete staging copy, through the replace record, or in place)
+    monkeypatch.setattr(LocalStore, name, original)
+    _assert_holds(ck, 1.0 if failing == "record" else 2.0)
     ucp_zarr.save(_state(3.0), ck, overwrite=True)
     _assert_holds(ck, 3.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]

@@ -433,17 +433,17 @@ class Transaction:
     def _replace(self, root: bytes) -> None:
         record = Owner.this_process(self.save_id, self.lease_s, staged=self.staged)
         assert self.staged is not None
-        for _ in range(16):
-            try:
-                created_at = time.monotonic()
-                self.store.create_exclusive(REPLACE_RECORD, record.to_bytes())
-                break
-            except FileExistsError:
-                self._settle_replacement()
-        else:
-            raise OwnershipError(f"could not replace {self.store.url}: other saves keep replacing it")
         lease: Heartbeat | None = None
         try:
+            for _ in range(16):
+                try:
+                    created_at = time.monotonic()
+                    self.store.create_exclusive(REPLACE_RECORD, record.to_bytes())
+                    break
+                except FileExistsError:
+                    self._settle_replacement()
+            else:
+                raise OwnershipError(f"could not replace {self.store.url}: other saves keep replacing it")
             lease = Heartbeat(self.store, self.save_id, self.lease_s)  # the record's liveness
             fence = Fence(
                 self.store, self.save_id, min(FENCE_INTERVAL_S, self.lease_s / 4), lease=lease, key=REPLACE_RECORD,
@@ -461,10 +461,11 @@ class Transaction:
             raise
 
     def _give_up_replacement(self) -> None:
-        """After a failure once the replace record exists: mark this save aborted, at the
-        path while the record names it and in the staging copy, so that the next save here
-        (this process's too) rolls the replacement forward, and then removes the copy, at
-        once, instead of finding a live replacement until this process ends."""
+        """After a failure while putting the staging copy in place: mark this save aborted,
+        at the path while the replace record names it and in the staging copy, so that the
+        next save here (this process's too) rolls the replacement forward and removes the
+        copy (or, with no record of this save, collects the copy) at once, instead of finding
+        a live replacement until this process ends."""
         try:
             record = read_owner(self.store, REPLACE_RECORD)
             if record is not None and record.save_id == self.save_id:
