@@ -465,6 +465,35 @@ def test_an_overwrite_that_fails_while_put_in_place_leaves_the_path_to_the_next_
     assert not [p.name for p in ck.iterdir() if p.name.startswith(".")]
 
 
+def test_an_overwrite_whose_staging_copy_cannot_be_removed_leaves_it_to_the_next_save(tmp_path, monkeypatch):
+    """An overwrite failing before its commit removes its staging copy; where that removal
+    fails too, the copy is marked aborted, and the next save at the path collects it (before:
+    it named a live process and stayed until the process ended)."""
+    import ucp_zarr.protocol.saver as saver
+
+    ck = tmp_path / "ck"
+    ucp_zarr.save(_state(1.0), ck)
+    write_shard, remove = saver.write_shard, LocalStore.remove
+
+    def broken(*args: Any, **kwargs: Any) -> bytes:
+        raise OSError("injected: disk full")
+
+    def cannot_remove(self: LocalStore) -> None:
+        raise OSError("injected: cannot remove")
+
+    monkeypatch.setattr(saver, "write_shard", broken)
+    monkeypatch.setattr(LocalStore, "remove", cannot_remove)
+    with pytest.raises(Exception, match="disk full"):
+        ucp_zarr.save(_state(2.0), ck, overwrite=True)
+    monkeypatch.setattr(saver, "write_shard", write_shard)
+    monkeypatch.setattr(LocalStore, "remove", remove)
+    assert len(list(tmp_path.glob(".ck.ucp_zarr-*"))) == 1
+    _assert_holds(ck, 1.0)
+    ucp_zarr.save(_state(3.0), ck, overwrite=True)
+    _assert_holds(ck, 3.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
 def test_a_deletion_that_fails_is_resumed_by_the_next_at_once(tmp_path, monkeypatch):
     """Retention whose store fails mid-deletion raises; the next deletion of that step (this
     process's own: the next retention) resumes it at once. Before, the failed deletion's

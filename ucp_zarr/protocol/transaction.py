@@ -509,7 +509,14 @@ class Transaction:
         if owner is None or owner.save_id != self.save_id:
             return  # taken over: the leftovers are the new owner's business
         if self.staged is not None:
-            remove_staging(self.target)
+            try:
+                remove_staging(self.target)
+            except BaseException:  # (left for the next save at the path to collect, at once)
+                try:
+                    mark_aborted(self.target, self.save_id)
+                except Exception:
+                    pass
+                raise
             return
         if not wrote:
             release_committed(self.target, self.save_id)  # (its records, the marker last)
