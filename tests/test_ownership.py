@@ -494,6 +494,35 @@ def test_an_overwrite_whose_staging_copy_cannot_be_removed_leaves_it_to_the_next
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
+def test_a_takeover_that_fails_leaves_the_leftovers_to_the_next_save(tmp_path, monkeypatch):
+    """A save taking over a dead save's leftovers whose store fails meanwhile raises and
+    withdraws its takeover record: the next save (this process's own) takes over at once.
+    Before, the record named a live process: every later save there was refused ("is taking
+    over the leftovers ... right now") until it ended."""
+    from ucp_zarr.protocol.liveness import read_owner
+
+    judge = Judge()
+    ck = tmp_path / "ck"
+    dead = Transaction(LocalStore(str(ck)), liveness=judge, lease_s=60)
+    dead.begin()
+    dead._stop_heartbeat()
+    judge.dead.add(dead.save_id)
+    delete_many = LocalStore.delete_many
+
+    def failing(self: LocalStore, keys: Any) -> None:
+        raise OSError("injected: the store failed during the takeover")
+
+    monkeypatch.setattr(LocalStore, "delete_many", failing)  # (deleting the dead save's records)
+    with pytest.raises(OSError, match="injected"):
+        Transaction(LocalStore(str(ck)), liveness=judge, lease_s=60).begin()
+    monkeypatch.setattr(LocalStore, "delete_many", delete_many)
+    nxt = Transaction(LocalStore(str(ck)), liveness=judge, lease_s=60)
+    nxt.begin()
+    assert nxt.claimed and read_owner(LocalStore(str(ck)), MARKER).save_id == nxt.save_id
+    assert not list(ck.glob(".ucp_zarr_takeover.*"))
+    nxt.abort(wrote=False)
+
+
 def test_a_deletion_that_fails_is_resumed_by_the_next_at_once(tmp_path, monkeypatch):
     """Retention whose store fails mid-deletion raises; the next deletion of that step (this
     process's own: the next retention) resumes it at once. Before, the failed deletion's

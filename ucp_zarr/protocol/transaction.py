@@ -396,20 +396,27 @@ class Transaction:
                     ) from None
                 chain.append(taker)
         mine = [TAKEOVER + o.save_id for o in chain]
-        current = read_owner(store, MARKER)
-        if current is None or current.save_id != victim.save_id:
-            store.delete(mine[-1])
-            return False
-        for dead in chain:
-            owned = read_owned(store, OWNED + dead.save_id)
-            if owned is not None:
-                delete_owned(store, owned, tag=dead.save_id)
-        for dead in chain:
-            store.delete(HEARTBEAT + dead.save_id)
-            store.delete(OWNED + dead.save_id)
-        store.write_atomic(MARKER, self.me.to_bytes())
-        for key in reversed(mine):
-            store.delete(key)
+        try:
+            current = read_owner(store, MARKER)
+            if current is None or current.save_id != victim.save_id:
+                store.delete(mine[-1])
+                return False
+            for dead in chain:
+                owned = read_owned(store, OWNED + dead.save_id)
+                if owned is not None:
+                    delete_owned(store, owned, tag=dead.save_id)
+            for dead in chain:
+                store.delete(HEARTBEAT + dead.save_id)
+                store.delete(OWNED + dead.save_id)
+            store.write_atomic(MARKER, self.me.to_bytes())
+            for key in reversed(mine):
+                store.delete(key)
+        except BaseException:  # (our takeover record named a live process: the next save may take over at once)
+            try:
+                store.delete(mine[-1])
+            except Exception:
+                pass
+            raise
         return True
 
     # -- replacement (overwrite) -----------------------------------------------------------
