@@ -423,15 +423,15 @@ def test_an_overwrite_leaves_no_lease_behind_its_staging_copy(seaweed, monkeypat
 
     remove = T.remove_staging
 
-    def remove_then_wait(staged: Any) -> None:  # the lease renews every 0.05 s: renewals fall after
+    def remove_then_wait(staged: Any) -> None:  # the lease renews every 0.25 s: renewals fall after
         remove(staged)
-        time.sleep(0.2)
+        time.sleep(0.6)
 
     monkeypatch.setattr(T, "remove_staging", remove_then_wait)
     options = seaweed.storage_options()
     url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
     ucp_zarr.save({"w": torch.ones(4, 4)}, url, storage_options=options)
-    ucp_zarr.save({"w": torch.full((4, 4), 2.0)}, url, storage_options=options, overwrite=True, lease_s=0.2)
+    ucp_zarr.save({"w": torch.full((4, 4), 2.0)}, url, storage_options=options, overwrite=True, lease_s=1.0)
     store = open_store(url, options)
     assert store.sibling_names(".ck") == [] and store._names(store.root.rsplit("/", 1)[0]) == ["ck"]
     assert torch.equal(ucp_zarr.open(url, storage_options=options).read("w"), torch.full((4, 4), 2.0))
