@@ -436,6 +436,25 @@ def test_an_overwrite_leaves_no_lease_behind_its_staging_copy(seaweed, monkeypat
     assert store.sibling_names(".ck") == [] and store._names(store.root.rsplit("/", 1)[0]) == ["ck"]
     assert torch.equal(ucp_zarr.open(url, storage_options=options).read("w"), torch.full((4, 4), 2.0))
 
+def _timed_calls(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> list[tuple[str, str, str, float, float]]:
+    """Every call of the ``ObstoreStore`` methods ``names`` from now on, as (method, store
+    URL, key, start, end) with ``time.monotonic()`` times, appended when it returns."""
+    events: list[tuple[str, str, str, float, float]] = []
+    for name in names:
+        original = getattr(O.ObstoreStore, name)
+
+        def call(self: O.ObstoreStore, *args: Any, _original: Any = original, _name: str = name) -> Any:
+            start = time.monotonic()
+            try:
+                return _original(self, *args)
+            finally:
+                key = args[0] if args and isinstance(args[0], str) else ""
+                events.append((_name, self.url, key, start, time.monotonic()))
+
+        monkeypatch.setattr(O.ObstoreStore, name, call)
+    return events
+
+
 def test_an_overwrite_puts_its_copy_in_place_without_waiting_on_what_it_knows(
     seaweed, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -447,29 +466,14 @@ def test_an_overwrite_puts_its_copy_in_place_without_waiting_on_what_it_knows(
 
     from ucp_zarr.protocol.liveness import REPLACE_RECORD, RETIRED
 
-    events: list[tuple[str, str, str, float, float]] = []  # (op, store url, key, start, end)
-
-    def timed(name: str) -> None:
-        original = getattr(O.ObstoreStore, name)
-
-        def call(self: O.ObstoreStore, *args: Any) -> Any:
-            start = time.monotonic()
-            try:
-                return original(self, *args)
-            finally:
-                key = args[0] if args and isinstance(args[0], str) else ""
-                events.append((name, self.url, key, start, time.monotonic()))
-
-        monkeypatch.setattr(O.ObstoreStore, name, call)
-
+    events = _timed_calls(monkeypatch, ("read", "list", "remove", "delete", "_names", "_keys"))
     state = {f"layer{i % 6}.w{i}": torch.randn(32, 16) for i in range(24)}
     with FaultProxy(seaweed.s3_port) as proxy:
         proxy.delay(0.05)
         options = seaweed.storage_options(proxy.endpoint)
         url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
         ucp_zarr.save(state, url, storage_options=options)
-        for name in ("read", "list", "remove", "delete", "_names", "_keys"):
-            timed(name)
+        events.clear()
         ucp_zarr.save({k: v + 1 for k, v in state.items()}, url, storage_options=options, overwrite=True)
     staging = [u for _, u, _, _, _ in events if ".ck.ucp_zarr-" in u][0]
     assert not [e for e in events if e[0] == "read" and (e[2] == RETIRED or (e[1], e[2]) == (staging, "zarr.json"))]
@@ -486,6 +490,7 @@ def test_an_overwrite_puts_its_copy_in_place_without_waiting_on_what_it_knows(
     out = ucp_zarr.load({k: torch.zeros_like(v) for k, v in state.items()}, url, storage_options=seaweed.storage_options())
     assert all(torch.equal(out[k], v + 1) for k, v in state.items())
 
+
 @pytest.mark.parametrize("overwrite, trips", [(False, 5), (True, 4)])
 def test_a_save_sends_its_first_shard_after_a_few_round_trips(
     seaweed, monkeypatch: pytest.MonkeyPatch, overwrite: bool, trips: int
@@ -496,20 +501,11 @@ def test_a_save_sends_its_first_shard_after_a_few_round_trips(
     what it will write, and its fence reads the claim (a save taken over by force while it
     stalled must find out before its first object). It asks no marker the listing did not
     show (before: 6 and 7 round trips in a row)."""
-    events: list[tuple[str, str, float, float]] = []  # (op, key, start, end)
-    for name in ("read", "exists", "write", "write_atomic", "create_exclusive", "child_names", "sibling_names"):
-        original = getattr(O.ObstoreStore, name)
-
-        def call(self: O.ObstoreStore, *args: Any, _original: Any = original, _name: str = name) -> Any:
-            start = time.monotonic()
-            try:
-                return _original(self, *args)
-            finally:
-                events.append((_name, args[0] if args and isinstance(args[0], str) else "", start, time.monotonic()))
-
-        monkeypatch.setattr(O.ObstoreStore, name, call)
     from s3server import FaultProxy
 
+    events = _timed_calls(
+        monkeypatch, ("read", "exists", "write", "write_atomic", "create_exclusive", "child_names", "sibling_names")
+    )
     state = {f"layer{i % 3}.w{i}": torch.randn(8, 8) for i in range(6)}
     with FaultProxy(seaweed.s3_port) as proxy:
         options = seaweed.storage_options(proxy.endpoint)
@@ -519,8 +515,8 @@ def test_a_save_sends_its_first_shard_after_a_few_round_trips(
         proxy.delay(0.1)  # (a thread started late on a loaded machine must not look like a round trip)
         events.clear()
         ucp_zarr.save(state, url, storage_options=options, overwrite=overwrite)
-    first_shard = min(start for op, key, start, _ in events if op == "write" and "/c/" in key)
-    before = sorted((start, end, op) for op, _, start, end in events if start < first_shard)
+    first_shard = min(start for op, _, key, start, _ in events if op == "write" and "/c/" in key)
+    before = sorted((start, end, op) for op, _, _, start, end in events if start < first_shard)
     in_a_row, end = 0, -1.0  # requests one after another: each starts after the one before ended
     for start, stop, _ in before:
         if start >= end:

@@ -105,7 +105,7 @@ from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ..protocol.collect import Collected
 from ..protocol.filling import read_workers
 from ..protocol.saver import SaveOptions, prepare
-from ..protocol.saving import DEFAULT_WORKERS, save_workers
+from ..protocol.saving import save_workers
 from ..io.factory import open_store
 from ..io.store import Buffer, ReadRequest, Store, WriteGuard, at_once
 from ..protocol.transaction import is_checkpoint_object
@@ -273,10 +273,11 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
         self.storage_options = storage_options
         self.process_group = process_group
         self.max_workers = max_workers
+        """Threads, as ``ucp_zarr.save`` takes them (:func:`~ucp_zarr.protocol.saving.save_workers`,
+        once the store is open)."""
         self.options = SaveOptions(
             chunk_bytes=chunk_bytes,
             shard_bytes=shard_bytes,
-            max_workers=max_workers or DEFAULT_WORKERS,
             overwrite=overwrite,
             overwrite_incomplete=overwrite_incomplete,
             hmac_key=hmac_key,

@@ -239,7 +239,6 @@ def write_file(
 ) -> None:
     """One safetensors file of ``items``, streamed block by block; the small ones read ahead
     from ``source``, the store they come from (:func:`~.base.read_ahead`)."""
-
     header: dict[str, Any] = {"__metadata__": metadata}
     at = 0
     for t in items:

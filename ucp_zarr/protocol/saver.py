@@ -200,12 +200,7 @@ class PreparedSave:
         return SaveResult(self.store.url, comm.rank, self.target.stats.bytes_written, objects, self.save_id)
 
     def _abort(self) -> None:
-        if self.txn is None:
-            return
-        try:
-            self.txn.abort()
-        except Exception as e:  # the save's own error is what the caller needs to see
-            log.warning("ucp_zarr: could not clean up the failed save at %s: %s", self.store.url, e)
+        _abort(self.txn, self.store, wrote=True)
 
     def _documents(self) -> list[tuple[str, bytes]]:
         """Every group and array ``zarr.json`` of the whole plan (:attr:`whole`: on a rank
@@ -349,6 +344,17 @@ class PreparedSave:
         return dump_consolidated(meta.to_zarr_json(attrs), made, {f"{g}/{METADATA_FILE}" for g in plan.groups})
 
 
+def _abort(txn: Transaction | None, store: Store, *, wrote: bool) -> None:
+    """Abort the failed save ``txn`` (if this rank holds it) at ``store``; a failure to clean
+    up is logged: the save's own error is what the caller needs to see."""
+    if txn is None:
+        return
+    try:
+        txn.abort(wrote=wrote)
+    except Exception as e:
+        log.warning("ucp_zarr: could not clean up the failed save at %s: %s", store.url, e)
+
+
 def _first_failure(jobs: list[Future]) -> None:
     """Wait for ``jobs``; on the first failure, cancel those not started and raise it (a
     failing store fails the save in one round of retries, not one per object)."""
@@ -470,11 +476,7 @@ def prepare(
             error = e
 
     def give_back() -> None:  # (on rank 0, once any rank failed: before any rank raises)
-        if txn is not None:
-            try:
-                txn.abort(wrote=False)  # nothing was written yet: the path is left as it was
-            except Exception as e:  # the save's own error is what the caller needs to see
-                log.warning("ucp_zarr: could not give back the claim on %s: %s", store.url, e)
+        _abort(txn, store, wrote=False)  # nothing was written yet: the path is left as it was
 
     try:  # the claim, to every rank (rank 0 holds it: a failure elsewhere gives it back first)
         save_id, staged = comm.coordinate(
