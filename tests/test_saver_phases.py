@@ -200,3 +200,28 @@ def test_exchange_sizes_are_checked_against_the_plan_before_any_transfer():
     built.sends[dst] = torch.zeros(n + 64, dtype=torch.uint8)
     with pytest.raises(LayoutError, match="boundary exchange mismatch on rank"):
         check_sizes(part, src, built)
+
+
+def test_of_two_failing_writes_the_first_in_the_plans_order_is_raised(tmp_path, monkeypatch):
+    """A save whose writes fail raises the failure of the first failing shard in the plan's
+    order, whatever the timing: every shard before it has started and runs to its end (the
+    pool takes them in order). Before, the first failure to be noticed was raised: of two
+    tensors whose shards both failed, which one the error named depended on the threads
+    (``test_convert_deepspeed_parallel.py`` saw either of AutoTP's two differing tensors)."""
+    import time
+
+    import ucp_zarr.protocol.saver as saver
+
+    write_shard = saver.write_shard
+
+    def failing(store: Any, path: str, *args: Any, **kwargs: Any) -> bytes:
+        if path.startswith("a"):
+            time.sleep(0.3)  # the first shard fails last
+            raise OSError("injected: a failed")
+        if path.startswith("b"):
+            raise OSError("injected: b failed")
+        return write_shard(store, path, *args, **kwargs)
+
+    monkeypatch.setattr(saver, "write_shard", failing)
+    with pytest.raises(OSError, match="injected: a failed"):
+        ucp_zarr.save({"a": torch.ones(4), "b": torch.ones(4)}, tmp_path / "ck", max_workers=2)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import posixpath
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Iterable, Protocol, Sequence, TypeVar
@@ -272,6 +272,20 @@ def folders_of(keys: Iterable[str]) -> set[str]:
         while (key := key.rpartition("/")[0]) and key not in folders:
             folders.add(key)
     return folders
+
+
+def wait_all(jobs: Sequence[Future[Any]]) -> None:
+    """Wait for ``jobs``, submitted in this order to one pool. Once one fails, those not
+    started are cancelled and, when the running ones are done, the first failure in the
+    jobs' order is raised: the same one whatever the timing (every job before a failing one
+    has started, as a pool takes them in order, and runs to its end)."""
+    wait(jobs, return_when=FIRST_EXCEPTION)
+    for job in jobs:
+        job.cancel()
+    wait(jobs)
+    for job in jobs:
+        if not job.cancelled():
+            job.result()
 
 
 def at_once(store: Store, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:

@@ -25,7 +25,7 @@ import datetime
 import json
 import logging
 import threading
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -49,7 +49,7 @@ from .staging import Staging
 from .ties import agree_ties
 from ..format.statedict import Structure
 from .owned import owned_by
-from ..io.store import Store
+from ..io.store import Store, wait_all
 from .liveness import DEFAULT_LEASE_S, FENCE_INTERVAL_S, Fence
 from .transaction import Transaction, is_internal, require_exclusive_create, target_store
 from ..version import __version__
@@ -227,7 +227,7 @@ class PreparedSave:
             return self.target.write(key, [data], fence)
 
         with ThreadPoolExecutor(self.options.write_workers or self.options.max_workers) as pool:
-            _first_failure([pool.submit(write, k, d) for k, d in docs])
+            wait_all([pool.submit(write, k, d) for k, d in docs])
         self.target.sync()
 
     def _write_data(self, rank: int, received: dict[tuple[int, int], torch.Tensor], fence: Fence) -> dict[int, bytes]:
@@ -277,7 +277,7 @@ class PreparedSave:
                     written = process.write(self.target, list(remote.values()), fence, seal, memory,
                                             self.options.max_workers, pid, remote_rate)
                     seals.update((n, s) for n, s in zip(remote, written) if s is not None)
-                _first_failure(list(jobs.values()))
+                wait_all(list(jobs.values()))
                 seals.update((n, job.result()) for n, job in jobs.items())
         finally:
             if memory is not None:
@@ -353,17 +353,6 @@ def _abort(txn: Transaction | None, store: Store, *, wrote: bool) -> None:
         txn.abort(wrote=wrote)
     except Exception as e:
         log.warning("ucp_zarr: could not clean up the failed save at %s: %s", store.url, e)
-
-
-def _first_failure(jobs: list[Future]) -> None:
-    """Wait for ``jobs``; on the first failure, cancel those not started and raise it (a
-    failing store fails the save in one round of retries, not one per object)."""
-    wait(jobs, return_when=FIRST_EXCEPTION)
-    for job in jobs:
-        if job.done() and not job.cancelled() and job.exception() is not None:
-            for other in jobs:
-                other.cancel()
-            raise job.exception()  # type: ignore[misc]
 
 
 def _shard_nbytes(plan: SavePlan, task: ShardTask) -> int:
