@@ -429,15 +429,14 @@ def test_a_claim_whose_records_cannot_be_written_is_given_back(tmp_path, monkeyp
     _assert_holds(ck, 3.0)
 
 
-@pytest.mark.parametrize("failing", ["record", "adopt", "remove"])
+@pytest.mark.parametrize("failing", ["record", "adopt"])
 def test_an_overwrite_that_fails_while_put_in_place_leaves_the_path_to_the_next_save(tmp_path, monkeypatch, failing):
     """A store failing while an overwrite puts its committed staging copy in place (creating
-    the replace record, a copy back, the staging copy's removal) fails the save; readers
-    still find a complete checkpoint (the old one, or the new one through the record or in
-    place), and the next save at the path (this process's own: a manager or Lightning saving
-    the same name again) finishes the replacement or collects the copy, and goes on at once.
-    Before, the replace record named a live process (every later save there was refused
-    until it ended), or the staging copy did (it was never collected)."""
+    the replace record, a copy back) fails the save; readers still find a complete
+    checkpoint (the old one, or the new one through the record), and the next save at the
+    path (this process's own: a manager or Lightning saving the same name again) finishes
+    the replacement or collects the copy, and goes on at once. Before, the replace record
+    named a live process: every later save there was refused until it ended."""
     from ucp_zarr.protocol.liveness import REPLACE_RECORD
 
     ck = tmp_path / "ck"
@@ -448,9 +447,7 @@ def test_an_overwrite_that_fails_while_put_in_place_leaves_the_path_to_the_next_
 
     def fails(self: LocalStore, *args: Any) -> Any:
         calls[0] += 1
-        if (failing == "adopt" and calls[0] == 2) or failing == "remove" or (
-            failing == "record" and args[0] == REPLACE_RECORD
-        ):
+        if (failing == "adopt" and calls[0] == 2) or (failing == "record" and args[0] == REPLACE_RECORD):
             raise OSError(f"injected: {failing} failed")
         return original(self, *args)
 
@@ -459,6 +456,41 @@ def test_an_overwrite_that_fails_while_put_in_place_leaves_the_path_to_the_next_
         ucp_zarr.save(_state(2.0), ck, overwrite=True)
     monkeypatch.setattr(LocalStore, name, original)
     _assert_holds(ck, 1.0 if failing == "record" else 2.0)
+    ucp_zarr.save(_state(3.0), ck, overwrite=True)
+    _assert_holds(ck, 3.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    assert not [p.name for p in ck.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("failing", ["marker", "replace record", "staging copy"])
+def test_a_save_whose_records_cannot_be_removed_after_its_commit_succeeds(tmp_path, monkeypatch, caplog, failing):
+    """Once a save's commit record is in place at its path the save has succeeded: a store
+    failing afterwards, while the save removes its own records (a new path's marker; an
+    overwrite's replace record or staging copy), is logged, and the save returns, so that a
+    save that raises never leaves its checkpoint committed (the caller would take the path
+    for unchanged, or retry). What is left is marked aborted: the next save at the path
+    (this process's own) removes it and goes on at once. Before, the save raised with the new
+    checkpoint committed, and a new path's marker named a live process."""
+    from ucp_zarr.protocol.liveness import REPLACE_RECORD
+
+    ck = tmp_path / "ck"
+    overwrite = failing != "marker"
+    if overwrite:
+        ucp_zarr.save(_state(1.0), ck)
+    name, key = {"marker": ("delete", MARKER), "replace record": ("delete", REPLACE_RECORD)}.get(failing, ("remove", None))
+    original = getattr(LocalStore, name)
+
+    def fails(self: LocalStore, *args: Any) -> Any:
+        if key is None or args[0] == key:
+            raise OSError(f"injected: {failing} not removed")
+        return original(self, *args)
+
+    monkeypatch.setattr(LocalStore, name, fails)
+    with caplog.at_level("WARNING", logger="ucp_zarr"):
+        ucp_zarr.save(_state(2.0), ck, overwrite=overwrite)
+    monkeypatch.setattr(LocalStore, name, original)
+    assert f"injected: {failing} not removed" in caplog.text and "is committed" in caplog.text
+    _assert_holds(ck, 2.0)
     ucp_zarr.save(_state(3.0), ck, overwrite=True)
     _assert_holds(ck, 3.0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
@@ -542,6 +574,34 @@ def test_a_deletion_that_fails_is_resumed_by_the_next_at_once(tmp_path, monkeypa
     monkeypatch.setattr(LocalStore, "delete_many", delete_many)
     assert delete_step(open_store(ck))
     assert not ck.exists()
+
+
+def test_a_reader_lease_that_cannot_be_deleted_neither_fails_the_load_nor_blocks_retention(tmp_path, monkeypatch, caplog):
+    """A manager's load whose reader lease the store fails to delete afterwards returns the
+    filled state dict (the failure is logged), and the lease counts as released: the next
+    retention of that step (this process's own) deletes it. Before, the load raised after
+    filling the state dict, and the lease named a live reader until the process ended."""
+    from ucp_zarr.ops.steps import READER, delete_step
+
+    delete = LocalStore.delete
+
+    def failing(self: LocalStore, key: str) -> None:
+        if key.startswith(READER):
+            raise OSError("injected: the lease is not deleted")
+        delete(self, key)
+
+    with ucp_zarr.CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, _state(1.0))
+        target = _state(0.0)
+        monkeypatch.setattr(LocalStore, "delete", failing)
+        with caplog.at_level("WARNING", logger="ucp_zarr"):
+            manager.load(1, target)
+        monkeypatch.setattr(LocalStore, "delete", delete)
+        assert torch.equal(target["w"], torch.full((8, 16), 1.0)) and "the lease is not deleted" in caplog.text
+        step = tmp_path / "run" / "step_00000001"
+        assert [p.name for p in step.iterdir() if p.name.startswith(READER)]
+        assert delete_step(open_store(step))
+        assert not step.exists()
 
 
 # --- what a generic Zarr reader sees during a save --------------------------------------------------

@@ -304,14 +304,14 @@ class CheckpointManager:
         failures = {r: e for r, e in enumerate(gathered) if e is not None}
         if failures:
             if error is None:
-                lease.release()
+                _release(lease)
             if all(e[0] == StepGoneError.__name__ for e in failures.values()):
                 raise StepGoneError(f"cannot load {name} under {self.root}: {failures[min(failures)][1]}") from error
             raise_failures(self._comm, failures, error, f"loading {name}")
         try:
             load_checkpoint(state_dict, self.path(step), process_group=self.process_group, storage_options=self.storage_options, **load_kwargs)
         finally:
-            lease.release()
+            _release(lease)
         self._last_saved, self._progress_s = step, 0.0
         self._prev, self._stalled_s = (step, time.monotonic()), 0.0
         return state_dict
@@ -440,3 +440,14 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root!r}, keep_last={self.keep_last}, keep_every={self.keep_every})"
+
+
+def _release(lease: ReadLease) -> None:
+    """Give back a reader lease once the load it guarded is over (done or failed): a failure
+    to delete it is logged, not raised (the lease is marked released, see
+    :meth:`ReadLease.release`), so that it neither fails a load that filled the state dict
+    nor hides the error of one that did not."""
+    try:
+        lease.release()
+    except Exception as e:
+        log.warning("ucp_zarr: could not delete the reader lease %s/%s: %s", lease.store.url, lease.key, e)

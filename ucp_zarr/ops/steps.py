@@ -267,10 +267,20 @@ class ReadLease:
         self.release()
 
     def release(self) -> None:
+        """Give the lease back. Where the store fails to delete it, it is marked aborted
+        first (then it counts as released: a retention deletes the step at once, instead of
+        finding a live reader until this process ends), and the failure is raised."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
-        self.store.delete(self.key)
+        try:
+            self.store.delete(self.key)
+        except Exception:
+            try:
+                mark_aborted(self.store, self.id)
+            except Exception:
+                pass
+            raise
         self.store.delete(HEARTBEAT + self.id)
 
 

@@ -457,15 +457,21 @@ class Transaction:
                 checked=created_at,
             )
             roll_forward(self.store, self.target, fence, root=root)
-            lease.stop()
-            self._stop_heartbeat()  # (the staging copy's lease: a renewal after its removal would put it back)
-            finish_replacement(self.store, self.target, self.save_id)
         except BaseException:
             if lease is not None:
                 lease.stop()
             self._stop_heartbeat()
             self._give_up_replacement()
             raise
+        lease.stop()
+        self._stop_heartbeat()  # (the staging copy's lease: a renewal after its removal would put it back)
+        try:
+            finish_replacement(self.store, self.target, self.save_id)
+        except BaseException as e:  # the new checkpoint is in place: the save succeeded
+            self._give_up_replacement()
+            if not isinstance(e, Exception):
+                raise
+            _left_behind(self.store, e)
 
     def _give_up_replacement(self) -> None:
         """After a failure while putting the staging copy in place: mark this save aborted,
@@ -486,7 +492,11 @@ class Transaction:
 
     def commit(self, root: bytes) -> None:
         """Re-check ownership, create the root exclusively, release the claim; when
-        overwriting, put the staged checkpoint in place."""
+        overwriting, put the staged checkpoint in place. Once the new commit record is in
+        place at the path the save has succeeded: a failure to remove its records after that
+        is logged, not raised (they are marked aborted, so that the next save at the path
+        removes them at once), so that a save that raises never leaves its checkpoint
+        committed at the path."""
         self.fence().check(force=True)
         try:
             self.target.create_exclusive(METADATA_FILE, root)
@@ -500,7 +510,14 @@ class Transaction:
                 self._stop_heartbeat()
             return
         self._stop_heartbeat()
-        release_committed(self.target, self.save_id)
+        try:
+            release_committed(self.target, self.save_id)
+        except Exception as e:  # committed: the save succeeded
+            try:
+                mark_aborted(self.target, self.save_id)
+            except Exception:
+                pass
+            _left_behind(self.target, e)
 
     def abort(self, *, wrote: bool = True) -> None:
         """Give up the claim: mark this save aborted (so the next save may take over at
@@ -536,6 +553,13 @@ class Transaction:
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None
+
+
+def _left_behind(store: Store, error: Exception) -> None:
+    log.warning(
+        "ucp_zarr: the checkpoint at %s is committed, but its save could not remove its own records (%s); "
+        "the next save at this path removes them", store.url, error,
+    )
 
 
 def roll_forward(store: Store, staged: Store, fence: Fence | None = None, *, root: bytes | None = None) -> None:
