@@ -67,6 +67,54 @@ def _save_one_tensor_from_two_stages(rank: int, world: int, path: str) -> None:
         ucp_zarr.save(place(state, rules, pp_rank=rank, pp_size=world), path)
 
 
+TIED_RULES = {"default": "replicated", "pipeline": {"pattern": r"layers\.(\d+)\.", "num_layers": 2},
+              "rename": [{"pattern": r"output_layer\.weight", "to": "embedding.weight"}],
+              "pipeline_replicated": [r"output_layer\.weight"]}
+
+
+def _tied_stage(rank: int, output: torch.Tensor) -> dict:
+    """Stage 0 holds the embedding, stage 1 the output layer (renamed onto it: tied) and
+    the optimizer state of each."""
+    name, weight = ("embedding.weight", torch.arange(6.0).reshape(3, 2)) if rank == 0 else ("output_layer.weight", output)
+    return {"model": {f"layers.0.w": torch.full((2,), float(rank)), name: weight},
+            "optim": {"state": {name: {"exp_avg": weight / 2}}}}
+
+
+def _save_untied_output_as_tied(rank: int, world: int, path: str) -> None:
+    """The last stage's output layer is not tied to the embedding, but the rules say so."""
+    with pytest.raises(ucp_zarr.LayoutError, match=r"'model\.embedding\.weight'.*differ.*pipeline_replicated"):
+        ucp_zarr.save(place(_tied_stage(rank, torch.ones(3, 2)), Rules.from_dict(TIED_RULES), pp_rank=rank, pp_size=world), path)
+
+
+def _save_tied_output(rank: int, world: int, path: str) -> None:
+    ucp_zarr.save(place(_tied_stage(rank, torch.arange(6.0).reshape(3, 2)), Rules.from_dict(TIED_RULES),
+                        pp_rank=rank, pp_size=world), path)
+
+
+def _save_replicated_on_the_last_stage_only(rank: int, world: int, path: str) -> None:
+    rules = {k: v for k, v in TIED_RULES.items() if k != "rename"}
+    state = {"layers.0.w": torch.full((2,), float(rank))} | ({"output_layer.weight": torch.full((3, 2), 7.0)} if rank else {})
+    ucp_zarr.save(place(state, Rules.from_dict(rules), pp_rank=rank, pp_size=world), path)
+
+
+def test_a_pipeline_replicated_copy_is_compared_and_stored_from_the_stage_holding_it(tmp_path: Path) -> None:
+    """A parameter the rules list in ``pipeline_replicated`` is stored once, from whichever
+    stage holds it: the copies of later stages are compared with the first stage's at save
+    (before, they were dropped unread: an output layer the rules wrongly tie to the embedding
+    was lost, the embedding loaded in its place; one that only the last stage holds was
+    missing from the checkpoint, and the save returned success)."""
+    run(2, _save_untied_output_as_tied, str(tmp_path / "untied"), timeout_s=60)
+    assert not (tmp_path / "untied" / "zarr.json").exists()
+    run(2, _save_tied_output, str(tmp_path / "tied"), timeout_s=60)
+    ck = ucp_zarr.open(tmp_path / "tied")
+    assert sorted(ck.keys()) == ["model.embedding.weight", "model.layers.0.w", "model.layers.1.w",
+                                 "optim.state.embedding.weight.exp_avg"]
+    assert torch.equal(ck["model.embedding.weight"][...], torch.arange(6.0).reshape(3, 2))
+    assert torch.equal(ck["optim.state.embedding.weight.exp_avg"][...], torch.arange(6.0).reshape(3, 2) / 2)
+    run(2, _save_replicated_on_the_last_stage_only, str(tmp_path / "last"), timeout_s=60)
+    assert torch.equal(ucp_zarr.open(tmp_path / "last")["output_layer.weight"][...], torch.full((3, 2), 7.0))
+
+
 def test_averaged_replicas_store_their_mean(tmp_path: Path) -> None:
     run(3, _save_average, str(tmp_path / "ck"), timeout_s=60)
     ck = ucp_zarr.open(tmp_path / "ck")

@@ -62,9 +62,6 @@ def collect(state_dict: Mapping[str, Any], model: Any = None) -> Collected:
             value = value.value
         if isinstance(value, Placed) and value.alias is not None:
             renamed[value.alias] = value.key
-        if isinstance(value, Placed) and not value.stored:
-            used |= value.used
-            continue
         if is_fragment_value(value):
             frag = to_fragment(leaf.key, value)
             if wrapped and not frag.plain:

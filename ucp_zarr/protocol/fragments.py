@@ -100,8 +100,10 @@ class Placed:
     used: frozenset[str] = frozenset()
     """Patterns that matched a parameter on this rank (the save checks none is unused)."""
     stored: bool = True
-    """False for a copy another rank stores (a pipeline-replicated parameter beyond the
-    first stage, and its optimizer state): saved from there, loaded here."""
+    """False for a copy that the first pipeline stage holds too (a pipeline-replicated
+    parameter beyond the first stage, and its optimizer state): not this stage's own
+    placement (no clash between stages), and, as any replica, compared with the other
+    copies at save (they must be equal) and written once."""
     alias: str | None = None
     """The consolidated key it has when the rules' ``rename`` is not applied, when that
     renames it onto ``key`` (an output layer tied to the embedding): recorded as a tie."""

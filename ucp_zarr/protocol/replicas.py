@@ -74,7 +74,8 @@ def _message(rep: Replicated, box: Box, groups: list[list[int]]) -> str:
             f"tensor {rep.key!r}: ranks {holders} all place {where} of it (rule {rep.rule!r}), so their copies "
             f"must be equal, but they differ ({shown} hold different values). Replicated parameters must hold "
             "the same value; if these ranks hold different layers or experts (pipeline stages, expert "
-            "parallelism), the rules need a pipeline or experts entry that renumbers them"
+            "parallelism), the rules need a pipeline or experts entry that renumbers them; a parameter the rules "
+            "list in 'pipeline_replicated' (or rename onto another) must be tied, equal on every stage that holds it"
         )
     if rep.plain:
         return (

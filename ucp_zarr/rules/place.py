@@ -162,7 +162,7 @@ def check_used(rules: Rules, used_by_rank: list[frozenset[str]]) -> None:
         raise PlacementError(
             f"tensor {key!r} is placed by pipeline stages {s}{f' (and {len(clash) - 1} other tensors)' * (len(clash) > 1)}:"
             " each stage would overwrite the others' copy. Renumber its layer per stage (the rules' 'pipeline' entry), "
-            "or list a parameter tied across stages in 'pipeline_replicated' (stored from the first stage)"
+            "or list a parameter tied across stages in 'pipeline_replicated' (stored once, its copies compared)"
         )
     if not rules.strict:
         return
