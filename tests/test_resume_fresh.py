@@ -109,6 +109,69 @@ def test_state_saved_by_fqn_fills_a_numbered_target_and_the_reverse(tmp_path):
     _assert_same_state(target["optim"]["state"], osd["state"])
 
 
+def _two(order: str) -> tuple[torch.nn.ModuleDict, torch.optim.Optimizer, torch.optim.Optimizer]:
+    """Layers ``a`` and ``b`` (other shapes: a swap would not even fit), and two Adams over
+    them listing the parameters in ``order``: one by name, one by number with names."""
+    torch.manual_seed(0)
+    m = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 3), "b": torch.nn.Linear(3, 2)})
+    named = [(f"{k}.{n}", p) for k in order for n, p in m[k].named_parameters()]
+    return m, torch.optim.Adam([p for _, p in named], lr=0.1), torch.optim.Adam(named, lr=0.1)
+
+
+def _steps(m: torch.nn.ModuleDict, opts: list[torch.optim.Optimizer], steps: range) -> None:
+    for i in steps:
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(i))
+        for o in opts:
+            o.zero_grad()
+        (m["a"](x).pow(2).sum() + 3 * m["b"](x).sum()).backward()
+        for o in opts:
+            o.step()
+
+
+def test_optimizer_state_keyed_by_name_is_matched_by_name_whatever_the_order(tmp_path):
+    """State saved with its parameters in one order loads into an optimizer that lists them
+    in another, each parameter getting its own state: keyed by name (``get_state_dict``: as
+    DCP's ``dcp.load`` + ``set_state_dict`` match it, the reference run here), or by number
+    with ``param_names`` on both sides. Training then goes on bit for bit as the
+    uninterrupted run. Before, both were matched by position: each parameter got another's
+    Adam moments, silently where the shapes agree."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    m, by_fqn, _ = _two("ab")
+    _steps(m, [by_fqn], range(3))
+    msd, osd = get_state_dict(m, by_fqn)
+    ucp_zarr.save({"model": msd, "optim": osd}, tmp_path / "fqn")
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    resumed = []
+    for how in ("dcp", "ucp"):
+        m2, o2, _ = _two("ba")
+        state = dict(zip(("model", "optim"), get_state_dict(m2, o2)))
+        if how == "dcp":
+            dcp.load(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+        else:
+            ucp_zarr.load(state, tmp_path / "fqn")
+        set_state_dict(m2, o2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        assert _bits_equal(o2.state[m2["a"].weight]["exp_avg"], by_fqn.state[m["a"].weight]["exp_avg"])
+        resumed.append((m2, o2))
+    _steps(m, [by_fqn], range(3, 5))
+    for m2, o2 in resumed:
+        _steps(m2, [o2], range(3, 5))
+        assert all(_bits_equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
+
+    m, _, numbered = _two("ab")
+    _steps(m, [numbered], range(3))
+    ucp_zarr.save({"optim": numbered.state_dict()}, tmp_path / "numbered")
+    m2, _, numbered2 = _two("ba")
+    m2.load_state_dict(m.state_dict())
+    state = ucp_zarr.load({"optim": numbered2.state_dict()}, tmp_path / "numbered")
+    numbered2.load_state_dict(state["optim"])
+    assert _bits_equal(numbered2.state[m2["a"].weight]["exp_avg_sq"], numbered.state[m["a"].weight]["exp_avg_sq"])
+    _steps(m, [numbered], range(3, 5))
+    _steps(m2, [numbered2], range(3, 5))
+    assert all(_bits_equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
+
+
 def test_a_checkpoint_without_recorded_nesting_fills_it_too(tmp_path):
     """A checkpoint converted from a torch.save file records no nesting: the state is
     matched through the param groups saved with it."""
@@ -240,6 +303,22 @@ def test_read_state_dict_of_a_dcp_save_matches_dcps_own_loader(tmp_path):
     assert ours["blob"].getvalue() == theirs["blob"].getvalue() == b"xy"
     ours.pop("blob"), theirs.pop("blob")
     _assert_same(ours, theirs)
+
+
+def test_load_of_a_dcp_save_gives_back_bytesio_as_dcp_load_does(tmp_path):
+    """A value saved through torch DCP as ``io.BytesIO`` replaces a ``load`` target's
+    ``BytesIO`` by a ``BytesIO`` of its bytes, as ``dcp.load`` does (before: plain ``bytes``, which
+    a loader calling ``.seek``/``.read`` on it, as ``torch.load`` of the blob does, fails on)."""
+    import torch.distributed.checkpoint as dcp
+
+    blob = io.BytesIO()
+    torch.save({"rng": torch.get_rng_state()}, blob)
+    dcp.save({"w": torch.ones(2), "blob": blob}, storage_writer=ucp_zarr.ZarrStorageWriter(tmp_path / "dcp"), no_dist=True)
+    theirs, ours = ({"w": torch.zeros(2), "blob": io.BytesIO()} for _ in range(2))
+    dcp.load(theirs, storage_reader=ucp_zarr.ZarrStorageReader(tmp_path / "dcp"), no_dist=True)
+    ucp_zarr.load(ours, tmp_path / "dcp")
+    assert type(ours["blob"]) is type(theirs["blob"]) is io.BytesIO
+    assert ours["blob"].getvalue() == theirs["blob"].getvalue() == blob.getvalue()
 
 
 def test_a_tampered_structure_is_refused(tmp_path):

@@ -11,6 +11,7 @@ for its key, or the load raises naming both keys.
 from __future__ import annotations
 
 import functools
+import io
 import os
 import warnings
 from dataclasses import dataclass
@@ -48,7 +49,8 @@ def load(
     Every rank reads only the chunks that overlap what its own tensors hold (DTensor,
     :class:`~ucp_zarr.Shard`, :class:`~ucp_zarr.FlatShard` or whole tensors), whatever the
     saving layout was. Tensors keep their dtype and device (a lossy conversion, such as
-    ``float32`` into ``bfloat16``, needs ``allow_lossy_cast``); other values are replaced.
+    ``float32`` into ``bfloat16``, needs ``allow_lossy_cast``); other values are replaced (an
+    ``io.BytesIO`` by a ``BytesIO`` of the saved bytes, as ``dcp.load`` does).
     Per-rank state (:class:`~ucp_zarr.PerRank`) is restored from the copy of the saving
     rank of the same number.
 
@@ -64,8 +66,10 @@ def load(
     place: the state of a fresh optimizer (``opt.state_dict()`` before any step holds
     ``"state": {}``), and any entry below a parameter's state or an empty mapping. They
     are keyed as the state dict keys its parameters (by number, or by name: the checkpoint
-    may key them the other way; they are matched by position in the param groups, as
-    ``Optimizer.load_state_dict`` matches them), with the checkpoint's shapes and dtypes,
+    may key them the other way). Parameters are matched by name where both sides name
+    every one (state keyed by name, as ``get_state_dict`` keys it, or param groups with
+    ``param_names``), whatever their order; else by position in the param groups, as
+    ``Optimizer.load_state_dict`` matches them. They get the checkpoint's shapes and dtypes,
     on the device and in the layout of their parameter (a DTensor, ``Shard`` or
     ``FlatShard`` like it; scalars such as Adam's ``step`` whole), so that
     ``opt.load_state_dict(state["optim"])`` resumes exactly. They are neither missing nor
@@ -226,6 +230,8 @@ class _Planner:
                 if is_fragment_value(value):
                     raise DtypeMismatchError(f"key {key!r}: the state dict holds a tensor, the checkpoint a JSON value")
                 saved = self._value(key)
+                if isinstance(value, io.BytesIO) and isinstance(saved, bytes):  # (as dcp.load fills it)
+                    saved = io.BytesIO(saved)
                 if saved is _NONE:
                     unrestorable.append(key)
                 elif leaf_key not in kept:
@@ -326,18 +332,32 @@ class _Planner:
         return kept
 
     def _translation(self, opt: _Optimizer) -> dict[Any, Any]:
-        """Saved parameter id -> the target's: by position in the param groups (as
-        ``Optimizer.load_state_dict`` matches them) when both have the same group sizes,
-        else each id to itself."""
-        saved = []
-        for g in range(len(opt.groups)):
-            raw = self.meta.values.get(f"{opt.prefix}param_groups.{g}.params")
-            ids = None if raw is None else from_json(raw)
-            if not isinstance(ids, list) or len(ids) != len(opt.groups[g]):
-                return {t: t for ids in opt.groups for t in ids}
-            saved.append(ids)
-        if len(saved) != len(opt.groups):
-            return {t: t for ids in opt.groups for t in ids}
+        """Saved parameter id -> the target's: by name where both name every parameter
+        alike (ids that are names, as ``get_state_dict`` keys state, or the groups'
+        ``param_names``), whatever the order of the parameters in the groups; each id to
+        itself where both key state by name (as DCP's ``set_state_dict`` matches it: a name
+        on one side only is missing or unexpected); else by position in the param groups (as
+        ``Optimizer.load_state_dict`` matches numbered state) when both have the same group
+        sizes; else each id to itself."""
+        same = {t: t for ids in opt.groups for t in ids}
+        saved, saved_names = [], []
+        while (raw := self.meta.values.get(f"{opt.prefix}param_groups.{len(saved)}.params")) is not None:
+            names = self.meta.values.get(f"{opt.prefix}param_groups.{len(saved)}.param_names")
+            saved.append(from_json(raw))
+            saved_names.append(None if names is None else from_json(names))
+        if not all(isinstance(ids, list) for ids in saved):
+            return same
+        by_name = _named(saved, saved_names)
+        targets = _named(opt.groups, [[opt.names.get(t) for t in ids] for ids in opt.groups])
+        if by_name is not None and targets is not None and set(by_name) == set(targets):
+            return {by_name[n]: targets[n] for n in by_name}
+        if all(isinstance(i, str) for ids in [*saved, *opt.groups] for i in ids):
+            return same
+        saved = saved[: len(opt.groups)]
+        if len(saved) != len(opt.groups) or any(
+            not isinstance(ids, list) or len(ids) != len(targets) for ids, targets in zip(saved, opt.groups)
+        ):
+            return same
         return {s: t for ids, targets in zip(saved, opt.groups) for s, t in zip(ids, targets) if hashable(s)}
 
     def _split_state_key(self, key: str, opt: _Optimizer, spelled: dict[str, Any]) -> tuple[Any, Path] | None:
@@ -444,6 +464,25 @@ class _Planner:
 
 
 _NONE = object()
+
+
+def _named(groups: list[list[Any]], names: list[Any]) -> dict[str, Any] | None:
+    """Name -> parameter id over ``groups``: an id that is a string is its own name, another
+    has the name at its place in ``names`` (a group's ``param_names``); None unless every
+    parameter has a name and no two share one."""
+    out: dict[str, Any] = {}
+    for ids, group_names in zip(groups, names):
+        for i, p in enumerate(ids):
+            if isinstance(p, str):
+                name = p
+            elif isinstance(group_names, list) and len(group_names) == len(ids) and hashable(p):
+                name = group_names[i]
+            else:
+                return None
+            if not isinstance(name, str) or name in out:
+                return None
+            out[name] = p
+    return out
 
 
 def _optimizers(state_dict: Any) -> list[_Optimizer]:
