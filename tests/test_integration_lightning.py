@@ -96,6 +96,30 @@ def test_background_saves_resume(tmp_path: Path, full: dict[int, float], plugin:
     assert second == {s: full[s] for s in range(resumed_at + 1, STEPS_PER_EPOCH * EPOCHS + 1)}
 
 
+def test_a_linked_last_checkpoint_is_removed_as_a_link(tmp_path: Path) -> None:
+    """``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` a symbolic link to a top-k
+    checkpoint and later removes old links through the plugin: the link goes, the checkpoint
+    it names stays (as with Lightning's own ``TorchCheckpointIO``). Before, the checkpoint
+    behind the link was deleted: after a resume, a best top-k checkpoint was an empty folder."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+    for steps, ckpt_path in ((5, None), (12, str(tmp_path / "last.ckpt"))):  # (a resume: last-v1.ckpt, then removal)
+        torch.manual_seed(0)
+        checkpoints = ModelCheckpoint(dirpath=tmp_path, monitor="loss", save_top_k=2, save_last="link", every_n_train_steps=3)
+        trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[checkpoints], plugins=[ZarrCheckpointIO()])
+        trainer.fit(Regression(), torch.utils.data.DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+    entries = sorted(tmp_path.iterdir())
+    assert {p.name for p in entries} >= {Path(p).name for p in checkpoints.best_k_models}
+    links = [p for p in entries if p.is_symlink()]
+    assert links and all(p.resolve().parent == tmp_path for p in links)
+    for p in entries:  # every checkpoint, and what every link names, loads
+        assert ZarrCheckpointIO().load_checkpoint(p)["global_step"] > 0, p
+
+
 def test_a_value_that_needs_pickle_is_refused_naming_its_key(tmp_path: Path) -> None:
     class WithModule(Regression):
         def __init__(self) -> None:

@@ -127,9 +127,14 @@ class ZarrCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Delete the checkpoint ``path`` crash-safely (nothing when there is none); a
-        checkpoint being read is kept, with a warning."""
+        checkpoint being read is kept, with a warning. A symbolic link (``last.ckpt`` of
+        ``ModelCheckpoint(save_last="link")``) is removed itself, not what it names, as
+        Lightning's own ``TorchCheckpointIO`` removes it."""
         with self._lock:
             self._wait()
+            if os.path.islink(path):
+                os.unlink(path)
+                return
             store = open_store(path, self.storage_options)
             if store.is_empty():
                 return
