@@ -118,6 +118,23 @@ def test_fp32_masters_and_prefix(tmp_path: Path) -> None:
         ucp_zarr.export(tmp_path / "ck", tmp_path / "x", to="hf", prefix="nothing.")
 
 
+def test_an_export_that_would_leave_weights_random_is_refused(tmp_path: Path) -> None:
+    """A Lightning checkpoint of a module holding the HF model as ``self.model``: the prefix
+    detected is ``state_dict.``, so every name keeps a ``model.`` that the HF model does not
+    have. With the model's config.json in the folder, the export is refused naming the
+    weights that from_pretrained would initialise at random and the prefix to give (before:
+    written under those names, and from_pretrained loaded a random model with a warning)."""
+    llama = _llama(tied=True)
+    ucp_zarr.save({"state_dict": {f"model.{k}": v for k, v in llama.state_dict().items()}, "epoch": 1}, tmp_path / "ck")
+    llama.config.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConversionError, match=r"random initialisation \(\['model\.embed_tokens\.weight'.*'state_dict\.model\.'"):
+        ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json"]
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf", prefix="state_dict.model.")
+    loaded = _loads(LlamaForCausalLM, tmp_path / "hf")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in llama.state_dict().items())
+
+
 def test_prefix_detection() -> None:
     llama = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     assert hf.detect_prefix(llama) == ""  # Llama's own "model." is no training prefix

@@ -109,10 +109,68 @@ def write(
     twice = sorted(n for n, c in Counter(t.name for t in items).items() if c > 1)
     if twice:
         raise ConversionError(f"several tensors of checkpoint {ck.store.url} are mapped to the names {twice[:5]}")
+    check_against_config(Path(dst), [t.name for t in items], prefix)
     index = {"total_parameters": sum(math.prod(t.shape) for t in items)}
     with atomic_update(Path(dst), replaced=lambda n: WEIGHT_FILE.fullmatch(n) is not None, overwrite=overwrite) as tmp:
         write_shards(tmp, items, limit, {"format": "pt"}, progress, index, ck.store)
     return Path(dst)
+
+
+def check_against_config(dst: Path, names: list[str], prefix: str) -> None:
+    """Refuse (:class:`~ucp_zarr.errors.ConversionError`) an export that ``from_pretrained``
+    would load with weights left to random initialisation: where ``dst`` holds the
+    ``config.json`` of an architecture ``transformers`` knows, every parameter of that model
+    (built on the meta device: nothing allocated, nothing downloaded) must be among
+    ``names``, one of each tied group, unless the model lets it be missing. Nothing to
+    compare with (no config, no ``transformers``, an unknown architecture): no check."""
+    models = _model_parameters(dst)
+    if not models:
+        return
+    written = set(names)
+    unmet = [[g[0] for g in groups if not written.intersection(g)] for groups in models]
+    if all(unmet):
+        groups, missing = models[0], unmet[0]
+        stray = sorted(written - {n for g in groups for n in g})
+        raise ConversionError(
+            f"the export to {dst} would leave {len(missing)} weight(s) of the model its config.json describes to "
+            f"random initialisation ({missing[:3]}{' ...' * (len(missing) > 3)}); it names "
+            f"{stray[:3] if stray else 'nothing else'}{' ...' * (len(stray) > 3)} instead, with the training "
+            f"prefix {prefix!r} removed: give the right prefix= (Lightning's self.model: 'state_dict.model.') or names="
+        )
+
+
+def _model_parameters(dst: Path) -> list[list[list[str]]]:
+    """For each model ``dst/config.json`` may describe (its ``architectures``, else a causal
+    language model and the bare model of its type), its parameter names grouped by tie (the
+    names of one parameter), less those the model lets ``from_pretrained`` miss; none when
+    that cannot be told."""
+    if not (dst / "config.json").is_file():
+        return []
+    try:
+        import transformers
+    except ImportError:
+        return []
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(dst), local_files_only=True)
+    except Exception:  # (a config this transformers cannot read: from_pretrained would say so)
+        return []
+    if config.architectures:
+        build = [getattr(transformers, config.architectures[0], None)]
+    else:
+        build = [transformers.AutoModelForCausalLM.from_config, transformers.AutoModel.from_config]
+    out = []
+    for make in build:
+        try:
+            with torch.device("meta"):
+                model = make(config)  # type: ignore[misc]
+        except Exception:  # (no such class, or one this config cannot build)
+            continue
+        ignored = [re.compile(p) for p in getattr(type(model), "_keys_to_ignore_on_load_missing", None) or ()]
+        groups: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(param), []).append(name)
+        out.append([g for g in groups.values() if not all(any(p.search(n) for p in ignored) for n in g)])
+    return out
 
 
 def detect_prefix(keys: list[str]) -> str:
