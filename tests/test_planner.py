@@ -103,6 +103,20 @@ def test_replicated_tensor_is_written_by_every_replica():
     assert all(not t.sources for t in plan.shards)
 
 
+@pytest.mark.parametrize("shape", [(0, 2**60), (2**40, 0, 3), (0,)])
+def test_an_empty_tensor_plans_no_shard_however_long_its_other_dims(shape):
+    """A tensor with no element has no shard to write: planned at once (before, a list of
+    one entry per shard of its other dims was built: 16 s for (0, 2**56), minutes and
+    gigabytes for (0, 2**60))."""
+    import time
+
+    infos = [[FragmentInfo("e", shape, "float32", (Box.whole(shape),), plain=True)] for _ in range(2)]
+    started = time.monotonic()
+    plan = plan_save(infos)
+    assert time.monotonic() - started < 5.0
+    assert not plan.shards and plan.arrays["e"][1].shape == shape
+
+
 def test_per_rank_state_gets_one_array_per_rank():
     infos = [[FragmentInfo("rng", (16,), "uint8", (Box.whole((16,)),), plain=True, per_rank=True)] for r in range(3)]
     plan = plan_save(infos)

@@ -428,6 +428,8 @@ def _assign(
     """One writer for every shard of an array: each region is intersected only with the
     shards it overlaps (per dim, from the grid), so the work is that of the overlaps; a
     shard lying whole in one region goes to its least loaded holder."""
+    if 0 in grid.shape:  # (no shard: nothing per shard, however many the other dims would cut)
+        return []
     whole: dict[tuple[int, ...], tuple[Box, tuple[int, ...]]] = {}
     parts: dict[tuple[int, ...], list[tuple[Box, Box, tuple[int, ...]]]] = defaultdict(list)
     for b, ranks in regions.items():
