@@ -17,6 +17,12 @@ def test_not_jsonable_value_is_named(tmp_path):
     with pytest.raises(ucp_zarr.NotJSONableError, match="'dt'"):
         ucp_zarr.save({"dt": torch.float32}, tmp_path / "ck2")
     assert not (tmp_path / "ck").exists(), "nothing may be written before validation"
+    # an integer of more digits than Python reads from JSON by default: refused naming its key,
+    # whatever this process allows (before: a ValueError of json naming nothing)
+    with pytest.raises(ucp_zarr.NotJSONableError, match=r"'sched\.seed': an integer of more than 4300 digits"):
+        ucp_zarr.save({"sched": {"seed": 7**6000}}, tmp_path / "ck3")
+    ucp_zarr.save({"n": -(10**4299)}, tmp_path / "ck4")
+    assert ucp_zarr.read_state_dict(tmp_path / "ck4")["n"] == -(10**4299)
 
 
 def test_incomplete_checkpoint_is_refused(tmp_path):

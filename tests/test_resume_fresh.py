@@ -274,6 +274,11 @@ def test_read_state_dict_keys_and_device(tmp_path):
     assert got["blocks"][0] is None and list(got["blocks"][1]) == ["w", "empty"]
     with pytest.raises(ucp_zarr.KeyMismatchError, match="optim.stat\\b"):
         ucp_zarr.read_state_dict(tmp_path / "ck", keys=["optim.stat"])
+    # an empty mapping (a fresh optimizer's state) is selected as the empty mapping it was
+    # (before: KeyMismatchError, "missing from the checkpoint")
+    fresh = {"optim": torch.optim.Adam(torch.nn.Linear(2, 2).parameters()).state_dict()}
+    ucp_zarr.save(fresh, tmp_path / "fresh")
+    assert ucp_zarr.read_state_dict(tmp_path / "fresh", keys=["optim.state"]) == {"optim": {"state": {}}}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     there = ucp_zarr.read_state_dict(tmp_path / "ck", keys="model", device=device)
     assert list(there) == ["model"] and there["model"]["0.weight"].device.type == device

@@ -126,6 +126,18 @@ def set_leaf(state_dict: Any, path: Path, value: Any) -> None:
 # --- JSON values ---------------------------------------------------------------------------
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+MAX_INT_DIGITS = 4300
+"""The most digits of an integer value: what Python parses from JSON by default
+(``sys.get_int_max_str_digits``), so that every reader can read the commit record."""
+_INT_TEXT_BITS = 14_000
+"""Integers up to this many bits have fewer digits: larger ones are counted."""
+
+
+def _digits(value: int) -> int:
+    try:
+        return len(str(abs(value)))
+    except ValueError:  # (more than this process spells)
+        return MAX_INT_DIGITS + 1
 
 
 def to_json(value: Any, key: str) -> Any:
@@ -157,6 +169,11 @@ def _to_json(value: Any, key: str, depth: int) -> Any:
     if isinstance(value, (bytes, bytearray)):
         return {"$bytes": base64.b64encode(value).decode()}
     if isinstance(value, int):
+        if value.bit_length() > _INT_TEXT_BITS and _digits(value) > MAX_INT_DIGITS:
+            raise NotJSONableError(
+                f"value at key {key!r}: an integer of more than {MAX_INT_DIGITS} digits, more than Python reads "
+                "from JSON by default (sys.get_int_max_str_digits): store it as bytes or a tensor"
+            )
         return int(value)
     if isinstance(value, float):
         if math.isfinite(value):

@@ -15,7 +15,7 @@ from .reader import open_store_reader
 from ..format.dtypes import stored_dtype_by_name
 from ..errors import KeyMismatchError
 from ..format.commit_record import CheckpointMeta
-from ..format.statedict import STRUCTURE_FORMAT, Structure, from_json
+from ..format.statedict import STRUCTURE_FORMAT, Structure, from_json, key_of
 from ..io.factory import open_store
 from .filling import read_workers, run_all
 
@@ -49,7 +49,12 @@ def read_state_dict(
     ck = open_store_reader(open_store(path, storage_options), hmac_key, shared=Comm().world > 1)
     meta = ck.meta
     stored = [*meta.tensors, *meta.values, *meta.rank_values, *meta.ties]
-    wanted = _selected(stored, keys)
+    where = f"{ck.store.url}/zarr.json"
+    structure, blobs = meta.structure, _dcp_blobs(meta)
+    if structure is None:
+        structure = _dcp_structure(meta, where)
+    empty = [] if structure is None else [key_of(p) for _, p in structure.empty]
+    wanted = _selected(stored, keys, empty)
     device = torch.device(device)
     needed = wanted | {meta.ties[a] for a in wanted & set(meta.ties)}
     tensors, reads = {}, []
@@ -60,10 +65,6 @@ def read_state_dict(
         reads.append(read)
     with ThreadPoolExecutor(read_workers(ck.store)) as pool:
         run_all(pool, reads)
-    where = f"{ck.store.url}/zarr.json"
-    structure, blobs = meta.structure, _dcp_blobs(meta)
-    if structure is None:
-        structure = _dcp_structure(meta, where)
     values: dict[str, Any] = {}
     for key in stored:
         if key not in wanted:
@@ -79,12 +80,14 @@ def read_state_dict(
     return structure.select(wanted.__contains__, lambda k: _selects(k, keys)).nest(values, f"{where}: structure")
 
 
-def _selected(stored: list[str], keys: Iterable[str] | None) -> set[str]:
+def _selected(stored: list[str], keys: Iterable[str] | None, empty: list[str]) -> set[str]:
+    """The ``stored`` keys that ``keys`` select; :class:`KeyMismatchError` for one that
+    selects nothing stored and no ``empty`` mapping (a fresh optimizer's ``state``)."""
     if keys is None:
         return set(stored)
     asked = [keys] if isinstance(keys, str) else list(keys)
     out = {k for k in stored if _selects(k, asked)}
-    unmatched = [a for a in asked if not any(_selects(k, [a]) for k in stored)]
+    unmatched = [a for a in asked if not any(_selects(k, [a]) for k in [*stored, *empty])]
     if unmatched:
         raise KeyMismatchError(unmatched, [])
     return out
