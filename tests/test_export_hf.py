@@ -118,6 +118,22 @@ def test_fp32_masters_and_prefix(tmp_path: Path) -> None:
         ucp_zarr.export(tmp_path / "ck", tmp_path / "x", to="hf", prefix="nothing.")
 
 
+def test_a_tie_is_written_under_the_name_save_pretrained_keeps(tmp_path: Path) -> None:
+    """With the config in the folder, a tie stored under ``lm_head.weight`` (first in the
+    saved state dict's order) is written as the embedding, as ``save_pretrained`` writes it
+    (before: as ``lm_head.weight``, which tools reading the embedding do not find)."""
+    llama = _llama(tied=True)
+    sd = llama.state_dict()
+    ucp_zarr.save({"model": {k: sd[k] for k in sorted(sd)}}, tmp_path / "ck")  # lm_head.weight first
+    assert ucp_zarr.open(tmp_path / "ck").meta.ties == {"model.model.embed_tokens.weight": "model.lm_head.weight"}
+    llama.config.save_pretrained(tmp_path / "hf")
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf")
+    llama.save_pretrained(tmp_path / "theirs")
+    assert _names(tmp_path / "hf") == _names(tmp_path / "theirs") and "lm_head.weight" not in _names(tmp_path / "hf")
+    loaded = _loads(LlamaForCausalLM, tmp_path / "hf")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in sd.items())
+
+
 def test_an_export_that_would_leave_weights_random_is_refused(tmp_path: Path) -> None:
     """A Lightning checkpoint of a module holding the HF model as ``self.model``: the prefix
     detected is ``state_dict.``, so every name keeps a ``model.`` that the HF model does not

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -109,27 +109,29 @@ def write(
     twice = sorted(n for n, c in Counter(t.name for t in items).items() if c > 1)
     if twice:
         raise ConversionError(f"several tensors of checkpoint {ck.store.url} are mapped to the names {twice[:5]}")
-    check_against_config(Path(dst), [t.name for t in items], prefix)
+    items = fit_to_config(Path(dst), items, prefix)
     index = {"total_parameters": sum(math.prod(t.shape) for t in items)}
     with atomic_update(Path(dst), replaced=lambda n: WEIGHT_FILE.fullmatch(n) is not None, overwrite=overwrite) as tmp:
         write_shards(tmp, items, limit, {"format": "pt"}, progress, index, ck.store)
     return Path(dst)
 
 
-def check_against_config(dst: Path, names: list[str], prefix: str) -> None:
-    """Refuse (:class:`~ucp_zarr.errors.ConversionError`) an export that ``from_pretrained``
-    would load with weights left to random initialisation: where ``dst`` holds the
-    ``config.json`` of an architecture ``transformers`` knows, every parameter of that model
-    (built on the meta device: nothing allocated, nothing downloaded) must be among
-    ``names``, one of each tied group, unless the model lets it be missing. Nothing to
-    compare with (no config, no ``transformers``, an unknown architecture): no check."""
+def fit_to_config(dst: Path, items: list[OutTensor], prefix: str) -> list[OutTensor]:
+    """``items`` checked against the model whose ``config.json`` ``dst`` holds (of an
+    architecture ``transformers`` knows; built on the meta device: nothing allocated,
+    nothing downloaded): an export that ``from_pretrained`` would load with weights left to
+    random initialisation is refused (:class:`~ucp_zarr.errors.ConversionError`): every
+    parameter must be written, one name of each tied group, unless the model lets it be
+    missing. A tie is written under the name ``save_pretrained`` keeps (the embedding, not
+    ``lm_head.weight``), whichever the checkpoint stored. Nothing to compare with (no
+    config, no ``transformers``, an unknown architecture): ``items`` as they are."""
     models = _model_parameters(dst)
     if not models:
-        return
-    written = set(names)
-    unmet = [[g[0] for g in groups if not written.intersection(g)] for groups in models]
+        return items
+    written = {t.name for t in items}
+    unmet = [[g[0] for g in groups if not written.intersection(g)] for groups, _ in models]
     if all(unmet):
-        groups, missing = models[0], unmet[0]
+        (groups, _), missing = models[0], unmet[0]
         stray = sorted(written - {n for g in groups for n in g})
         raise ConversionError(
             f"the export to {dst} would leave {len(missing)} weight(s) of the model its config.json describes to "
@@ -137,13 +139,20 @@ def check_against_config(dst: Path, names: list[str], prefix: str) -> None:
             f"{stray[:3] if stray else 'nothing else'}{' ...' * (len(stray) > 3)} instead, with the training "
             f"prefix {prefix!r} removed: give the right prefix= (Lightning's self.model: 'state_dict.model.') or names="
         )
+    groups, dropped = models[unmet.index([])]
+    kept = {}
+    for g in groups:
+        keep = next((n for n in g if n not in dropped), g[0])
+        if keep not in written:
+            kept |= {n: keep for n in g if n in written}
+    return [replace(t, name=kept[t.name]) if t.name in kept else t for t in items]
 
 
-def _model_parameters(dst: Path) -> list[list[list[str]]]:
+def _model_parameters(dst: Path) -> list[tuple[list[list[str]], set[str]]]:
     """For each model ``dst/config.json`` may describe (its ``architectures``, else a causal
     language model and the bare model of its type), its parameter names grouped by tie (the
-    names of one parameter), less those the model lets ``from_pretrained`` miss; none when
-    that cannot be told."""
+    names of one parameter), less those the model lets ``from_pretrained`` miss, and the
+    tied names ``save_pretrained`` leaves out; none when that cannot be told."""
     if not (dst / "config.json").is_file():
         return []
     try:
@@ -169,7 +178,8 @@ def _model_parameters(dst: Path) -> list[list[list[str]]]:
         groups: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
             groups.setdefault(id(param), []).append(name)
-        out.append([g for g in groups.values() if not all(any(p.search(n) for p in ignored) for n in g)])
+        dropped = set(getattr(model, "_tied_weights_keys", None) or ())  # (a dict target -> source, or a list)
+        out.append(([g for g in groups.values() if not all(any(p.search(n) for p in ignored) for n in g)], dropped))
     return out
 
 
