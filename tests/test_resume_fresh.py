@@ -172,6 +172,27 @@ def test_optimizer_state_keyed_by_name_is_matched_by_name_whatever_the_order(tmp
     assert all(_bits_equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
 
 
+def test_param_names_on_one_side_only_are_neither_missing_nor_unexpected(tmp_path):
+    """State saved by ``get_state_dict`` (no ``param_names``) loads strictly into an optimizer
+    built from ``model.named_parameters()`` (the README's advice), and state saved with
+    ``param_names`` into one built from ``model.parameters()``, as ``Optimizer.load_state_dict``
+    takes either: each parameter gets its own state. Before: ``KeyMismatchError`` naming
+    ``optim.param_groups.0.param_names`` as missing (or unexpected)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = _trained()
+    ucp_zarr.save({"optim": get_state_dict(model, opt)[1]}, tmp_path / "fqn")
+    named = torch.optim.AdamW(model.named_parameters())
+    state = ucp_zarr.load({"optim": named.state_dict()}, tmp_path / "fqn")
+    assert state["optim"]["param_groups"][0]["param_names"] == [n for n, _ in model.named_parameters()]
+    named.load_state_dict(state["optim"])
+    _assert_same_state(named.state_dict()["state"], opt.state_dict()["state"])
+    ucp_zarr.save({"optim": named.state_dict()}, tmp_path / "named")
+    plain = torch.optim.AdamW(model.parameters())
+    plain.load_state_dict(ucp_zarr.load({"optim": plain.state_dict()}, tmp_path / "named")["optim"])
+    _assert_same_state(plain.state_dict()["state"], opt.state_dict()["state"])
+
+
 def test_a_checkpoint_without_recorded_nesting_fills_it_too(tmp_path):
     """A checkpoint converted from a torch.save file records no nesting: the state is
     matched through the param groups saved with it."""

@@ -197,7 +197,7 @@ class _Planner:
         meta, rank = self.meta, self.comm.rank
         kept = self._match_optimizer_state()
         absent = self._absent_entries()
-        missing = [k for k, s in self.stored_key.items() if not self._saved(s)]
+        missing = [k for k, s in self.stored_key.items() if not self._saved(s) and not self._names_of_group(k)]
         held = set(self.stored_key.values()) | {key for _, key in absent}
         placed = [leaf.value for leaf in self.leaves.values() if isinstance(leaf.value, Placed)]
         if strict and placed:
@@ -209,7 +209,7 @@ class _Planner:
             hooks = placed[0].hooks
             if hooks is not None and placed[0].rules is not None:
                 hooks.check_placements(placed[0].rules, [u for _, u in gathered])
-        unexpected = [k for k in self.saved if k not in held]
+        unexpected = [k for k in self.saved if k not in held and not self._names_of_group(k)]
         if strict and (missing or unexpected):
             raise KeyMismatchError(missing, unexpected)
 
@@ -253,6 +253,17 @@ class _Planner:
         return _Plan(reads, values, missing + unrestorable, unexpected)
 
     # --- the checkpoint's side ---------------------------------------------------------------
+
+    def _names_of_group(self, key: str) -> bool:
+        """Whether ``key`` is the ``param_names`` of a param group of an optimizer of the
+        target: one side may lack them (an optimizer built from ``model.parameters()``, state
+        saved by ``get_state_dict``), as ``Optimizer.load_state_dict`` allows; neither missing
+        nor unexpected (the target keeps its own, or has none)."""
+        for opt in self.optimizers:
+            head = f"{opt.prefix}param_groups."
+            if key.startswith(head) and key.endswith(".param_names") and key[len(head) : -len(".param_names")].isdigit():
+                return True
+        return False
 
     def _saved(self, key: str) -> bool:
         return key in self.meta.tensors or key in self.meta.values or key in self.meta.rank_values
