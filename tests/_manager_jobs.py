@@ -174,3 +174,41 @@ def elastic_job(rank: int, world: int, root: str, out: str, steps: int, stop_at:
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"start": start, "losses": losses, "world": world}, f)
+
+
+def async_error_on_collective_calls(rank: int, world: int, root: str, out: str) -> None:
+    """A background save fails on every rank, slowly; rank 1 calls ``load`` while its save
+    is still writing, rank 0 once its save has failed: both must raise the save's error
+    (a rank raising before the load's collective left the other waiting in it). Then the
+    error raised by ``load_latest`` once on every rank, both save step 3."""
+    import time
+
+    import ucp_zarr.protocol.saver as saver
+    from ucp_zarr import CheckpointManager, Shard
+
+    def state(i: int) -> dict[str, Any]:
+        return {"w": Shard(torch.full((1000,), float(i)), (2000,), (rank * 1000,)), "step": i}
+
+    m = CheckpointManager(root, keep_last=3)
+    m.save(1, state(1))
+    write = saver.PreparedSave._write_data
+
+    def fail(self: Any, *args: Any, **kwargs: Any) -> None:
+        time.sleep(1.0)
+        raise OSError("disk full (injected)")
+
+    saver.PreparedSave._write_data = fail
+    got = []
+    for call in ("load", "load_latest"):
+        m.save(2, state(2), async_save=True)
+        time.sleep(0.2 if rank == 1 else 2.0)
+        try:
+            m.load(1, state(0)) if call == "load" else m.load_latest(state(0))
+            got.append(f"{call}: loaded")
+        except Exception as e:
+            got.append(f"{call}: {type(e).__name__}")
+    saver.PreparedSave._write_data = write
+    m.save(3, state(3))
+    got.append(f"latest {m.latest()}")
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(got, f)

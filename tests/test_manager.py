@@ -313,6 +313,21 @@ def test_async_error_surfaces_on_the_next_call(tmp_path, monkeypatch, surface):
     assert m.steps() == [1, 4] and _folders(tmp_path) == [step_name(1), step_name(4)]  # its leftovers removed
 
 
+def test_an_async_error_is_raised_on_every_rank_by_the_same_collective_call(tmp_path):
+    """On 2 gloo ranks, a failed background save's error is raised by ``load`` and by
+    ``load_latest`` on every rank, whichever rank saw the failure first, and the job goes on
+    (both ranks save the next step). Before, a rank whose save had already failed raised
+    before the load's collective while the other waited in it (until the process group's
+    timeout), and after ``load_latest`` only rank 0 had taken the error: rank 1 raised it
+    again from its next save, leaving rank 0 in the save's collectives."""
+    from _dist import run
+    from _manager_jobs import async_error_on_collective_calls
+
+    run(2, async_error_on_collective_calls, str(tmp_path / "root"), str(tmp_path / "out"), timeout_s=90)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"out.{rank}").read_text()) == ["load: SaveError", "load_latest: SaveError", "latest 3"]
+
+
 # --- the interval advisor in the loop -------------------------------------------------------------
 
 

@@ -292,7 +292,7 @@ class CheckpointManager:
         from ..protocol.distributed import describe, raise_failures
 
         self._check_open()
-        self._raise_failed()
+        self.wait()  # (every rank: an async save's error, agreed, is raised on every rank here, before any collective)
         name = step_name(step)
         lease = ReadLease(self._step(step), self.lease_s, self._liveness())
         error: BaseException | None = None
@@ -322,6 +322,7 @@ class CheckpointManager:
         from ..protocol.distributed import describe, raise_failures
 
         self._check_open()
+        self.wait()  # (every rank, as in load: not through rank 0's latest() alone)
         for _ in range(LOAD_ATTEMPTS):
             step, error = None, None
             if self._comm.rank == 0:
