@@ -157,3 +157,25 @@ def test_bad_input_is_named(converted: dict[str, tuple[Path, Path]], tmp_path: P
     with pytest.raises(UntrustedInputError, match=optim[1].name):
         ucp_zarr.convert(step.parent, tmp_path / "d")
     assert not any((tmp_path / n / "zarr.json").exists() for n in "abcd")
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp16_checkpoints_and_client_state_tensors(tmp_path: Path, stage: int) -> None:
+    """An fp16 checkpoint (a dynamic loss scaler, which holds a dtype) converts: its fp32 masters
+    equal DeepSpeed's ``zero_to_fp32``; tensors the caller put in ``client_state`` stay tensors,
+    as DeepSpeed's ``load_checkpoint`` and the adapter give them back. Before: the conversion
+    raised NotJSONableError on the loss scaler's dtype, and a client-state tensor became a list
+    (64 elements or fewer) or the string ``'<tensor [5056] torch.uint8>'``, silently."""
+    import subprocess
+    import sys
+
+    job = [sys.executable, str(Path(__file__).parent / "_ds_fp16_job.py"), str(tmp_path), str(stage)]
+    subprocess.run(job, check=True, capture_output=True, timeout=300, env=D._env())
+    truth = torch.load(tmp_path / "truth.pt", weights_only=True)
+    ucp_zarr.convert(tmp_path / "ds", tmp_path / "cv")
+    ck = ucp_zarr.open(tmp_path / "cv")
+    for name, master in truth["fp32"].items():
+        assert torch.equal(ck[f"optim.state.{name}.fp32"][...], master), name
+    assert ck[f"model.{name}"].dtype == torch.float16
+    assert torch.equal(ck["client_state.rng"][...], truth["rng"]) and torch.equal(ck["client_state.seen"][...], truth["seen"])
+    assert ck.metadata["values"]["client_state.epoch"] == 4

@@ -84,7 +84,10 @@ class Opaque:
 
 
 def plain(v: Any) -> Any:
-    """``v`` with :class:`Opaque` records as dicts and small tensors as lists (for JSON)."""
+    """``v`` with :class:`Opaque` records as dicts, small tensors as lists, dtypes and devices
+    as their names (``"torch.float16"``: DeepSpeed's fp16 loss scaler holds one) (for JSON)."""
+    if isinstance(v, (torch.dtype, torch.device)):
+        return str(v)
     if isinstance(v, Opaque):
         return v.to_value()
     if isinstance(v, dict):

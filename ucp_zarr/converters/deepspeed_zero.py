@@ -228,8 +228,18 @@ def _other_state(out: Imported, model: dict[str, Any], osd: dict[str, Any], name
             for grp in groups if isinstance(grp, dict)
         ]
     out.values["lr_scheduler"] = plain(model.get("lr_scheduler"))
-    for key, v in model.items():
-        if key not in ENGINE_KEYS:
+    for key, v in model.items():  # (as the adapter saves client_state: a tensor as a tensor, the rest as JSON)
+        if key in ENGINE_KEYS:
+            continue
+        if isinstance(v, torch.Tensor):
+            out.tensors[f"client_state.{key}"] = Mapped(v)
+        elif _holds_tensor(v):
+            raise ConversionError(
+                f"{out.layout['source']['folder']}: client_state[{key!r}] holds tensors inside a "
+                f"{type(v).__name__}; only a tensor that is a client_state entry itself is kept as a tensor (as the "
+                "DeepSpeed adapter saves it), and converting the others into JSON would lose them"
+            )
+        else:
             out.values[f"client_state.{key}"] = plain(v)
     for key in ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size", "ds_config",
                 "ds_version", "checkpoint_parallel_dimensions", "buffer_names", "frozen_param_shapes", "shared_params",
@@ -240,6 +250,14 @@ def _other_state(out: Imported, model: dict[str, Any], osd: dict[str, Any], name
         if key in osd:
             v = osd[key]
             out.values[f"deepspeed.{key}"] = _scalar(v) if key == "zero_stage" else plain(v)
+
+
+def _holds_tensor(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, dict):
+        return any(_holds_tensor(x) for x in v.values())
+    return isinstance(v, (list, tuple)) and any(_holds_tensor(x) for x in v)
 
 
 def _param_groups(osd: dict[str, Any]) -> list[dict[str, Any]] | None:
