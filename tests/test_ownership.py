@@ -497,6 +497,45 @@ def test_a_save_whose_records_cannot_be_removed_after_its_commit_succeeds(tmp_pa
     assert not [p.name for p in ck.iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.parametrize("fail_at", [None, 1, 3])
+@pytest.mark.parametrize("shapes", [((64, 64), (64,)), ((64,), (8, 8)), ((), (4,))], ids=["2d-1d", "1d-2d", "0d-1d"])
+def test_an_overwrite_may_change_a_tensors_number_of_dims(tmp_path, monkeypatch, shapes, fail_at):
+    """An overwrite whose tensor has another number of dims puts shards ``c/0`` where the old
+    checkpoint had folders ``c/0/`` (or the reverse): the old shards in the way go first. Also
+    when the overwrite fails while putting its copy in place (the ``fail_at``-th copy back):
+    the next save rolls it forward and completes. Before: IsADirectoryError (or "a file is in
+    the way") after the old commit record was gone, at every later save: the path stuck."""
+    first, second = shapes
+    ck = tmp_path / "ck"
+    small = {"chunk_bytes": 256, "shard_bytes": 1024}
+    ucp_zarr.save({"x": torch.randn(first)}, ck, **small)
+    new = torch.randn(second)
+    if fail_at is not None:
+        adopt, calls = LocalStore.adopt, [0]
+
+        def failing(self: LocalStore, *args: Any) -> None:
+            calls[0] += 1
+            if calls[0] == fail_at:
+                raise OSError("injected: a copy back failed")
+            adopt(self, *args)
+
+        monkeypatch.setattr(LocalStore, "adopt", failing)
+        with pytest.raises(OSError, match="injected"):
+            ucp_zarr.save({"x": new}, ck, overwrite=True, **small)
+        monkeypatch.setattr(LocalStore, "adopt", adopt)
+        assert torch.equal(ucp_zarr.read_state_dict(ck)["x"], new)  # (through the replace record)
+        new = torch.randn(first)
+        ucp_zarr.save({"x": new}, ck, overwrite=True, **small)
+    else:
+        ucp_zarr.save({"x": new}, ck, overwrite=True, **small)
+    ucp_zarr.open(ck).verify()
+    assert torch.equal(ucp_zarr.read_state_dict(ck)["x"], new)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"] and not [p for p in ck.iterdir() if p.name.startswith(".")]
+    import zarr
+
+    assert zarr.open_array(str(ck / "x" / "x"))[...].shape == tuple(new.shape)
+
+
 def test_an_overwrite_whose_staging_copy_cannot_be_removed_leaves_it_to_the_next_save(tmp_path, monkeypatch):
     """An overwrite failing before its commit removes its staging copy; where that removal
     fails too, the copy is marked aborted, and the next save at the path collects it (before:

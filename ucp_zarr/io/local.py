@@ -332,7 +332,7 @@ class LocalStore(Store):
     def delete(self, key: str) -> None:
         try:
             os.remove(self._path(key))
-        except FileNotFoundError:
+        except _NO_OBJECT:
             return
         fsync_dir(os.path.dirname(self._path(key)))
 
@@ -342,7 +342,7 @@ class LocalStore(Store):
         for key in keys:
             try:
                 os.remove(path := self._path(key))
-            except FileNotFoundError:
+            except _NO_OBJECT:
                 continue
             folders.add(os.path.dirname(path))
         for folder in sorted(folders):
@@ -402,6 +402,11 @@ class LocalStore(Store):
                 fsync_dir(d)
             except FileNotFoundError:
                 continue
+
+
+_NO_OBJECT = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+"""What removing an object that is not there raises: nothing at its path, a folder there (of
+other objects' keys: ``c/0`` of ``c/0/0``), or a file where a folder of its path would be."""
 
 
 def _open_regular(path: str) -> int:

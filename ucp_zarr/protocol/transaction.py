@@ -596,6 +596,13 @@ def _put_in_place(
         store.delete(METADATA_FILE)
     new = [k for k in listing() if _FINAL_OBJECT.fullmatch(k)]
     tag = staged.name.rpartition(STAGING_INFIX)[2]  # the replacing save's id
+    if retired is None:
+        retired = read_owned(store, RETIRED) or Owned()
+    blocking = _in_the_way(retired, new)
+    if blocking:  # (a tensor of another number of dims: its old shard c/0/0 is where c/0 goes, or the reverse)
+        check()
+        store.delete_many(blocking)  # (a resumed roll-forward finds new folders there: no object to delete)
+        store.prune(folders_of(blocking))
 
     def adopt(key: str) -> None:
         check()
@@ -604,9 +611,7 @@ def _put_in_place(
     at_once(store, adopt, [k for k in new if not k.endswith(METADATA_FILE)])  # data first,
     at_once(store, adopt, [k for k in new if k.endswith(METADATA_FILE)])  # then documents
     check()
-    if retired is None:
-        retired = read_owned(store, RETIRED) or Owned()
-    delete_owned(store, retired, keep=frozenset(new))
+    delete_owned(store, retired, keep=frozenset(new) | frozenset(blocking))
     store.sync()
     check()
     try:
@@ -614,6 +619,19 @@ def _put_in_place(
     except FileExistsError:
         if store.read(METADATA_FILE) != root:
             raise OwnershipError(f"{store.url} was committed by another save while being replaced") from None
+
+
+def _in_the_way(retired: Owned, new: list[str]) -> list[str]:
+    """The retired objects that stand where a folder of ``new`` goes (an old shard ``c/0``
+    of a tensor whose new shards are ``c/0/0``), or inside where an object of ``new`` goes
+    (the reverse): a file system cannot hold both, so they go before the new ones are put
+    in place (the old commit record is gone by then: nobody reads them)."""
+    keys = set(new)
+    folders = {k[:i] for k in new for i, c in enumerate(k) if c == "/"}
+    return [
+        r for r in retired.data_keys()
+        if r not in keys and (r in folders or any(r[:i] in keys for i, c in enumerate(r) if c == "/"))
+    ]
 
 
 def release_committed(store: Store, save_id: str) -> None:
