@@ -421,7 +421,30 @@ class CheckpointReader:
                         "in the commit record (a shard was replaced)"
                     )
                 total, seals = total + entry.nbytes, []
+        self._check_consolidated()  # (last: a document that does not parse is named first)
         return total
+
+    def _check_consolidated(self) -> None:
+        """The root's consolidated copy of every document (what zarr-python's ``open_group``
+        and xarray read instead of the documents) must be that document, byte for byte (its
+        digest in the commit record), and name no other node. :class:`CorruptChunkError`
+        naming the first that is not (this library reads the document itself then, but
+        other readers would read another array)."""
+        where = f"{self.store.url}/{METADATA_FILE}"
+        for path, want in self.meta.documents.items():
+            raw = self.meta.consolidated_document(path)
+            if raw is not None and document_digest(raw) != want:
+                raise CorruptChunkError(
+                    f"{where}: its consolidated metadata of {path} differs from that document (the digest in the "
+                    "commit record): Zarr readers that read consolidated metadata (zarr.open_group, xarray) would "
+                    "read another array"
+                )
+        known = {path.removesuffix("/" + METADATA_FILE) for path in self.meta.documents}
+        extra = sorted(set(self.meta.consolidated) - known)
+        if extra:
+            raise CorruptChunkError(
+                f"{where}: its consolidated metadata names {extra[0]!r}, which is no document of the commit record"
+            )
 
     # --- reprs ---------------------------------------------------------------------------
 
