@@ -607,3 +607,16 @@ def test_save_result_repr_is_one_line(tmp_path) -> None:
     assert repr(result) == (f"SaveResult(url={str(tmp_path / 'ck')!r}, rank=0, bytes_written={result.bytes_written}, "
                             f"objects=<{len(result.objects)} keys>, save_id={result.save_id!r})")
     assert len(result.objects) > 100
+
+
+def test_stats_of_overflowing_values_and_of_a_tied_alias(tmp_path, capsys) -> None:
+    """``stats --json`` of a tensor whose std and norm overflow to inf gives strict JSON
+    ("inf", as the norm already was; before: exit 2, "Out of range float values are not JSON
+    compliant"); ``stats`` of the alias of a tied tensor reads the tensor it names, as
+    ``show`` does (before: "no tensor ... matches")."""
+    w = torch.ones(3)
+    ucp_zarr.save({"big": torch.tensor([1e200, -1e200], dtype=torch.float64), "wte": w, "lm_head": w}, tmp_path / "ck")
+    rc, out = run_json(capsys, "stats", tmp_path / "ck", "big")
+    assert rc == 0 and out[0]["std"] == "inf" and out[0]["norm"] == "inf" and out[0]["max"] == 1e200
+    rc, out = run_json(capsys, "stats", tmp_path / "ck", "lm_head")
+    assert rc == 0 and out[0]["key"] == "lm_head" and out[0]["mean"] == 1.0

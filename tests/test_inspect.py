@@ -381,6 +381,41 @@ def test_diff_per_rank_state(tmp_path: Path) -> None:
     assert (rng.status, rng.rank, rng.ndiff, rng.max_abs) == ("differs", 0, 3, 3.0)
 
 
+def _save_rng_per_rank(rank: int, world: int, path: str) -> None:
+    ucp_zarr.save({"rng": ucp_zarr.PerRank(torch.full((4,), float(rank))), "x": torch.ones(2)}, path)
+
+
+def test_diff_of_per_rank_state_against_a_plain_tensor_compares_every_copy(tmp_path: Path) -> None:
+    """Per-rank state on one side, a plain tensor on the other: each rank's copy is compared
+    (before: only the lowest rank's, so rank 1's ones against zeros showed "equal")."""
+    from _dist import run
+
+    run(2, _save_rng_per_rank, str(tmp_path / "a"), timeout_s=60)
+    ucp_zarr.save({"rng": torch.zeros(4), "x": torch.ones(2)}, tmp_path / "b")
+    for a, b in (("a", "b"), ("b", "a")):
+        rows = [(r.rank, r.status) for r in D.diff(tmp_path / a, tmp_path / b).rows if r.key == "rng"]
+        assert rows == [(0, "equal"), (1, "differs")], (a, rows)
+
+
+def test_diff_resolves_ties_and_tells_numbers_of_other_types_apart(tmp_path: Path) -> None:
+    """A tied tensor is compared under each of its keys, whichever key stores it (before: the
+    alias was "only_b" against an untied copy, and a tie stored under the other key showed
+    both keys as only on one side); a value compares JSON type for type at every depth
+    ([1, 2] and [1.0, 2.0] differ, as they load differently)."""
+    w = torch.arange(6.0).reshape(2, 3)
+    ucp_zarr.save({"wte": w, "lm_head": w, "v": [1, 2]}, tmp_path / "tied")  # (lm_head: an alias of wte)
+    ucp_zarr.save({"lm_head": w, "wte": w, "v": [1, 2]}, tmp_path / "tied_other_way")
+    ucp_zarr.save({"wte": w.clone(), "lm_head": w.clone(), "v": [1.0, 2.0]}, tmp_path / "untied")
+    assert ucp_zarr.open(tmp_path / "tied").ties == {"lm_head": "wte"}
+    assert D.diff(tmp_path / "tied", tmp_path / "tied_other_way").equal
+    d = D.diff(tmp_path / "tied", tmp_path / "untied")
+    assert [(r.key, r.status) for r in d.rows] == [("wte", "equal"), ("lm_head", "equal")]
+    assert [(v.key, v.status) for v in d.values] == [("v", "differs")]
+    ucp_zarr.save({"wte": w, "lm_head": w + 1}, tmp_path / "changed")
+    rows = {r.key: r.status for r in D.diff(tmp_path / "tied", tmp_path / "changed").rows}
+    assert rows == {"wte": "equal", "lm_head": "differs"}
+
+
 # --- the package ------------------------------------------------------------------------------
 
 

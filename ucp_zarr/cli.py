@@ -471,7 +471,7 @@ def _selected(ck: "Checkpoint", patterns: list[str]) -> list[str]:
 
     keys: list[str] = []
     for p in patterns:
-        got = select_keys(ck, [p])
+        got = select_keys(ck, [p]) or select_keys(ck, [p], ties=True)  # (an alias of a tied tensor, asked for)
         if not got:
             raise UsageError(f"no tensor of {ck.store.url} matches {p!r}" + did_you_mean(p, ck.keys()))
         keys += [k for k in got if k not in keys]
@@ -524,7 +524,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     a, b = open_checkpoint(args.a, args), open_checkpoint(args.b, args)
     if args.keys is not None:
         for p in args.keys:
-            if not select_keys(a, [p]) and not select_keys(b, [p]):
+            if not select_keys(a, [p], ties=True) and not select_keys(b, [p], ties=True):
                 raise UsageError(f"no tensor of either checkpoint matches {p!r}")
     with progress_bar(args, "diff") as bar:
         result = diff(a, b, keys=args.keys, progress=bar)

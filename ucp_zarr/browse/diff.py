@@ -4,6 +4,7 @@ relative update norms."""
 from __future__ import annotations
 
 import html
+import json
 import math
 import os
 import threading
@@ -224,9 +225,14 @@ def _max_finite_abs(w: np.ndarray) -> float:
 
 
 def _compare(
-    a: CheckpointReader, b: CheckpointReader, key: str, rank: int | None, max_bytes: int, tick: Callable[[int], None]
+    a: CheckpointReader, b: CheckpointReader, key: str, ranks: tuple[int | None, int | None], max_bytes: int,
+    tick: Callable[[int], None],
 ) -> DiffRow:
-    ma, mb = a.array_meta(key, rank), b.array_meta(key, rank)
+    """Tensor ``key`` of ``a`` against ``b``, each side's copy of the rank ``ranks`` gives it
+    (None: not per-rank); the row names the per-rank side's rank."""
+    ra, rb = ranks
+    rank = ra if ra is not None else rb
+    ma, mb = a.array_meta(key, ra), b.array_meta(key, rb)
     dta, dtb = ma.dtype.name, mb.dtype.name
     if ma.shape != mb.shape:
         tick(math.prod(ma.shape) * ma.dtype.itemsize)
@@ -237,7 +243,7 @@ def _compare(
     block = block_shape(ma.shape, ma.grid.chunk_shape, per_element, max_bytes)
     cmp = _Compare()
     for box in block_boxes(ma.shape, block):
-        cmp.add(a.read_numpy(key, box, rank), b.read_numpy(key, box, rank), dta, dtb)
+        cmp.add(a.read_numpy(key, box, ra), b.read_numpy(key, box, rb), dta, dtb)
         tick(box.numel * ma.dtype.itemsize)
     return cmp.row(key, "equal" if dta == dtb else "dtype", ma.shape, dta, dtb, rank)
 
@@ -256,7 +262,7 @@ def _diff_values(a: CheckpointReader, b: CheckpointReader, patterns: list[str] |
             rows.append(ValueDiff(k, "only_a", va[k], None))
         elif k not in va:
             rows.append(ValueDiff(k, "only_b", None, vb[k]))
-        elif va[k] != vb[k] or type(va[k]) is not type(vb[k]):
+        elif json.dumps(va[k], sort_keys=True) != json.dumps(vb[k], sort_keys=True):  # (1, 1.0 and true differ)
             rows.append(ValueDiff(k, "differs", va[k], vb[k]))
     return rows
 
@@ -278,10 +284,10 @@ def diff(
     with memory bounded by about ``max_bytes``; per-rank tensors are compared rank by rank."""
     ca, cb = _as_checkpoint(a, storage_options), _as_checkpoint(b, storage_options)
     patterns = None if keys is None else [keys] if isinstance(keys, str) else list(keys)
-    ka, kb = select_keys(ca, patterns), select_keys(cb, patterns)
+    ka, kb = select_keys(ca, patterns, ties=True), select_keys(cb, patterns, ties=True)  # (a tie: under each key)
     in_b = set(kb)
-    common = [k for k in ka if k in in_b]
-    total = sum(ca.meta.tensors[k].nbytes * len(ca.meta.tensors[k].ranks or (None,)) for k in common)
+    common = [ca.meta.tensors[ca.meta.canonical(k)] for k in ka if k in in_b]
+    total = sum(e.nbytes * len(e.ranks or (None,)) for e in common)
     # an object store's requests overlap: as many tensors compared at once as it keeps
     # requests in flight (each within its share of max_bytes), the rows in order
     store = max((ca.store, cb.store), key=lambda s: s.request_concurrency or 0)
@@ -294,13 +300,13 @@ def diff(
             if progress is not None:
                 progress(done[0], total)
 
-    def compare(key: str, rank: int | None) -> Callable[[], DiffRow]:
-        return lambda: _compare(ca, cb, key, rank, budget, tick)
+    def compare(key: str, ra: int | None, rb: int | None) -> Callable[[], DiffRow]:
+        return lambda: _compare(ca, cb, key, (ra, rb), budget, tick)
 
     rows: list[DiffRow | Callable[[], DiffRow]] = []
     in_a = set(ka)
     for key in ka + [k for k in kb if k not in in_a]:
-        ea, eb = ca.meta.tensors.get(key), cb.meta.tensors.get(key)
+        ea, eb = ca.meta.tensors.get(ca.meta.canonical(key)), cb.meta.tensors.get(cb.meta.canonical(key))
         if eb is None or ea is None:
             e = ea or eb
             assert e is not None
@@ -309,12 +315,16 @@ def diff(
             dtypes = (e.dtype, None) if eb is None else (None, e.dtype)
             rows.append(DiffRow(key, status, *shapes, *dtypes))
             continue
-        if ea.ranks is None or eb.ranks is None:
-            rows.append(compare(key, None))
+        if ea.ranks is None and eb.ranks is None:
+            rows.append(compare(key, None, None))
+            continue
+        if ea.ranks is None or eb.ranks is None:  # per-rank on one side: each copy against the other's tensor
+            rows += [compare(key, None if ea.ranks is None else r, None if eb.ranks is None else r)
+                     for r in sorted(ea.ranks or eb.ranks or ())]
             continue
         for r in sorted(set(ea.ranks) | set(eb.ranks)):
             if r in ea.ranks and r in eb.ranks:
-                rows.append(compare(key, r))
+                rows.append(compare(key, r, r))
             else:
                 e, status = (ea, "only_a") if r in ea.ranks else (eb, "only_b")
                 shapes = (tuple(e.shape), None) if status == "only_a" else (None, tuple(e.shape))

@@ -63,10 +63,12 @@ def matches(key: str, pattern: str | None) -> bool:
     return key == pattern or key.startswith(pattern + ".")
 
 
-def select_keys(ck: CheckpointReader, patterns: Iterable[str] | None) -> list[str]:
-    """The keys of ``ck`` selected by any of ``patterns`` (see :func:`matches`), in order."""
+def select_keys(ck: CheckpointReader, patterns: Iterable[str] | None, *, ties: bool = False) -> list[str]:
+    """The keys of ``ck`` selected by any of ``patterns`` (see :func:`matches`), in order;
+    with ``ties``, the aliases of tied tensors too (after the stored tensors)."""
+    keys = ck.keys() + list(ck.meta.ties) if ties else ck.keys()
     if patterns is None:
-        return ck.keys()
+        return keys
     pats = list(patterns)
     globs = [p for p in pats if any(c in p for c in "*?[")]
     plain = set(pats).difference(globs)  # (many exact keys: each key's dotted prefixes looked up, not every pattern tried)
@@ -76,7 +78,7 @@ def select_keys(ck: CheckpointReader, patterns: Iterable[str] | None) -> list[st
         return (any(".".join(parts[:i]) in plain for i in range(1, len(parts) + 1)) if plain else False) or any(
             fnmatch.fnmatchcase(key, g) for g in globs)
 
-    return [k for k in ck.keys() if hit(k)]
+    return [k for k in keys if hit(k)]
 
 
 def list_tensors(ck: CheckpointReader, pattern: str | None = None) -> list[TensorRow]:
@@ -259,9 +261,10 @@ class TensorStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "key": self.key, "shape": list(self.shape), "dtype": self.dtype, "count": self.count, "min": self.min,
-            "max": self.max, "mean": self.mean, "std": self.std, "norm": _json_float(self.norm), "nan": self.nan,
-            "inf": self.inf,
+            "key": self.key, "shape": list(self.shape), "dtype": self.dtype, "count": self.count,
+            **{k: _json_float(v) if isinstance(v, float) else v for k, v in
+               (("min", self.min), ("max", self.max), ("mean", self.mean), ("std", self.std), ("norm", self.norm))},
+            "nan": self.nan, "inf": self.inf,
         }
 
     def _repr_html_(self) -> str | None:
