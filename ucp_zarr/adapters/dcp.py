@@ -374,6 +374,8 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
     on an object store, else 4). Per-rank state saved by ``ucp_zarr.save`` is read from the copy
     of this rank (its rank in the group ``dcp.load`` runs on) when the checkpoint has one;
     otherwise the state dict keeps its own value, as ``ucp_zarr.load`` does.
+    ``unsafe_non_exclusive_store`` is taken so that the writer's options build the reader
+    too; a load creates nothing, so it needs no exclusive create and the flag changes nothing.
     """
 
     def __init__(
