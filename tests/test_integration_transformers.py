@@ -65,3 +65,48 @@ def test_the_hugging_face_export_of_a_step_loads_with_from_pretrained(tmp_path: 
 def test_the_docs_example_runs(tmp_path: Path) -> None:
     page = exec_page("transformers.md", tmp_path)
     assert page["callback"].manager.steps() == [6, 8]
+
+
+def test_a_save_records_the_trainer_state_as_the_trainers_own_save_does(tmp_path: Path) -> None:
+    """At a save step where no log is due, the saved ``TrainerState`` holds ``total_flos`` up
+    to that step and the state of every ``ExportableState`` callback, as the Trainer's own
+    ``_save_checkpoint`` records them, so a resume restores them: ``total_flos`` equals the
+    uninterrupted run's and a stateful callback resumes at its saved count. Before: the
+    flos of the steps since the last log were missing, and callbacks resumed from their
+    state at the start of training."""
+    from transformers import GPT2Config, Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_callback import ExportableState
+
+    from ucp_zarr.integrations.transformers import ZarrCheckpointCallback
+
+    class Count(TrainerCallback, ExportableState):
+        def __init__(self, count: int = 0) -> None:
+            self.count = count
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.count += 1
+
+        def state(self) -> dict[str, Any]:
+            return {"args": {"count": self.count}, "attributes": {}}
+
+    def run(name: str, stop_at: int | None) -> tuple[Trainer, Count]:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8,
+                                           bos_token_id=0, eos_token_id=0))
+        data = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (16, 8), generator=torch.Generator().manual_seed(1))]
+        args = TrainingArguments(str(tmp_path / f"out_{name}"), max_steps=6, per_device_train_batch_size=4, save_steps=2,
+                                 logging_steps=3, report_to=[], use_cpu=True, disable_tqdm=True,
+                                 restore_callback_states_from_checkpoint=True)
+        count, zarr = Count(), ZarrCheckpointCallback(tmp_path / name / "ckpt")
+        callbacks = [zarr, count] + ([job.StopAt(stop_at)] if stop_at else [])
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+        trainer.train(resume_from_checkpoint=zarr.resume(trainer))
+        return trainer, next(c for c in trainer.callback_handler.callbacks if isinstance(c, Count))  # (restored: another)
+
+    full, _ = run("full", None)
+    run("cut", 4)
+    saved = ucp_zarr.read_state_dict(tmp_path / "cut" / "ckpt" / "step_00000004", keys=["trainer_state"])["trainer_state"]
+    assert saved["stateful_callbacks"]["Count"]["args"]["count"] == 4
+    resumed, count = run("cut", None)
+    assert count.count == 6  # (4 restored, then steps 5 and 6)
+    assert resumed.state.total_flos == full.state.total_flos

@@ -42,6 +42,7 @@ import json
 import os
 import random
 import shutil
+import weakref
 from typing import Any
 
 import numpy as np
@@ -91,6 +92,8 @@ class ZarrCheckpointCallback(TrainerCallback):
         """Where the generators are restored: "epoch" (start of the epoch) or "step"."""
         self._folder: str | None = None
         """The resume folder this process wrote (removed when training starts)."""
+        self._trainer: weakref.ref[Any] | None = None
+        """The Trainer :meth:`resume` was given: a save brings its state up to date first."""
 
     @property
     def manager(self) -> CheckpointManager:
@@ -108,6 +111,11 @@ class ZarrCheckpointCallback(TrainerCallback):
         (a fresh start) when there is none. Every rank calls it, before ``trainer.train``."""
         if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
             raise CheckpointError("ZarrCheckpointCallback supports single-process and DDP training, not DeepSpeed or FSDP")
+        self._trainer = weakref.ref(trainer)
+        callbacks = trainer.callback_handler.callbacks
+        if self in callbacks:  # (last: it saves where the Trainer's own save would, after every callback of the event)
+            callbacks.remove(self)
+            callbacks.append(self)
         comm = Comm()
         step = comm.broadcast(self.manager.latest() if comm.rank == 0 else None)
         if step is None:
@@ -197,6 +205,9 @@ class ZarrCheckpointCallback(TrainerCallback):
 
     def _save(self, state: TrainerState, kwargs: dict[str, Any]) -> None:
         self._due = None
+        trainer = None if self._trainer is None else self._trainer()
+        if trainer is not None:
+            _bring_up_to_date(trainer)
         checkpoint = {
             "model": kwargs["model"].state_dict(),
             "optimizer": kwargs["optimizer"].state_dict(),
@@ -205,6 +216,23 @@ class ZarrCheckpointCallback(TrainerCallback):
             "trainer_state": dataclasses.asdict(state),
         }
         self.manager.save(state.global_step, checkpoint, async_save=self.async_save)
+
+
+def _bring_up_to_date(trainer: Any) -> None:
+    """What the Trainer's own ``_save_checkpoint`` does to its state before writing it: the
+    floating-point operations counted since the last log added to ``total_flos``, and the
+    state of every ``ExportableState`` callback (``EarlyStoppingCallback``'s patience,
+    ``TrainerControl``) recorded in ``stateful_callbacks``, as it records them; resuming
+    restores those callbacks from there."""
+    from transformers.trainer_callback import ExportableState
+
+    trainer.store_flos()
+    for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
+        name = cb.__class__.__name__
+        if isinstance(trainer.state.stateful_callbacks.get(name), list):
+            trainer.state.stateful_callbacks[name].append(cb.state())
+        else:
+            trainer.state.stateful_callbacks[name] = cb.state()
 
 
 def rng_states() -> dict[str, PerRank]:
