@@ -220,13 +220,12 @@ class ZarrCheckpointCallback(TrainerCallback):
 
 def _bring_up_to_date(trainer: Any) -> None:
     """What the Trainer's own ``_save_checkpoint`` does to its state before writing it: the
-    floating-point operations counted since the last log added to ``total_flos``, and the
     state of every ``ExportableState`` callback (``EarlyStoppingCallback``'s patience,
     ``TrainerControl``) recorded in ``stateful_callbacks``, as it records them; resuming
-    restores those callbacks from there."""
+    restores those callbacks from there. (Not its ``store_flos()``: with DDP a collective
+    outside the Trainer's own order; ``total_flos`` is brought up to date at each log.)"""
     from transformers.trainer_callback import ExportableState
 
-    trainer.store_flos()
     for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
         name = cb.__class__.__name__
         if isinstance(trainer.state.stateful_callbacks.get(name), list):
