@@ -51,8 +51,8 @@ from ..protocol.liveness import (
     Liveness,
     Owner,
     last_heartbeat,
-    mark_aborted,
     read_owner,
+    try_mark_aborted,
 )
 from ..protocol.transaction import Transaction, collect_staging, committed_store, delete_owned, read_owned
 
@@ -276,10 +276,7 @@ class ReadLease:
         try:
             self.store.delete(self.key)
         except Exception:
-            try:
-                mark_aborted(self.store, self.id)
-            except Exception:
-                pass
+            try_mark_aborted(self.store, self.id, "a reader lease not deleted")
             raise
         self.store.delete(HEARTBEAT + self.id)
 
@@ -314,19 +311,10 @@ def delete_step(store: Store, *, lease_s: float = DEFAULT_LEASE_S, liveness: Liv
                 store.delete(name)
         store.delete(DELETING)
         store.prune(())
-    except BaseException:
-        _give_up(store, me)
+    except BaseException:  # (marked aborted: the next deletion, this process's too, resumes it at once)
+        try_mark_aborted(store, me.save_id, "a failed deletion")
         raise
     return True
-
-
-def _give_up(store: Store, me: Owner) -> None:
-    """After a failed deletion: mark it aborted, so that the next one (this process's too)
-    resumes it at once rather than finding a live deleter until this process ends."""
-    try:
-        mark_aborted(store, me.save_id)
-    except Exception as e:  # the failure itself is what the caller needs to see
-        log.warning("ucp_zarr: could not mark the failed deletion of %s aborted: %s", store.url, e)
 
 
 def remove_checkpoint(store: Store) -> None:

@@ -5,6 +5,7 @@ heartbeat that renews the lease and the fence that stops a stale writer."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -17,6 +18,8 @@ from typing import Callable
 from ..errors import FormatError, OwnershipError
 from ..io.store import Store
 from ..version import __version__
+
+log = logging.getLogger(__name__)
 
 
 MARKER = ".ucp_zarr_pending"
@@ -226,6 +229,15 @@ def mark_aborted(store: Store, save_id: str) -> None:
     """Mark ``save_id`` aborted in ``store``: it counts as dead from now on (:func:`last_heartbeat`),
     so that its leftovers may be taken over at once, even while its process lives."""
     store.write_atomic(HEARTBEAT + save_id, json.dumps({"aborted": True}).encode())
+
+
+def try_mark_aborted(store: Store, save_id: str, what: str) -> None:
+    """:func:`mark_aborted` after a failure of ``what`` (for the message): where the store
+    fails that too, it is logged, not raised (the first failure is what the caller sees)."""
+    try:
+        mark_aborted(store, save_id)
+    except Exception as e:
+        log.warning("ucp_zarr: could not mark %s at %s aborted: %s", what, store.url, e)
 
 
 # --- the lease and the fence ----------------------------------------------------------------------

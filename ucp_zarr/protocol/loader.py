@@ -358,10 +358,10 @@ class _Planner:
             saved_names.append(None if names is None else from_json(names))
         if not all(isinstance(ids, list) for ids in saved):
             return same
-        by_name = _named(saved, saved_names)
-        targets = _named(opt.groups, [[opt.names.get(t) for t in ids] for ids in opt.groups])
-        if by_name is not None and targets is not None and set(by_name) == set(targets):
-            return {by_name[n]: targets[n] for n in by_name}
+        saved_ids = _named(saved, saved_names)
+        target_ids = _named(opt.groups, [[opt.names.get(t) for t in ids] for ids in opt.groups])
+        if saved_ids is not None and target_ids is not None and set(saved_ids) == set(target_ids):
+            return {saved_ids[n]: target_ids[n] for n in saved_ids}
         if all(isinstance(i, str) for ids in [*saved, *opt.groups] for i in ids):
             return same
         saved = saved[: len(opt.groups)]

@@ -94,6 +94,7 @@ from .liveness import (
     last_heartbeat,
     mark_aborted,
     read_owner,
+    try_mark_aborted,
 )
 
 log = logging.getLogger(__name__)
@@ -513,10 +514,7 @@ class Transaction:
         try:
             release_committed(self.target, self.save_id)
         except Exception as e:  # committed: the save succeeded
-            try:
-                mark_aborted(self.target, self.save_id)
-            except Exception:
-                pass
+            try_mark_aborted(self.target, self.save_id, "the records of a committed save")
             _left_behind(self.target, e)
 
     def abort(self, *, wrote: bool = True) -> None:
@@ -536,10 +534,7 @@ class Transaction:
             try:
                 remove_staging(self.target)
             except BaseException:  # (left for the next save at the path to collect, at once)
-                try:
-                    mark_aborted(self.target, self.save_id)
-                except Exception:
-                    pass
+                try_mark_aborted(self.target, self.save_id, "a staging copy not removed")
                 raise
             return
         if not wrote:
@@ -626,12 +621,8 @@ def _in_the_way(retired: Owned, new: list[str]) -> list[str]:
     of a tensor whose new shards are ``c/0/0``), or inside where an object of ``new`` goes
     (the reverse): a file system cannot hold both, so they go before the new ones are put
     in place (the old commit record is gone by then: nobody reads them)."""
-    keys = set(new)
-    folders = {k[:i] for k in new for i, c in enumerate(k) if c == "/"}
-    return [
-        r for r in retired.data_keys()
-        if r not in keys and (r in folders or any(r[:i] in keys for i, c in enumerate(r) if c == "/"))
-    ]
+    keys, folders = set(new), folders_of(new)
+    return [r for r in retired.data_keys() if r not in keys and (r in folders or not keys.isdisjoint(folders_of([r])))]
 
 
 def release_committed(store: Store, save_id: str) -> None:
