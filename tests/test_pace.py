@@ -53,3 +53,16 @@ def test_a_paced_save_keeps_to_its_rate_and_loads_back(tmp_path, writer) -> None
     out = ucp_zarr.load({k: torch.empty_like(v) for k, v in sd.items()}, tmp_path / "ck")
     for k, v in sd.items():
         assert_bits_equal(out[k], v, k)
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_one_large_shard_is_spread_over_its_time(tmp_path, writer) -> None:
+    """A save of one shard keeps to the rate too: each piece of it waits for its slot (before,
+    the shard waited once, for a slot that starts at once, and was written at full speed)."""
+    sd = {"w": torch.randn(1536, 1024)}  # 6 MiB, one shard
+    nbytes = sd["w"].nbytes
+    ucp_zarr.async_save(sd, tmp_path / "warm", writer=writer).result()
+    t0 = time.monotonic()
+    ucp_zarr.async_save(sd, tmp_path / "ck", writer=writer, write_bytes_per_s=4e6).result()
+    assert time.monotonic() - t0 >= 0.9 * (nbytes - (1 << 20)) / 4e6
+    assert_bits_equal(ucp_zarr.load({"w": torch.empty_like(sd["w"])}, tmp_path / "ck")["w"], sd["w"], "w")

@@ -112,3 +112,30 @@ def test_a_large_index_is_not_kept() -> None:
     first = arrayio.written_index(meta, (0,), Seal("s", False))[0]
     assert arrayio.written_index(meta, (0,), Seal("s", False))[0] is not first
     assert first[-1].tolist() == [(n - 1) * 5, 5] and not first.flags.writeable
+
+
+@pytest.mark.parametrize("chunk", [(256, 1024), (4096, 1024)])  # 1 MiB chunks; one 16 MiB chunk
+def test_a_paced_shard_waits_for_each_piece_before_the_store_takes_it(tmp_path, chunk) -> None:
+    """``write_shard(..., pace=...)``: the store pulls no piece before ``pace`` gave its slot,
+    and a piece is at most ``PACE_PIECE_BYTES`` (so one large shard, or chunk, is spread)."""
+    events: list[tuple[str, int]] = []
+
+    class Recording(LocalStore):
+        def write(self, key, buffers, guard=None):
+            def pulled():
+                for b in buffers:
+                    events.append(("pulled", memoryview(b).nbytes))
+                    yield b
+            return super().write(key, pulled(), guard)
+
+    shape = (4096, 1024)  # 16 MiB of float32, one shard
+    t = torch.randn(shape)
+    meta = ArrayMeta("a", stored_dtype(torch.float32), ChunkGrid(shape, shape, chunk), ())
+    write_shard(Recording(str(tmp_path)), "a", meta, (0, 0), t, Box((0, 0), shape), Seal("0" * 32),
+                pace=lambda n: events.append(("slot", n)))
+    slots = [n for what, n in events if what == "slot"]
+    assert sum(slots) == sum(n for what, n in events if what == "pulled") >= t.nbytes
+    assert len(slots) >= 16 and max(slots) <= arrayio.PACE_PIECE_BYTES
+    assert all(a == ("slot", b[1]) and b[0] == "pulled" for a, b in zip(events[::2], events[1::2]))
+    (tmp_path / "a" / "zarr.json").write_text(json.dumps(meta.to_zarr_json()))
+    assert np.array_equal(zarr.open_array(str(tmp_path / "a"), mode="r")[...], t.numpy())

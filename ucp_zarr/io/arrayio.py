@@ -51,6 +51,9 @@ MAX_STAGED_BYTES = 16 << 20
 WRITE_BATCH_BYTES = 1 << 20
 """A shard's chunks that need a copy are written in runs of up to this size (see
 :func:`_tiled_batches`)."""
+PACE_PIECE_BYTES = 1 << 20
+"""A paced write (:func:`write_shard`'s ``pace``) waits for the slot of each piece of at most
+this size, so that one large shard is spread over its time too."""
 MAX_UNREAD_HEAD_BYTES = 1 << 20
 """A shard whose trailer and index take more (over ~50,000 chunks) is read after its index:
 :func:`read_whole_shard` would allocate what its array document claims before the object's
@@ -184,14 +187,17 @@ def write_shard(
     src_box: Box,
     seal: Seal,
     guard: WriteGuard | None = None,
+    pace: Callable[[int], None] | None = None,
 ) -> bytes:
     """Write shard ``shard`` of the array at ``path`` from ``src``, which holds ``src_box``
     of the global tensor (in the storage dtype, see :func:`as_storage`) and must contain the
-    shard's part of the array, behind ``guard`` (see :meth:`.store.Store.write`). Returns
-    the shard's seal (see :func:`..format.codec.array_digest`)."""
+    shard's part of the array, behind ``guard`` (see :meth:`.store.Store.write`). With
+    ``pace`` (:meth:`..io.pace.Pace.take`), each piece of at most :data:`PACE_PIECE_BYTES`
+    waits for its slot before the store takes it. Returns the shard's seal (see
+    :func:`..format.codec.array_digest`)."""
     # numpy from here on: a torch call releases the GIL (each one a handoff between the
     # writer threads), numpy's indexing does not
-    return write_shard_array(store, path, meta, shard, src.numpy(), src_box, seal, guard)[0]
+    return write_shard_array(store, path, meta, shard, src.numpy(), src_box, seal, guard, pace)[0]
 
 
 def write_shard_array(
@@ -203,6 +209,7 @@ def write_shard_array(
     src_box: Box,
     seal: Seal,
     guard: WriteGuard | None = None,
+    pace: Callable[[int], None] | None = None,
 ) -> tuple[bytes, int]:
     """:func:`write_shard` from a numpy array (torch-free); returns the seal and the size of
     the object written."""
@@ -226,8 +233,25 @@ def write_shard_array(
         yield trailer
         yield _written_layout(meta, shard)[1]
 
-    nbytes = store.write(key, _Replayable(buffers, _written_nbytes(meta, shard, seal)), guard)
+    make = buffers if pace is None else lambda: _paced(buffers(), pace)
+    nbytes = store.write(key, _Replayable(make, _written_nbytes(meta, shard, seal)), guard)
     return sealed[0], nbytes
+
+
+def _paced(buffers: Iterator[memoryview | bytes], pace: Callable[[int], None]) -> Iterator[memoryview | bytes]:
+    """``buffers``, each piece of at most :data:`PACE_PIECE_BYTES` once ``pace`` gave it its
+    slot (a buffer that size or smaller as itself: one filled in place stays that view)."""
+    for buf in buffers:
+        view = memoryview(buf)
+        if view.nbytes <= PACE_PIECE_BYTES or not view.c_contiguous:
+            pace(view.nbytes)
+            yield buf
+            continue
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        for start in range(0, view.nbytes, PACE_PIECE_BYTES):
+            piece = view[start : start + PACE_PIECE_BYTES]
+            pace(piece.nbytes)
+            yield piece
 
 
 def _tiled_source(grid: ChunkGrid, region: np.ndarray) -> np.ndarray | None:

@@ -347,8 +347,8 @@ def _save(
             assert memory is not None
             dtype = job.meta.dtype.numpy_dtype
             src = np.ndarray(job.shape, dtype, buffer=memory, offset=job.offset, strides=job.strides)
-            pace.take(src.nbytes)
-            sealed, nbytes = write_shard_array(store, job.path, job.meta, job.shard, src, job.src_box, seal, guard)
+            paced = None if pace.bytes_per_s is None else pace.take
+            sealed, nbytes = write_shard_array(store, job.path, job.meta, job.shard, src, job.src_box, seal, guard, paced)
             key = f"{job.path}/{chunk_key(job.shard)}"
         wrote.append((n, key, nbytes, sealed))  # (list.append: atomic)
 

@@ -251,11 +251,11 @@ class PreparedSave:
             fence.check()
             path, meta = plan.arrays[task.key]
             sbox = meta.grid.shard_box(task.shard)
-            pace.take(sizes[n])
+            paced = None if pace.bytes_per_s is None else pace.take
             if not task.sources:
                 src, held = self.staging.holding(task.key, sbox)
                 try:
-                    return write_shard(self.target, path, meta, task.shard, src, held, seal, fence)
+                    return write_shard(self.target, path, meta, task.shard, src, held, seal, fence, paced)
                 finally:  # (a pooled copy not given back on a failure would block the other writers forever)
                     self.staging.release(task.key, sbox)
             with assembling:
@@ -265,7 +265,7 @@ class PreparedSave:
                     buf[box.relative_to(sbox).slices()] = part.reshape(box.shape)
                     if src_rank == rank:
                         self.staging.release(task.key, box)
-                return write_shard(self.target, path, meta, task.shard, buf, sbox, seal, fence)
+                return write_shard(self.target, path, meta, task.shard, buf, sbox, seal, fence, paced)
 
         seals: dict[int, bytes] = {}
         try:
