@@ -12,6 +12,7 @@ import base64
 import hashlib
 import math
 import re
+import struct
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, MutableMapping
@@ -125,7 +126,10 @@ def set_leaf(state_dict: Any, path: Path, value: Any) -> None:
 
 # --- JSON values ---------------------------------------------------------------------------
 
-_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_NONFINITE = {"nan": math.nan, "-nan": -math.nan, "inf": math.inf, "-inf": -math.inf}
+_QUIET_NAN_BITS = 0x7FF8_0000_0000_0000
+"""A NaN's bits but its sign: the one NaN Python and numpy arithmetic make (``-nan``
+only differs in its sign: x86's 0/0)."""
 MAX_INT_DIGITS = 4300
 """The most digits of an integer value: what Python parses from JSON by default
 (``sys.get_int_max_str_digits``), so that every reader can read the commit record."""
@@ -145,7 +149,8 @@ def to_json(value: Any, key: str) -> Any:
     the same types at every depth:
 
     * ``None``, ``bool``, ``int``, ``str``, finite ``float``: themselves (numpy scalars too);
-    * non-finite floats: ``{"$float": "nan"|"inf"|"-inf"}``;
+    * non-finite floats: ``{"$float": "nan"|"-nan"|"inf"|"-inf"}`` (a NaN keeps its sign;
+      one with another payload is refused: store it as a tensor);
     * ``bytes``/``bytearray``: ``{"$bytes": "<base64>"}`` (opaque bytes; never unpickled);
     * lists: JSON arrays; tuples: ``{"$tuple": [...]}`` (so ``(1, (2, 3))`` comes back as
       itself, not as ``[1, [2, 3]]``);
@@ -178,7 +183,15 @@ def _to_json(value: Any, key: str, depth: int) -> Any:
     if isinstance(value, float):
         if math.isfinite(value):
             return float(value)
-        return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+        if not math.isnan(value):
+            return {"$float": "inf" if value > 0 else "-inf"}
+        bits = struct.unpack("<Q", struct.pack("<d", value))[0]
+        if bits & ~(1 << 63) != _QUIET_NAN_BITS:
+            raise NotJSONableError(
+                f"value at key {key!r}: a NaN with the payload {bits:#018x}, which the format does not keep "
+                "(it stores nan and -nan): store it as a tensor to keep its bits"
+            )
+        return {"$float": "-nan" if bits >> 63 else "nan"}
     if hasattr(value, "item") and hasattr(value, "dtype") and getattr(value, "ndim", 1) == 0:
         return _to_json(value.item(), key, depth)  # numpy scalars
     if isinstance(value, list):
