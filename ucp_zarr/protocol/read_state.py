@@ -33,7 +33,11 @@ def read_state_dict(
 ) -> dict[Any, Any]:
     """The state dict saved at ``path``, as ``torch.load`` would give it back: nested
     mappings and lists, integer (and other non-string) keys, tuples and every other value
-    as saved, tensors materialised on ``device`` in their saved dtype. What a trainer's
+    as saved, tensors materialised on ``device`` in their saved dtype. Types are the base
+    ones, as DCP's loaders give them: every mapping a ``dict`` (an ``OrderedDict``, or the
+    ``Counter`` of ``MultiStepLR``'s milestones, too), every tuple a ``tuple`` (a
+    namedtuple or ``torch.Size`` too), an ``int``/``str`` enum member its value (a
+    :func:`load` into a state dict keeps the target's types). What a trainer's
     loader needs, as DCP's ``dcp_to_torch_save`` gives it; no unpickling, nothing to
     fill in advance (:func:`load` fills a state dict of any layout in place instead).
 
