@@ -163,3 +163,61 @@ def test_cli(tmp_path: Path) -> None:
     r = subprocess.run(cli + ["convert", str(tmp_path / "nothing.pt"), str(tmp_path / "ck3")], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "nothing.pt: no such file" in r.stderr
+
+
+@pytest.mark.parametrize("to", ["dcp", "safetensors"])  # (ds-universal: the same atomic_folder)
+def test_an_overwriting_export_replaces_only_an_earlier_export(tmp_path: Path, to: str) -> None:
+    """``export(..., overwrite=True)`` never replaces a folder holding anything but an earlier
+    export of that format (before: the folder was replaced whole, and ``export runs/step_200
+    runs --overwrite`` deleted every checkpoint in ``runs``, the source too)."""
+    state = {"model": {"w": torch.arange(4.0)}, "optim": {"state": {}, "param_groups": [{"lr": 0.1, "params": ["w"]}]},
+             "step": 3}
+    runs = tmp_path / "runs"
+    for step in (100, 200):
+        ucp_zarr.save(state, runs / f"step_{step}")
+    with pytest.raises(ConversionError, match="holds the checkpoint"):
+        ucp_zarr.export(runs / "step_200", runs, to=to, overwrite=True)
+    with pytest.raises(ConversionError, match="is inside the checkpoint"):
+        ucp_zarr.export(runs / "step_200", runs / "step_200" / "out", to=to, overwrite=True)
+    other = tmp_path / "other"
+    ucp_zarr.save(state, other / "ck")
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ConversionError, match=r"holds \['ck', 'notes.txt'\], which an export to"):
+        ucp_zarr.export(runs / "step_200", other, to=to, overwrite=True)
+    assert (other / "notes.txt").read_text() == "mine" and ucp_zarr.read_state_dict(other / "ck")["step"] == 3
+    for step in (100, 200):
+        assert torch.equal(ucp_zarr.read_state_dict(runs / f"step_{step}")["model"]["w"], torch.arange(4.0))
+    out = tmp_path / "out"
+    ucp_zarr.export(runs / "step_100", out, to=to)
+    first = sorted(p.name for p in out.iterdir())
+    ucp_zarr.export(runs / "step_200", out, to=to, overwrite=True)  # an earlier export: replaced
+    assert sorted(p.name for p in out.iterdir()) == first
+
+
+def test_an_option_a_format_does_not_take_is_refused(tmp_path: Path) -> None:
+    """An option is applied or refused, never ignored: ``export --to safetensors --dtype bf16``
+    wrote fp32 and exited 0; ``convert --prefix`` of a DeepSpeed folder, ``rules`` for a
+    torch file, were dropped silently."""
+    torch.save({"w": torch.ones(3)}, tmp_path / "m.pt")
+    with pytest.raises(ConversionError, match="a torch source takes no option rules"):
+        ucp_zarr.convert(tmp_path / "m.pt", tmp_path / "ck", rules=object())
+    ucp_zarr.convert(tmp_path / "m.pt", tmp_path / "ck", prefix="model.", trust=True)  # (trust: nothing to allow)
+    with pytest.raises(ConversionError, match="an export to safetensors takes no option dtype, prefix"):
+        ucp_zarr.export(tmp_path / "ck", tmp_path / "st", to="safetensors", dtype="bf16", prefix="model.")
+    with pytest.raises(ConversionError, match="an export to dcp takes no option masters"):
+        ucp_zarr.export(tmp_path / "ck", tmp_path / "d", to="dcp", masters=True)
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "latest_universal").write_text("global_step1_universal")
+    with pytest.raises(ConversionError, match="a ds-universal source takes no option prefix"):
+        ucp_zarr.convert(tmp_path / "ds", tmp_path / "ck2", prefix="student.")
+    cli = [sys.executable, "-m", "ucp_zarr.cli", "export", str(tmp_path / "ck"), str(tmp_path / "st"), "--to", "safetensors"]
+    r = subprocess.run(cli + ["--dtype", "bf16"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "takes no option dtype" in r.stderr and not (tmp_path / "st").exists()
+    big = {f"w{i}": torch.randn(64, 64) for i in range(3)}  # 16 KiB each
+    ucp_zarr.save(big, tmp_path / "big")
+    r = subprocess.run(cli[:4] + [str(tmp_path / "big"), str(tmp_path / "sh"), "--to", "safetensors",
+                                  "--max-shard-size", "20KB"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (tmp_path / "sh").iterdir()) == [
+        "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
+        "model.safetensors.index.json"]

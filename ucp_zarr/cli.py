@@ -166,11 +166,13 @@ def build_parser() -> _Parser:
     e.add_argument("dst", help="the folder to write (made complete or not at all)")
     e.add_argument("--to", dest="target", required=True, metavar="FORMAT", help="the format to write (see below)")
     e.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    h = e.add_argument_group("hf (a folder for from_pretrained; its other files, such as config.json, are kept)")
+    h = e.add_argument_group("hf (a folder for from_pretrained; its other files, such as config.json, are kept); "
+                             "--max-shard-size also for safetensors, the others for hf only")
     h.add_argument("--prefix", default=None, help="the training prefix of the weights, removed (default: detected)")
     h.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"), help="cast floating weights")
     h.add_argument("--masters", action="store_true", help="write the fp32 masters where the checkpoint holds them")
-    h.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="the largest shard (default 5GB)")
+    h.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                   help="the largest shard (default: hf 5GB, safetensors 4GiB)")
     h.add_argument("--names", default=None, metavar="MAPPING",
                    help="Hugging Face names for the weights, fused ones split: megatron_to_llama")
     progress(e)
@@ -570,9 +572,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
             convert(args.src, args.dst, source=args.source, trust=args.trust, prefix=args.prefix,
                     overwrite=args.overwrite, max_workers=args.max_workers, progress=bar)
         else:
-            hf = {"prefix": args.prefix, "dtype": args.dtype, "masters": args.masters,
-                  "max_shard_size": args.max_shard_size, "names": args.names} if args.target == "hf" else {}
-            export(args.src, args.dst, to=args.target, overwrite=args.overwrite, progress=bar, **hf)
+            given = {"prefix": args.prefix, "dtype": args.dtype, "masters": args.masters,
+                     "max_shard_size": args.max_shard_size, "names": args.names}
+            if args.target == "safetensors" and args.max_shard_size is not None:  # (its option counts bytes)
+                from .converters.hf import shard_size
+                given["max_shard_bytes"] = shard_size(given.pop("max_shard_size"))
+            # (an option the format does not take is refused by export, never ignored)
+            export(args.src, args.dst, to=args.target, overwrite=args.overwrite, progress=bar,
+                   **{k: v for k, v in given.items() if v is not None})
     print(f"{args.cmd}ed {args.src} -> {args.dst} in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -23,6 +23,7 @@ format             in (``source=``)                 out (``to=``)
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import threading
 from pathlib import Path
@@ -73,7 +74,9 @@ def read_source(src: str | os.PathLike[str], source: str | None = None, **option
     if kind not in SOURCES:
         raise ConversionError(f"unknown source kind {kind!r} (known: {sorted(SOURCES)})")
     module = importlib.import_module(f".{SOURCES[kind]}", __name__)
-    return module.read(Path(src), **options)
+    if options.get("trust") and "trust" not in inspect.signature(module.read).parameters:
+        del options["trust"]  # (a source that is never unpickled needs no trust)
+    return module.read(Path(src), **_taken(module.read, f"a {kind} source", options))
 
 
 def convert(
@@ -137,8 +140,31 @@ def export(
     if to not in TARGETS:
         raise ConversionError(f"unknown export format {to!r} (known: {sorted(TARGETS)})")
     ck = open_reader(src, storage_options=storage_options)
+    if ck.store.local_path is not None:
+        _check_apart(Path(ck.store.local_path), Path(dst))
     module = importlib.import_module(f".{TARGETS[to]}", __name__)
+    options = _taken(module.write, f"an export to {to}", options)
     return module.write(ck, Path(dst), overwrite=overwrite, progress=_running_total(progress, ck.nbytes()), **options)
+
+
+def _check_apart(src: Path, dst: Path) -> None:
+    """Refuse an export into its own checkpoint, or into a folder that holds it (which an
+    overwrite would replace)."""
+    a, b = src.resolve(), dst.resolve()
+    if a == b or a.is_relative_to(b) or b.is_relative_to(a):
+        where = "is" if a == b else ("holds" if a.is_relative_to(b) else "is inside")
+        raise ConversionError(f"{dst} {where} the checkpoint {src} being exported: export to a folder apart from it")
+
+
+def _taken(fn: Callable[..., Any], what: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The ``options`` that ``fn`` takes; :class:`ConversionError` naming any other that is
+    set (not None, empty or False): an option given is never silently ignored."""
+    params = inspect.signature(fn).parameters
+    ignored = sorted(k for k, v in options.items() if k not in params and v is not None and v is not False and v != "")
+    if ignored:
+        takes = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY and k not in ("overwrite", "progress"))
+        raise ConversionError(f"{what} takes no option {', '.join(ignored)} (it takes: {', '.join(takes) or 'none'})")
+    return {k: v for k, v in options.items() if k in params}
 
 
 def _running_total(progress: Callable[[int, int], None] | None, total: int) -> Callable[[int], None] | None:

@@ -186,14 +186,26 @@ def _first_line(e: BaseException) -> str:
 
 
 @contextmanager
-def atomic_folder(dst: Path, *, overwrite: bool) -> Iterator[Path]:
+def atomic_folder(dst: Path, *, overwrite: bool, ours: Callable[[str], bool], what: str) -> Iterator[Path]:
     """A temporary sibling of ``dst`` to write into, renamed to ``dst`` when the block
     succeeds: an interrupted export leaves no complete-looking ``dst`` (only a
     ``.<name>.partial-*`` sibling, removed on failure). An existing ``dst`` is refused
-    unless ``overwrite`` (then it is replaced only after the new folder is complete)."""
+    unless ``overwrite``, and even then unless each of its entries is one ``ours`` claims
+    (by name: what an export ``what`` writes), so that only an earlier export is replaced
+    (after the new folder is complete), never a folder holding anything else (checkpoints,
+    the source itself)."""
     dst = Path(dst)
-    if dst.exists() and not overwrite:
-        raise ConversionError(f"{dst} already exists; pass ", Keyword("overwrite", True), " to replace it")
+    if dst.exists() or dst.is_symlink():
+        if not overwrite:
+            raise ConversionError(f"{dst} already exists; pass ", Keyword("overwrite", True), " to replace it")
+        if dst.is_symlink() or not dst.is_dir():
+            raise ConversionError(f"{dst} is not a folder; not replacing it with {what}")
+        others = sorted(e.name for e in dst.iterdir() if not ours(e.name))
+        if others:
+            raise ConversionError(
+                f"{dst} holds {others[:5]}{' ...' if len(others) > 5 else ''}, which {what} does not write: not "
+                "replacing it (overwrite replaces only an earlier export); choose a new or empty folder"
+            )
     tmp = dst.parent / f".{dst.name}.partial-{uuid.uuid4().hex[:12]}"
     tmp.mkdir(parents=True)
     try:

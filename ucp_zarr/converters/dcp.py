@@ -50,6 +50,8 @@ from .base import Imported, atomic_folder, read_ahead
 
 METADATA_FILE = ".metadata"
 DATA_FILE = "__0_0.distcp"
+_EXPORTED = re.compile(r"\.metadata|.*\.distcp")
+"""The files of a DCP folder (an earlier export is replaced with ``overwrite``)."""
 BLOCK_BYTES = 64 << 20
 """Tensors are exported in chunks (row blocks) of about this size."""
 DCP_VERSION = "1.0.0"
@@ -341,7 +343,7 @@ class _Tensor:
 # --- in ------------------------------------------------------------------------------------------
 
 
-def read(src: Path, *, trust: bool = False, prefix: str = "", **_: Any) -> Imported:
+def read(src: Path, *, trust: bool = False, prefix: str = "") -> Imported:
     """The tensors and values of the DCP checkpoint folder ``src`` (or its ``.metadata``)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
@@ -490,7 +492,6 @@ def write(
     keys: list[str] | None = None,
     block_bytes: int = BLOCK_BYTES,
     progress: Callable[[int], None] | None = None,
-    **_: Any,
 ) -> Path:
     """Export the tensors and values of ``ck`` (or only ``keys``) into the folder ``dst``,
     which ``torch.distributed.checkpoint.load`` reads (one process or many, any layout).
@@ -529,7 +530,8 @@ def write(
         firsts.setdefault(meta.canonical(k), k)
     reads = [(k, box) for k in firsts.values() for box in _blocks(_shape(ck, k), _dtype(ck, k).itemsize, block_bytes)]
     ahead_of = read_ahead(ck.store, lambda r: ck.read(*r), reads, lambda r: r[1].numel * _dtype(ck, r[0]).itemsize)
-    with atomic_folder(Path(dst), overwrite=overwrite) as tmp, open(tmp / DATA_FILE, "wb") as f, closing(ahead_of) as read:
+    with atomic_folder(Path(dst), overwrite=overwrite, ours=_EXPORTED.fullmatch, what="an export to DCP") as tmp, \
+            open(tmp / DATA_FILE, "wb") as f, closing(ahead_of) as read:
         for k in (k for k in keys if k in meta.values):  # byte entries first, as FileSystemWriter writes them
             start = f.tell()
             torch.save(from_json(meta.values[k], k), f)

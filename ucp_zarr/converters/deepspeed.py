@@ -67,7 +67,7 @@ from .deepspeed_files import (
 from .deepspeed_zero import Consolidated, Mapped, _other_state, _zero12, _zero3
 
 
-def read(src: Path, *, trust: bool = False, rules: Any = None, **_: Any) -> Imported:
+def read(src: Path, *, trust: bool = False, rules: Any = None) -> Imported:
     """A DeepSpeed checkpoint folder: ZeRO-1/2/3 (and ZeRO-0 in bf16: DeepSpeed's
     BF16_Optimizer), pipeline stages, MoE experts over expert-data-parallel groups; with
     tensor parallelism (``mp_rank_XX`` files), each TP rank's parameters are placed on the

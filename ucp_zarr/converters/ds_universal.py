@@ -106,12 +106,11 @@ MASTER = "fp32"
 # --- in ------------------------------------------------------------------------------------------
 
 
-def read(src: Path, *, trust: bool = False, prefix: str = "", rules: Any = None, **_: Any) -> Imported:
+def read(src: Path, *, trust: bool = False) -> Imported:
     """Import the universal folder ``src`` (the ``<tag>_universal`` folder, or the folder
-    holding ``latest_universal``). ``prefix`` does not apply: the keys are DeepSpeed's."""
+    holding ``latest_universal``). It takes no ``prefix`` (the keys are DeepSpeed's) and
+    no ``rules`` (it is consolidated already)."""
     folder = universal_folder(Path(src))
-    if rules is not None:
-        raise ConversionError("rules apply to tensor-parallel checkpoints; a universal checkpoint is already consolidated")
     zero = folder / "zero"
     models, model_files = _model_states(folder, trust)
     model = models[0]
@@ -302,6 +301,12 @@ class FileTensor:
 # --- out -----------------------------------------------------------------------------------------
 
 
+def _exported(name: str) -> bool:
+    """Whether an entry of a folder is one an export writes (an earlier one is replaced with
+    ``overwrite``): ``latest_universal`` and ``<tag>_universal`` folders."""
+    return name == LATEST or name.endswith("_universal")
+
+
 def write(
     ck: Any,
     dst: Path,
@@ -309,7 +314,6 @@ def write(
     overwrite: bool = False,
     tag: str | None = None,
     progress: Callable[[int], None] | None = None,
-    **_: Any,
 ) -> Path:
     """Export ``ck`` (keys as the ZeRO importer names them) into the folder ``dst``:
     ``dst/latest_universal`` naming ``<tag>_universal`` (``tag`` defaults to
@@ -351,7 +355,7 @@ def write(
     steps = values.get("deepspeed.global_steps", values.get("step", 0))
     folder_name = check_name(f"{tag or f'global_step{steps}'}_universal",
                              "the tag's folder" if tag else f"checkpoint {ck.store.url}: the folder of its step")
-    with atomic_folder(Path(dst), overwrite=overwrite) as tmp:
+    with atomic_folder(Path(dst), overwrite=overwrite, ours=_exported, what="an export to ds-universal") as tmp:
         folder = tmp / folder_name
         zero = folder / "zero"
         zero.mkdir(parents=True)

@@ -81,7 +81,6 @@ def write(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     names: Names = None,
     progress: Callable[[int], None] | None = None,
-    **_: Any,
 ) -> Path:
     """Export the model weights of ``ck`` into the folder ``dst`` for ``from_pretrained``
     (see the module docstring). Raises :class:`~ucp_zarr.errors.ConversionError` naming

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from contextlib import closing
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from .base import Imported, atomic_file, atomic_folder, read_ahead
 
 INDEX_SUFFIX = ".safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
+_EXPORTED = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+"""The files an export to a folder writes (an earlier one is replaced with ``overwrite``)."""
 TIES_METADATA = "ucp_zarr.ties"
 """The ``__metadata__`` entry where an export records tied names (JSON: alias -> the name it reads)."""
 BLOCK_BYTES = 64 << 20
@@ -63,7 +66,7 @@ class _Entry:
             return f.get_slice(self.name)[box.slices()], box
 
 
-def read(src: Path, *, prefix: str = "", **_: Any) -> Imported:
+def read(src: Path, *, prefix: str = "") -> Imported:
     """The tensors of a safetensors file, or of every shard an index names (``src`` is the
     file, the index, or a folder holding exactly one of either)."""
     files = _files(Path(src))
@@ -153,7 +156,6 @@ def write(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     keys: list[str] | None = None,
     progress: Callable[[int], None] | None = None,
-    **_: Any,
 ) -> Path:
     """Export the tensors of ``ck`` (or only ``keys``) under their keys: into the file
     ``dst`` when its name ends in ``.safetensors``, else into the folder ``dst`` as
@@ -174,7 +176,7 @@ def write(
         with atomic_file(Path(dst), overwrite=overwrite) as tmp:
             write_file(tmp, items, metadata, progress, ck.store)
         return Path(dst)
-    with atomic_folder(Path(dst), overwrite=overwrite) as tmp:
+    with atomic_folder(Path(dst), overwrite=overwrite, ours=_EXPORTED.fullmatch, what="an export to safetensors") as tmp:
         write_shards(tmp, items, max_shard_bytes, metadata, progress, None, ck.store)
     return Path(dst)
 

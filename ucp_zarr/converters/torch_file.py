@@ -9,7 +9,6 @@ unpickling is refused unless the caller trusts it (:func:`.base.torch_load`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -19,7 +18,7 @@ from ..protocol.writer import InMemory
 from .base import Imported, torch_load
 
 
-def read(src: Path, *, trust: bool = False, prefix: str = "", **_: Any) -> Imported:
+def read(src: Path, *, trust: bool = False, prefix: str = "") -> Imported:
     obj = torch_load(Path(src), trust=trust)
     if isinstance(obj, torch.Tensor):
         obj = {"tensor": obj}
