@@ -620,3 +620,19 @@ def test_stats_of_overflowing_values_and_of_a_tied_alias(tmp_path, capsys) -> No
     assert rc == 0 and out[0]["std"] == "inf" and out[0]["norm"] == "inf" and out[0]["max"] == 1e200
     rc, out = run_json(capsys, "stats", tmp_path / "ck", "lm_head")
     assert rc == 0 and out[0]["key"] == "lm_head" and out[0]["mean"] == 1.0
+
+
+def test_a_key_holding_glob_characters_selects_itself(capsys, tmp_path) -> None:
+    """A pattern that spells a stored key selects that key, even where it holds ``[``, ``*`` or
+    ``?`` (before: ``stats ck 'model.w[0]'`` read ``model.w0``, and ``diff --keys`` compared
+    it, exit 0); a pattern that spells no key is still a glob."""
+    ck = tmp_path / "ck"
+    ucp_zarr.save({"model": {"w[0]": torch.full((4,), 7.0), "w0": torch.full((4,), -1.0), "w*": torch.zeros(2)}}, ck)
+    rc, out = run_json(capsys, "stats", ck, "model.w[0]")
+    assert rc == 0 and [(r["key"], r["min"]) for r in out] == [("model.w[0]", 7.0)]
+    rc, out = run_json(capsys, "stats", ck, "model.w*")
+    assert rc == 0 and [r["key"] for r in out] == ["model.w*"]
+    rc, out = run_json(capsys, "stats", ck, "model.w?")  # (no such key: a glob)
+    assert rc == 0 and sorted(r["key"] for r in out) == ["model.w*", "model.w0"]
+    assert [r.key for r in D.diff(ck, ck, keys="model.w[0]").rows] == ["model.w[0]"]
+    assert [r.key for r in I.list_tensors(ucp_zarr.open(ck), "model.w[0]")] == ["model.w[0]"]

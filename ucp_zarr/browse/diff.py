@@ -15,7 +15,7 @@ import numpy as np
 
 from ..io.store import in_order
 from ..protocol.reader import CheckpointReader, open_reader
-from .inspect import _json_float, matches, select_keys
+from .inspect import _json_float, select_keys, selector
 from .values import MAX_BYTES, Progress, _PIECE, _value_itemsize, block_boxes, block_shape, widen
 
 
@@ -253,7 +253,8 @@ def _diff_values(a: CheckpointReader, b: CheckpointReader, patterns: list[str] |
         out = dict(ck.meta.values)
         for k, per in ck.meta.rank_values.items():
             out.update({f"{k} (rank {r})": v for r, v in per.items()})
-        return {k: v for k, v in out.items() if patterns is None or any(matches(k, p) for p in patterns)}
+        hit = selector(patterns, out)
+        return {k: v for k, v in out.items() if hit(k)}
 
     va, vb = flat(a), flat(b)
     rows = []
@@ -280,7 +281,7 @@ def diff(
     tensor by tensor and value by value (see :class:`DiffRow`, :class:`ValueDiff`).
 
     ``keys``: compare only the tensors and values these select (exact keys, subtrees or
-    globs, see :func:`matches`; one string is one pattern). Tensors are read block by block, the same boxes from both,
+    globs, see :func:`.inspect.selector`; one string is one pattern). Tensors are read block by block, the same boxes from both,
     with memory bounded by about ``max_bytes``; per-rank tensors are compared rank by rank."""
     ca, cb = _as_checkpoint(a, storage_options), _as_checkpoint(b, storage_options)
     patterns = None if keys is None else [keys] if isinstance(keys, str) else list(keys)

@@ -51,38 +51,44 @@ class TensorRow:
         }
 
 
-def matches(key: str, pattern: str | None) -> bool:
-    """Whether ``key`` is selected by ``pattern``: a glob (``*``, ``?``, ``[...]``, matched
-    with :func:`fnmatch.fnmatchcase`; ``*`` crosses dots), or a plain key that selects itself
-    and everything under it (``model.layers.0`` selects ``model.layers.0.weight``); None
-    selects everything."""
-    if pattern is None:
-        return True
-    if any(c in pattern for c in "*?["):
-        return fnmatch.fnmatchcase(key, pattern)
-    return key == pattern or key.startswith(pattern + ".")
+def _is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
 
 
-def select_keys(ck: CheckpointReader, patterns: Iterable[str] | None, *, ties: bool = False) -> list[str]:
-    """The keys of ``ck`` selected by any of ``patterns`` (see :func:`matches`), in order;
-    with ``ties``, the aliases of tied tensors too (after the stored tensors)."""
-    keys = ck.keys() + list(ck.meta.ties) if ties else ck.keys()
+def selector(patterns: Iterable[str] | None, keys: Iterable[str]) -> Callable[[str], bool]:
+    """Whether a key is selected by any of ``patterns`` (None: every key), among ``keys``. A
+    pattern is a plain key that selects itself and everything under it (``model.layers.0``
+    selects ``model.layers.0.weight``), or a glob (``*``, ``?``, ``[...]``, matched with
+    :func:`fnmatch.fnmatchcase`; ``*`` crosses dots); one that spells one of ``keys``, or a
+    dotted prefix of one, is a plain key even where it holds glob characters (the key
+    ``model.w[0]`` selects itself, not ``model.w0``)."""
     if patterns is None:
-        return keys
+        return lambda key: True
     pats = list(patterns)
-    globs = [p for p in pats if any(c in p for c in "*?[")]
-    plain = set(pats).difference(globs)  # (many exact keys: each key's dotted prefixes looked up, not every pattern tried)
+    spelled = {".".join(parts[:i]) for parts in (k.split(".") for k in keys) for i in range(1, len(parts) + 1)}
+    plain = {p for p in pats if not _is_glob(p) or p in spelled}
+    globs = [p for p in pats if p not in plain]
 
-    def hit(key: str) -> bool:
+    def hit(key: str) -> bool:  # (many exact keys: each key's dotted prefixes looked up, not every pattern tried)
         parts = key.split(".")
         return (any(".".join(parts[:i]) in plain for i in range(1, len(parts) + 1)) if plain else False) or any(
             fnmatch.fnmatchcase(key, g) for g in globs)
 
+    return hit
+
+
+def select_keys(ck: CheckpointReader, patterns: Iterable[str] | None, *, ties: bool = False) -> list[str]:
+    """The keys of ``ck`` selected by any of ``patterns`` (see :func:`selector`), in order;
+    with ``ties``, the aliases of tied tensors too (after the stored tensors)."""
+    keys = ck.keys() + list(ck.meta.ties) if ties else ck.keys()
+    if patterns is None:
+        return keys
+    hit = selector(patterns, keys)
     return [k for k in keys if hit(k)]
 
 
 def list_tensors(ck: CheckpointReader, pattern: str | None = None) -> list[TensorRow]:
-    """The tensors of ``ck`` selected by ``pattern`` (see :func:`matches`; None: all), with
+    """The tensors of ``ck`` selected by ``pattern`` (see :func:`selector`; None: all), with
     their chunking (each array's document is read once, checked against its digest)."""
     keys = select_keys(ck, None if pattern is None else [pattern])
 

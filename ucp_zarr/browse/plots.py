@@ -95,13 +95,14 @@ def plot_updates(diff: "CheckpointDiff", keys: str | None = None, ax: "Axes | No
                  log: bool = True) -> "Axes":
     """The relative update ``‖Δw‖/‖w‖`` of each tensor of a diff (:func:`ucp_zarr.diff`) by layer:
     numbered layers (``layers.12.``) as one line per kind of tensor over the layer index, else
-    one bar per tensor. ``keys``: a pattern (see :func:`ucp_zarr.browse.inspect.matches`) choosing the
+    one bar per tensor. ``keys``: a pattern (see :func:`ucp_zarr.browse.inspect.selector`) choosing the
     tensors; default: the model's (not optimizer state, see
     :func:`~ucp_zarr.browse.inspect.tensor_kind`)."""
-    from .inspect import matches, tensor_kind
+    from .inspect import selector, tensor_kind
 
-    values = {r.key: r.rel_update for r in diff.rows if r.rank is None and r.rel_update is not None
-              and (matches(r.key, keys) if keys is not None else tensor_kind(r.key) == "model")}
+    rows = [r for r in diff.rows if r.rank is None and r.rel_update is not None]
+    hit = selector(None if keys is None else [keys], [r.key for r in rows])
+    values = {r.key: r.rel_update for r in rows if (hit(r.key) if keys is not None else tensor_kind(r.key) == "model")}
     if not values:
         raise KeyError(f"no tensor compared in both {diff.a} and {diff.b} matches {keys or 'the model'!r}")
     ax = _new_axes(ax)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
 Patterns = str | Iterable[str] | None
-"""Tensor keys, subtrees or globs (see :func:`ucp_zarr.browse.inspect.matches`); one string is one pattern."""
+"""Tensor keys, subtrees or globs (see :func:`ucp_zarr.browse.inspect.selector`); one string is one pattern."""
 
 
 def _patterns(keys: Patterns) -> list[str] | None:
