@@ -9,6 +9,7 @@ own ``distribute_tensor``.
 from __future__ import annotations
 
 import copy
+import json
 import math
 import zlib
 from typing import Any, Mapping
@@ -155,3 +156,14 @@ def full_copy(obj: Any) -> Any:
     if isinstance(obj, list):
         return [full_copy(v) for v in obj]
     return copy.deepcopy(obj)
+
+
+def record_text(doc: Any) -> str:
+    """A commit record edited by a test (``doc``, parsed) as text, its ``record_digest``
+    recomputed as a consistent foreign writer would: so that the checks behind the digest
+    are what the test reaches."""
+    from ucp_zarr.format.integrity import RECORD_DIGEST, record_digest
+
+    attrs = doc["attributes"]["ucp_zarr"]
+    attrs[RECORD_DIGEST] = record_digest(attrs)
+    return json.dumps(doc)

@@ -29,6 +29,7 @@ from _faulty import MUTATING, Crash, FaultyStore, Log
 from torch.distributed.checkpoint import DefaultSavePlanner, format_utils
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+from _states import record_text
 
 import ucp_zarr
 import ucp_zarr.adapters.dcp as dcp_adapter
@@ -426,7 +427,7 @@ def test_reader_refuses_planner_data_it_did_not_write(tmp_path, dcp_layout, mess
     root = tmp_path / "ck" / "zarr.json"
     doc = json.loads(root.read_text())
     doc["attributes"]["ucp_zarr"]["layout"]["dcp"] = dcp_layout
-    root.write_text(json.dumps(doc))
+    root.write_text(record_text(doc))
     with pytest.raises(ucp_zarr.FormatError, match=message):
         ucp_zarr.ZarrStorageReader(tmp_path / "ck").read_metadata()
 

@@ -24,6 +24,7 @@ import ucp_zarr
 from ucp_zarr import errors
 from ucp_zarr.cli import main as cli
 from ucp_zarr.format.codec import CRC_BYTES, crc_bytes, trailer_nbytes
+from ucp_zarr.format.integrity import RECORD_DIGEST, record_digest
 
 KEY = b"0123456789abcdef-secret"
 
@@ -54,8 +55,12 @@ def _root(path: Path) -> dict[str, Any]:
 
 
 def _rewrite_root(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit the commit record's attributes as a consistent foreign writer would: its
+    ``record_digest`` recomputed (a signature cannot be)."""
     doc = _root(path)
-    edit(doc["attributes"]["ucp_zarr"])
+    attrs = doc["attributes"]["ucp_zarr"]
+    edit(attrs)
+    attrs[RECORD_DIGEST] = record_digest(attrs)
     (path / "zarr.json").write_text(json.dumps(doc))
 
 
@@ -401,7 +406,7 @@ def test_cli_verify_with_a_key_file(tmp_path, capsys):
     assert cli(["verify", str(path), "--key-file", str(key_file)]) == 0
     assert "signature verified" in capsys.readouterr().out
     _rewrite_root(path, lambda a: a["values"].__setitem__("step", 13))
-    assert cli(["verify", str(path), "--key-file", str(key_file)]) == 2
+    assert cli(["verify", str(path), "--key-file", str(key_file)]) == 1  # (damage: 1, as for any other)
     assert "signature does not verify" in capsys.readouterr().err
     shard = _shard(tmp_path / "ck", "b")
     raw = bytearray(shard.read_bytes())
@@ -462,3 +467,23 @@ def test_each_column_block_chunk_of_a_shard_read_whole_is_checked(tmp_path, dama
     match = rf"chunk at \({origin[0]}, {origin[1]}\).*" + ("the data is corrupt" if damage == "flipped byte" else "chunk was replaced")
     with pytest.raises(ucp_zarr.CorruptChunkError, match=match):
         ucp_zarr.load({k: torch.zeros_like(v) for k, v in sd.items()}, tmp_path / "ck")
+
+
+@pytest.mark.parametrize("change", [(b'"step":100', b'"step":900'), (b'"opt.lr":0.5', b'"opt.lr":0.7'),
+                                    (b'"library":"ucp_zarr', b'"library":"ucp_zarz')])
+def test_a_changed_record_is_refused_by_its_digest(tmp_path, change) -> None:
+    """One flipped bit in an unsigned commit record (a value, an entry) is refused by every
+    reader and makes ``verify`` exit 1 (before: ``verify`` passed and a load gave step 900)."""
+    ck = tmp_path / "ck"
+    ucp_zarr.save({"w": torch.ones(3), "step": 100, "opt": {"lr": 0.5}}, ck)
+    raw = (ck / "zarr.json").read_bytes()
+    assert raw.count(change[0]) == 1
+    (ck / "zarr.json").write_bytes(raw.replace(*change))
+    with pytest.raises(ucp_zarr.CorruptChunkError, match="record_digest"):
+        ucp_zarr.read_state_dict(ck)
+    with pytest.raises(ucp_zarr.CorruptChunkError, match="record_digest"):
+        ucp_zarr.load({"w": torch.empty(3), "step": 0, "opt": {"lr": 0.0}}, ck)
+    r = subprocess.run([sys.executable, "-m", "ucp_zarr.cli", "verify", str(ck)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "verify FAILED" in r.stderr and "record_digest" in r.stderr
+    (ck / "zarr.json").write_bytes(raw)
+    assert ucp_zarr.read_state_dict(ck)["step"] == 100

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _states import record_text
 
 import ucp_zarr
 from _dist import run
@@ -357,7 +358,7 @@ def test_a_tampered_structure_is_refused(tmp_path):
                      ("x.1000000000", ["x", 10**9])):
         doc = json.loads(good)
         doc["attributes"]["ucp_zarr"]["structure"]["paths"][key] = bad
-        root.write_text(json.dumps(doc))
+        root.write_text(record_text(doc))
         with pytest.raises(ucp_zarr.FormatError, match="structure"):
             ucp_zarr.open(tmp_path / "ck")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import run
+from _states import record_text
 
 import ucp_zarr
 from ucp_zarr.protocol.reader import CheckpointReader
@@ -186,12 +187,12 @@ def test_the_commit_record_of_ties_is_checked(tmp_path: Path) -> None:
         ({"format": "ucp_zarr.ties/1", "aliases": {"model.ln.weight": "model.emb.weight"}}, "must be no tensor"),
     ):
         doc["attributes"]["ucp_zarr"]["ties"] = bad
-        root.write_text(json.dumps(doc))
+        root.write_text(record_text(doc))
         with pytest.raises(ucp_zarr.FormatError, match=message):
             ucp_zarr.open(tmp_path / "ck")
     del doc["attributes"]["ucp_zarr"]["ties"]  # a checkpoint without ties (older ones): the alias is no name
     del doc["attributes"]["ucp_zarr"]["structure"]["paths"]["model.head.weight"]
-    root.write_text(json.dumps(doc))
+    root.write_text(record_text(doc))
     assert ucp_zarr.open(tmp_path / "ck").ties == {} and "model.head.weight" not in ucp_zarr.open(tmp_path / "ck")
 
 

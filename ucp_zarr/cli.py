@@ -498,14 +498,18 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    ck = open_checkpoint(args.path, args)
     t0 = time.perf_counter()
+    url = args.path
     try:
+        ck = open_checkpoint(args.path, args)  # (a damaged commit record is damage too: exit 1)
+        url = ck.store.url
         with progress_bar(args, "verify") as bar:
             n = ck.verify(progress=bar)
+    except (NotACheckpointError, IncompleteCheckpointError):
+        raise
     except CheckpointError as e:
         if args.json:
-            emit({"ok": False, "url": ck.store.url, "error": str(e)})
+            emit({"ok": False, "url": url, "error": str(e)})
         print(f"error: verify FAILED: {e}", file=sys.stderr)
         return 1
     seconds = time.perf_counter() - t0

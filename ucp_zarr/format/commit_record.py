@@ -27,6 +27,7 @@ from .documents import (
 )
 from .dtypes import stored_dtype_by_name
 from .statedict import Structure, from_json
+from .integrity import check_record_digest
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,7 @@ class CheckpointMeta:
         except (KeyError, TypeError):
             raise FormatError(f"{where} is a Zarr group but not a ucp_zarr checkpoint") from None
         check_version(attrs, where)
+        check_record_digest(attrs, where)
         try:
             save_id = attrs["save_id"]
             if not (isinstance(save_id, str) and re.fullmatch(r"[0-9a-f]{32}", save_id)):

@@ -5,6 +5,9 @@
 * Every array has a digest in the commit record: SHA-256 over the seals of its shards (the
   last 32 bytes of each shard's trailer, see :mod:`.codec`) in C order of their grid
   position, which ``verify`` recomputes from every shard.
+* The commit record carries the SHA-256 of its own canonical JSON (``record_digest``: sorted
+  keys, no spaces, ASCII, without ``record_digest`` and ``signature``), so that a changed
+  value, digest or entry of an unsigned record (a flipped bit) is detected when read.
 * With a key, the commit record is signed: HMAC-SHA256 over its canonical JSON (sorted
   keys, no spaces, ASCII) without the ``signature`` member. The signed record covers the
   non-tensor values, the document digests and the array digests; the shard trailers are
@@ -19,7 +22,7 @@ import hmac
 import json
 from typing import Any, Sequence
 
-from ..errors import AuthenticationError
+from ..errors import AuthenticationError, CorruptChunkError
 
 SIGNATURE_ALG = "HMAC-SHA256"
 
@@ -38,6 +41,31 @@ def array_digest(seals: Sequence[bytes]) -> str:
 
 def canonical(doc: Any) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+RECORD_DIGEST = "record_digest"
+
+
+def record_digest(attrs: dict[str, Any]) -> str:
+    """The ``record_digest`` of the commit record's attributes ``attrs`` (what it holds but
+    its ``record_digest`` and ``signature``)."""
+    return document_digest(canonical({k: v for k, v in attrs.items() if k not in (RECORD_DIGEST, "signature")}))
+
+
+def check_record_digest(attrs: dict[str, Any], where: str) -> None:
+    """Raise :class:`CorruptChunkError` unless ``attrs`` match their ``record_digest``
+    (records written before it existed have none: nothing to check)."""
+    if RECORD_DIGEST not in attrs:
+        return
+    try:
+        same = record_digest(attrs) == attrs[RECORD_DIGEST]
+    except (ValueError, TypeError, RecursionError):  # not canonical JSON (NaN, say): never written by this library
+        same = False
+    if not same:
+        raise CorruptChunkError(
+            f"{where}: the commit record does not match its record_digest: it was changed after it was written (a "
+            "flipped bit, an edit), so its values, digests and entries cannot be trusted; restore it from a copy"
+        )
 
 
 def sign(attrs: dict[str, Any], key: bytes) -> dict[str, str]:

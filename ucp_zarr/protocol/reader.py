@@ -655,10 +655,11 @@ def commit_meta(store: Store, hmac_key: bytes | None = None) -> tuple[Store, Che
         raw = store.read(METADATA_FILE)
     where = f"{store.url}/{METADATA_FILE}"
     doc = parse_document(raw, where)
-    meta = CheckpointMeta.from_zarr_json(doc, where)
-    if hmac_key is not None:
-        check_signature(doc["attributes"][ATTRIBUTE], hmac_key, where)
-    return store, meta
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    attrs = attrs.get(ATTRIBUTE) if isinstance(attrs, dict) else None
+    if hmac_key is not None and isinstance(attrs, dict):  # (the signature first: it covers the record digest;
+        check_signature(attrs, hmac_key, where)          # without attributes the document is no checkpoint)
+    return store, CheckpointMeta.from_zarr_json(doc, where)
 
 
 def open_reader(

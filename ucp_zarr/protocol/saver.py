@@ -41,7 +41,7 @@ from ..format.documents import METADATA_FILE, dump_consolidated, dump_document, 
 from ..format.commit_record import ArrayRef, CheckpointMeta, TensorEntry
 from .collect import Collected, fragment_infos, merge_values
 from .hooks import LayoutHooks
-from ..format.integrity import array_digest, document_digest, sign
+from ..format.integrity import RECORD_DIGEST, array_digest, document_digest, record_digest, sign
 from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from .planner import FragmentInfo, SavePlan, ShardTask, plan_save, shared_infos
 from .replicas import Digests, check_replicas, combine_replicas, replica_digests, set_combined
@@ -339,6 +339,7 @@ class PreparedSave:
             ties=self.ties,
         )
         attrs = meta.attributes()
+        attrs[RECORD_DIGEST] = record_digest(attrs)
         if self.options.hmac_key is not None:
             attrs["signature"] = sign(attrs, self.options.hmac_key)
         return dump_consolidated(meta.to_zarr_json(attrs), made, {f"{g}/{METADATA_FILE}" for g in plan.groups})
