@@ -79,8 +79,9 @@ class OwnershipError(CheckpointError):
 
 
 class SaveError(CheckpointError):
-    """A distributed save failed; raised on every rank. ``failures`` maps each failing rank
-    to its error."""
+    """A distributed save failed, raised on every rank; or a distributed load failed on
+    another rank (the failing rank raises its own error). ``failures`` maps each failing
+    rank to its error."""
 
     def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
         super().__init__(message)

@@ -97,17 +97,35 @@ def load(
     rules that give a tensor another consolidated form (other fused sub-parameter sizes,
     another vocabulary size) raises :class:`~ucp_zarr.LayoutError` unless
     ``allow_other_rules``. With ``strict``, a placed load on several ranks checks the keys
-    against the union of every rank's (a collective: every rank of ``process_group`` calls
-    ``load``).
+    against the union of every rank's.
+
+    ``load`` is a collective: every rank of ``process_group`` calls it, and an error on one
+    rank is raised on every rank (the failing rank's own error there, a
+    :class:`~ucp_zarr.SaveError` naming it on the others), so that no rank goes on with
+    its state filled while another's load failed.
 
     ``max_workers`` objects are read at once: by default ``LOAD_WORKERS`` (4), or the
     store's own request concurrency where it declares one (an object store: 16, as each
     request waits a round trip).
     """
     comm = Comm(process_group)
-    ck = open_store_reader(open_store(path, storage_options), hmac_key, shared=comm.world > 1)
-    plan = _Planner(ck, state_dict, comm).plan(strict, allow_new_ranks, allow_lossy_cast, allow_other_rules)
-    fill(ck, plan.reads, comm.rank, allow_lossy_cast, max_workers)
+    what = f"load of {os.fspath(path)!r}"
+    # two agreements, whatever fails where: an error on one rank is raised on every rank, so
+    # that no rank goes on (into the next collective, or resumed while another starts fresh)
+    error: Exception | None = None
+    try:
+        ck = open_store_reader(open_store(path, storage_options), hmac_key, shared=comm.world > 1)
+        planner = _Planner(ck, state_dict, comm)
+        matched = planner.match(strict)
+    except Exception as e:
+        error = e
+    placements = _agree(comm, error, what, matched.placements if error is None else None)
+    try:
+        plan = planner.plan(matched, placements, strict, allow_new_ranks, allow_lossy_cast, allow_other_rules)
+        fill(ck, plan.reads, comm.rank, allow_lossy_cast, max_workers)
+    except Exception as e:
+        error = e
+    _agree(comm, error, what)
     for where, value in plan.values:
         put_path(state_dict, where, value, "the state dict")
     skipped = IncompatibleKeys(plan.missing, plan.unexpected)
@@ -165,6 +183,34 @@ class _Plan:
 
 
 @dataclass
+class _Matched:
+    """What :meth:`_Planner.match` found on this rank."""
+
+    kept: set[str]
+    """Leaves whose values stay as they are (see :meth:`_Planner._match_optimizer_state`)."""
+    absent: list[tuple[Path, str]]
+    missing: list[str]
+    held: set[str]
+    placed: list[Placed]
+    placements: tuple[set[str], frozenset[Any]] | None
+    """(the keys held, the rule patterns used) for the other ranks, where strict and placed."""
+
+
+def _agree(comm: Comm, error: Exception | None, what: str, payload: Any = None) -> list[Any]:
+    """Every rank's ``payload``, or raise on every rank if one failed: this rank's own
+    error where it failed (as one process would raise it), else a
+    :class:`~ucp_zarr.SaveError` naming the failing ranks' errors."""
+    if error is not None and not comm.active:
+        raise error
+    try:
+        return comm.agree(error, what, payload)
+    except Exception:
+        if error is None:
+            raise
+    raise error  # (outside the handler: with its own cause and context)
+
+
+@dataclass
 class _Optimizer:
     """An optimizer state dict in the target (``{"state": ..., "param_groups": [...]}``)."""
 
@@ -193,18 +239,27 @@ class _Planner:
         self.saved = [*self.meta.tensors, *self.meta.values, *self.meta.rank_values]
         self.optimizers = _optimizers(state_dict)
 
-    def plan(self, strict: bool, allow_new_ranks: bool, lossy: bool, other_rules: bool) -> _Plan:
-        meta, rank = self.meta, self.comm.rank
+    def match(self, strict: bool) -> _Matched:
+        """The target's keys matched against the checkpoint, on this rank alone (no
+        collective): what :meth:`plan` needs, and what this rank tells the others."""
         kept = self._match_optimizer_state()
         absent = self._absent_entries()
         missing = [k for k, s in self.stored_key.items() if not self._saved(s) and not self._names_of_group(k)]
         held = set(self.stored_key.values()) | {key for _, key in absent}
         placed = [leaf.value for leaf in self.leaves.values() if isinstance(leaf.value, Placed)]
-        if strict and placed:
-            # placed state dicts hold different keys on different ranks (pipeline stages, experts);
-            # only all ranks' placements together show a tensor placed twice or a pattern unused
-            used = frozenset().union(*(p.used for p in placed))
-            gathered = self.comm.all_gather((held, used)) if self.comm.active else [(held, used)]
+        # placed state dicts hold different keys on different ranks (pipeline stages, experts);
+        # only all ranks' placements together show a tensor placed twice or a pattern unused
+        told = (held, frozenset().union(*(p.used for p in placed))) if strict and placed else None
+        return _Matched(kept, absent, missing, held, placed, told)
+
+    def plan(self, matched: _Matched, placements: list[Any], strict: bool, allow_new_ranks: bool, lossy: bool,
+             other_rules: bool) -> _Plan:
+        """The reads and values of this rank's load, from :meth:`match` and every rank's
+        ``placements`` (its :attr:`_Matched.placements`, None from a rank without)."""
+        meta, rank = self.meta, self.comm.rank
+        kept, absent, missing, held, placed = matched.kept, matched.absent, matched.missing, matched.held, matched.placed
+        gathered = [p for p in placements if p is not None]
+        if matched.placements is not None:
             held = set().union(*(h for h, _ in gathered))
             hooks = placed[0].hooks
             if hooks is not None and placed[0].rules is not None:
