@@ -221,3 +221,22 @@ def test_an_option_a_format_does_not_take_is_refused(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "sh").iterdir()) == [
         "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
         "model.safetensors.index.json"]
+
+
+def test_a_safetensors_header_survives_a_round_trip(tmp_path: Path) -> None:
+    """safetensors -> ucp_zarr -> safetensors keeps the header's ``__metadata__`` entries as
+    they were, read back by safetensors itself (before: folded into one JSON string under
+    ``ucp_zarr.values``, and the original keys were gone)."""
+    from safetensors import safe_open
+
+    meta = {"format": "pt", "author": "me", "step": "100"}
+    save_file({"w": torch.arange(4.0)}, tmp_path / "m.safetensors", metadata=meta)
+    ucp_zarr.convert(tmp_path / "m.safetensors", tmp_path / "ck")
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "out.safetensors", to="safetensors")
+    with safe_open(tmp_path / "out.safetensors", "pt") as f:
+        assert f.metadata() == meta
+    assert torch.equal(load_file(tmp_path / "out.safetensors")["w"], torch.arange(4.0))
+    ucp_zarr.save({"w": torch.ones(2), "step": 3}, tmp_path / "plain")  # (other values: as JSON, as before)
+    ucp_zarr.export(tmp_path / "plain", tmp_path / "plain.safetensors", to="safetensors")
+    with safe_open(tmp_path / "plain.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt", "ucp_zarr.values": '{"step": 3}'}

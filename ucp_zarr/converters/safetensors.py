@@ -6,7 +6,8 @@ the value ``__metadata__`` (ties an export recorded there become ties again). Ou
 streaming writer of the format (an 8-byte header length, the JSON header, the raw
 little-endian bytes), one tensor block at a time, into one file (a destination named
 ``*.safetensors``) or shards of at most ``max_shard_bytes`` with a Hugging Face style index;
-every tensor under its checkpoint key (a tie once), the checkpoint's values as JSON in
+every tensor under its checkpoint key (a tie once), an imported header's ``__metadata__``
+entries back in place, the checkpoint's other values as JSON in
 ``__metadata__["ucp_zarr.values"]``. (A folder ``from_pretrained`` loads: :mod:`.hf`.)
 """
 
@@ -27,6 +28,7 @@ from ..protocol.reader import CheckpointReader
 from ..errors import ConversionError
 from ..layout import Box
 from ..format.safe_paths import inside_relative
+from ..format.statedict import from_json
 from ..io.store import Store
 from .base import Imported, atomic_file, atomic_folder, read_ahead
 
@@ -169,7 +171,7 @@ def write(
             raise ConversionError(f"tensor {k!r} is per-rank state (one copy per rank); safetensors holds one tensor per name")
     items = [OutTensor(k, tuple(ck[k].shape), ck[k].dtype, lambda k=k: blocks(ck, k)) for k in keys]
     ties = {a: c for a, c in ck.meta.ties.items() if c in keys and a not in keys}
-    metadata = {"format": "pt", "ucp_zarr.values": json.dumps(ck.meta.values, sort_keys=True)}
+    metadata = _metadata(ck)
     if ties:
         metadata[TIES_METADATA] = json.dumps(ties, sort_keys=True)
     if Path(dst).name.endswith(".safetensors"):
@@ -179,6 +181,22 @@ def write(
     with atomic_folder(Path(dst), overwrite=overwrite, ours=_EXPORTED.fullmatch, what="an export to safetensors") as tmp:
         write_shards(tmp, items, max_shard_bytes, metadata, progress, None, ck.store)
     return Path(dst)
+
+
+def _metadata(ck: CheckpointReader) -> dict[str, str]:
+    """The ``__metadata__`` of an export: a safetensors import's own header entries as they
+    were (the value ``__metadata__``), ``format`` (``"pt"`` unless they name one) and the
+    other values as JSON (``ucp_zarr.values``, where there are any)."""
+    values = {k: from_json(v, k) for k, v in ck.meta.values.items()}
+    header = values.get("__metadata__")
+    if isinstance(header, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in header.items()):
+        del values["__metadata__"]
+    else:
+        header = {}
+    out = {"format": "pt"} | header
+    if values:
+        out["ucp_zarr.values"] = json.dumps({k: ck.meta.values[k] for k in values}, sort_keys=True)
+    return out
 
 
 @dataclass(frozen=True)
