@@ -191,7 +191,7 @@ def _round_trip(src: Path, want: dict, tmp_path: Path, block_bytes: int = 512) -
     ``block_bytes``; ``dcp.load`` (one process, no process group) gives ``want`` again."""
     ucp_zarr.convert(src, tmp_path / "ck")
     ck = ucp_zarr.open(tmp_path / "ck")
-    assert ck.meta.layout == {"source": {"format": "dcp"}}
+    assert ck.meta.layout["source"] == {"format": "dcp"}  # (and layout.dcp: the nesting, BytesIO values)
     assert sorted(ck) == sorted(_chunks(src))
     got = {k: ck.read(k) for k in ck} | ck.metadata["values"]
     _assert_same(got, want)
@@ -203,7 +203,9 @@ def _round_trip(src: Path, want: dict, tmp_path: Path, block_bytes: int = 512) -
         assert all(torch.Size(s).numel() * getattr(torch, ck.meta.tensors[k].dtype).itemsize <= block_bytes for _, s in boxes), k
     target: dict[str, Any] = {k: _blank(v) if isinstance(v, torch.Tensor) else None for k, v in want.items()}
     dcp.load(target, checkpoint_id=out)
-    _assert_same(target, want)
+    blobs = [k for k in want if k.endswith("blob")]  # (saved as io.BytesIO: dcp.load gives them so, as of the source)
+    assert blobs and all(isinstance(target[k], io.BytesIO) for k in blobs), {k: type(target[k]) for k in blobs}
+    _assert_same({k: v.getvalue() if k in blobs else v for k, v in target.items()}, want)
     return ck
 
 
@@ -250,8 +252,10 @@ def test_exported_dcp_loads_onto_fsdp2_tp(jobs: Path) -> None:
     """The same checkpoint exported to DCP in row blocks fills an FSDP2 x TP model through
     dcp.load on four ranks."""
     assert len(_chunks(jobs / "fsdp.export")["model.emb.weight"]) == 13  # 51 rows, 4 (256 bytes) per chunk
-    got = torch.load(jobs / "dcp_loaded_fsdp_tp.pt", weights_only=True)
-    _assert_same(got, _want(jobs, "fsdp"))
+    with torch.serialization.safe_globals([io.BytesIO]):  # (a BytesIO value comes back as one, as DCP gives it)
+        got = torch.load(jobs / "dcp_loaded_fsdp_tp.pt", weights_only=True)
+    assert isinstance(got["extra.blob"], io.BytesIO)
+    _assert_same(got | {"extra.blob": got["extra.blob"].getvalue()}, _want(jobs, "fsdp"))
 
 
 def test_a_box_reads_only_the_chunks_it_overlaps(jobs: Path, tmp_path: Path) -> None:
@@ -485,3 +489,48 @@ def test_transformed_chunks_are_decoded_with_dcp_extensions(tmp_path: Path, monk
     ucp_zarr.convert(tmp_path / "dcp", tmp_path / "ck")
     ck = ucp_zarr.open(tmp_path / "ck")
     assert _bits_equal(ck.read("w"), sd["w"]) and ck.metadata["values"] == {"v.a": 1}
+
+
+def _tree_equal(a: Any, b: Any, where: str = "") -> None:
+    """Leaf for leaf, with the containers, keys and value types of ``b`` (BytesIO by content)."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(b, dict):
+        assert list(a) == list(b), (where, list(a), list(b))
+        for k in b:
+            _tree_equal(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(b, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _tree_equal(x, y, f"{where}[{i}]")
+    elif isinstance(b, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(b, io.BytesIO):
+        assert a.getvalue() == b.getvalue(), where
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_the_nesting_and_bytes_io_of_a_dcp_folder_survive_convert_and_export(tmp_path: Path) -> None:
+    """DCP -> ucp_zarr -> DCP: ``read_state_dict`` of the conversion and torch's own
+    ``dcp_to_torch_save`` of the export give what ``dcp_to_torch_save`` gives of the original
+    (before: flat keys, and ``io.BytesIO`` values as bytes); a checkpoint saved by
+    ``ucp_zarr.save`` exports with the nesting ``dcp.save`` of the same state dict records."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    sd = {"model": {"w": torch.arange(4.0), "b": torch.ones(2)},
+          "optim": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+          "lst": [torch.ones(1), {"a": 1}], "blob": io.BytesIO(b"abc"), "epoch": 2}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, checkpoint_id=tmp_path / "orig")
+        dcp_to_torch_save(tmp_path / "orig", tmp_path / "orig.pt")
+        want = torch.load(tmp_path / "orig.pt", weights_only=False)
+        ucp_zarr.convert(tmp_path / "orig", tmp_path / "ck")
+        _tree_equal(ucp_zarr.read_state_dict(tmp_path / "ck"), want)
+        ucp_zarr.export(tmp_path / "ck", tmp_path / "back", to="dcp")
+        dcp_to_torch_save(tmp_path / "back", tmp_path / "back.pt")
+        _tree_equal(torch.load(tmp_path / "back.pt", weights_only=False), want)
+        ucp_zarr.save({k: v for k, v in sd.items() if k != "blob"}, tmp_path / "saved")
+        ucp_zarr.export(tmp_path / "saved", tmp_path / "out", to="dcp")
+        dcp_to_torch_save(tmp_path / "out", tmp_path / "out.pt")
+        _tree_equal(torch.load(tmp_path / "out.pt", weights_only=False), {k: v for k, v in want.items() if k != "blob"})

@@ -240,3 +240,36 @@ def test_a_safetensors_header_survives_a_round_trip(tmp_path: Path) -> None:
     ucp_zarr.export(tmp_path / "plain", tmp_path / "plain.safetensors", to="safetensors")
     with safe_open(tmp_path / "plain.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt", "ucp_zarr.values": '{"step": 3}'}
+
+
+def _same_tree(a: object, b: object, where: str = "") -> None:
+    """``a`` (read back) is ``b`` (torch.load's) leaf for leaf, nesting and keys of every
+    type included (mappings as dicts)."""
+    if isinstance(b, dict):
+        assert isinstance(a, dict) and list(a) == list(b), (where, a, b)
+        for k in b:
+            _same_tree(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(b, list):
+        assert isinstance(a, list) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_tree(x, y, f"{where}[{i}]")
+    elif isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and same_bits(a, b), where
+    else:
+        assert type(a) is type(b) and a == b, (where, a, b)
+
+
+def test_a_torch_file_reads_back_nested_as_torch_load_gives_it(tmp_path: Path) -> None:
+    """``read_state_dict`` of a converted ``torch.save`` file nests as ``torch.load`` does:
+    integer keys, lists of param groups, empty mappings (before: flat string keys,
+    ``optim.state.0.step``, and a fresh optimizer's ``state: {}`` gone)."""
+    sd = {"model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2)},
+          "optim": {"state": {0: {"step": torch.tensor(4.0), "exp_avg": torch.ones(3)}, 1: {}},
+                    "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0, 1]}]},
+          "sched": {"state": {}}, "epoch": 3}
+    torch.save(sd, tmp_path / "sd.pt")
+    ucp_zarr.convert(tmp_path / "sd.pt", tmp_path / "ck")
+    want = torch.load(tmp_path / "sd.pt", weights_only=True)
+    _same_tree(ucp_zarr.read_state_dict(tmp_path / "ck"), want)
+    ucp_zarr.convert(tmp_path / "sd.pt", tmp_path / "ck2", prefix="student.")
+    _same_tree(ucp_zarr.read_state_dict(tmp_path / "ck2"), {"student": want})

@@ -113,8 +113,8 @@ from .dcp_plans import (
     _MISSING,
     _as_bytes,
     _chunk,
-    _dcp_layout,
-    _merged_planner_data,
+    dcp_layout,
+    merged_planner_data,
     _plan_to_state,
     _read_dcp_layout,
     _read_into,
@@ -319,7 +319,7 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
         """Keep the merged ``planner_data`` (coordinator only), as ``DefaultSavePlanner``
         merges it into DCP's ``Metadata``, for the commit record (used when the planner does
         not hold that ``Metadata`` itself)."""
-        self._planner_data = _merged_planner_data([p.planner_data for p in plans])
+        self._planner_data = merged_planner_data([p.planner_data for p in plans])
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -341,17 +341,17 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
                 # the coordinator's DefaultSavePlanner holds DCP's Metadata of this save: its
                 # planner_data is what FileSystemWriter would pickle (with plan caching, the
                 # plans prepare_global_plan saw may be empty deltas)
-                planner_data = _merged_planner_data([metadata.planner_data])
+                planner_data = merged_planner_data([metadata.planner_data])
         except BaseException as e:  # every rank learns of it in the agreement below
             error = e
         # which keys hold a BytesIO (each value was written by one rank, after DCP's dedup)
         gathered = comm.agree(error, "preparing the save", blobs)
         # what the commit record keeps for DCP; only rank 0 (DCP's coordinator) writes it
-        dcp_layout = _dcp_layout(planner_data, sorted({k for ks in gathered for k in ks}))
+        layout = dcp_layout(planner_data, sorted({k for ks in gathered for k in ks}))
         options = dataclasses.replace(self.options, **save_workers(store, self.max_workers))  # (as ucp_zarr.save)
         prepared = prepare(lambda: Collected(fragments, values), store, comm, options, copy=False)
-        if dcp_layout:
-            prepared.layout = {**prepared.layout, "dcp": dcp_layout}
+        if layout:
+            prepared.layout = {**prepared.layout, "dcp": layout}
         self.result = prepared.finish()
         return _done(results)
 

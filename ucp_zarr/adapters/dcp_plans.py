@@ -26,7 +26,7 @@ DCP_LAYOUT_FORMAT = "ucp_zarr.dcp/1"
 """``layout.dcp.format`` of the commit record (schema/FORMAT.md, section 3)."""
 
 
-def _merged_planner_data(per_plan: list[Any]) -> dict[str, tuple[str | int, ...]] | None:
+def merged_planner_data(per_plan: list[Any]) -> dict[str, tuple[str | int, ...]] | None:
     """Every plan's ``planner_data`` merged as ``DefaultSavePlanner`` merges it (the first
     plan naming a key wins), when each is a flatten mapping (flat key -> object path whose
     ``.``-join is the key); otherwise None (other planners' data is not stored)."""
@@ -49,7 +49,7 @@ def _is_object_path(key: str, path: Sequence[Any]) -> bool:
     )
 
 
-def _dcp_layout(planner_data: dict[str, tuple[str | int, ...]] | None, blobs: list[str]) -> dict[str, Any]:
+def dcp_layout(planner_data: dict[str, tuple[str | int, ...]] | None, blobs: list[str]) -> dict[str, Any]:
     """The ``layout.dcp`` member of the commit record, or {} when there is nothing to keep."""
     out: dict[str, Any] = {}
     if planner_data:

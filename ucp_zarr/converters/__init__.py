@@ -112,6 +112,7 @@ def convert(
     return write_checkpoint(
         store, imported.tensors, imported.values, options=options,
         layout=imported.layout, progress=_running_total(progress, total_bytes(imported.tensors)), ties=imported.ties,
+        structure=imported.structure,
     )
 
 

@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ConversionError, Keyword, UntrustedInputError
 from ..format.safe_paths import inside
+from ..format.statedict import Structure
 from ..io.local import exchange_paths, fsync_dir
 from ..io.store import Store, in_order
 from ..protocol.writer import TensorSource
@@ -54,6 +55,9 @@ class Imported:
     values: dict[str, Any] = field(default_factory=dict)
     layout: dict[str, Any] = field(default_factory=dict)
     ties: dict[str, str] = field(default_factory=dict)
+    structure: Structure | None = None
+    """How the source's state dict nested, where it records that (``read_state_dict`` gives
+    it back so); None: flat keys."""
 
 
 class Opaque:

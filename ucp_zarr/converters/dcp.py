@@ -12,8 +12,10 @@ zip of ``data.pkl`` and one raw, uncompressed storage record), each byte entry a
 In: every tensor becomes one consolidated tensor under its DCP key (``prefix`` prepended).
 Nothing is read but the small headers of the chunk archives until a box is asked for; a box
 then reads, from each chunk overlapping it, only the byte range of the storage record that
-covers the box. Byte entries become JSON values (``io.BytesIO`` ones as ``bytes``) when they
-load weights-only. ``.metadata`` is unpickled by an allow-list of the classes DCP's metadata
+covers the box. Byte entries become JSON values (``io.BytesIO`` ones as ``bytes``, noted in
+``layout.dcp``) when they load weights-only; the nesting DCP's planner recorded
+(``planner_data``) is kept there too, so that ``read_state_dict`` nests as ``dcp_to_torch_save``
+does and gives ``BytesIO`` back. ``.metadata`` is unpickled by an allow-list of the classes DCP's metadata
 is made of (:class:`_MetadataUnpickler`); anything else is refused (:class:`UntrustedInputError`)
 unless ``trust``.
 
@@ -21,7 +23,10 @@ Out: a folder ``dcp.load`` reads with its default reader and planner: ``.metadat
 own classes, pickled as ``FileSystemWriter.finish`` pickles them) and one ``__0_0.distcp``
 holding each value as a ``torch.save``-d byte entry and each tensor as chunks of at most
 ``block_bytes`` (row blocks), each chunk ``torch.save``-d the way ``FileSystemWriter`` writes
-one; a tensor is streamed block by block from the checkpoint, never whole.
+one; a tensor is streamed block by block from the checkpoint, never whole. ``planner_data``
+records the nesting of the state dict the checkpoint was saved from (where it records one), so
+that ``dcp_to_torch_save`` and DCP's loaders nest it as ``dcp.save`` of it would; ``BytesIO``
+values are written as ``BytesIO`` again.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ from ..protocol.reader import CheckpointReader
 from ..errors import ConversionError, Keyword, NotJSONableError, UntrustedInputError
 from ..layout import Box
 from ..format.safe_paths import inside_relative
-from ..format.statedict import from_json, to_json
+from ..format.statedict import ListIndex, from_json, to_json
+from ..protocol.read_state import dcp_blobs, dcp_structure
+from ..adapters.dcp_plans import dcp_layout, merged_planner_data
 from .base import Imported, atomic_folder, read_ahead
 
 METADATA_FILE = ".metadata"
@@ -354,6 +361,7 @@ def read(src: Path, *, trust: bool = False, prefix: str = "") -> Imported:
     md = read_metadata(mfile, trust=trust)
     stored = _storage(md, src, mfile)
     out = Imported(layout={"source": {"format": "dcp"}})
+    blobs: list[str] = []
     with ExitStack() as files:
         handles: dict[Path, IO[bytes]] = {}
 
@@ -373,7 +381,9 @@ def read(src: Path, *, trust: bool = False, prefix: str = "") -> Imported:
                 s = stored.get((fqn, None))
                 if s is None:
                     raise ConversionError(f"{mfile}: names no storage for the value {fqn!r}")
-                out.values[key] = _value(s, fqn, key, trust)
+                out.values[key], blob = _value(s, fqn, key, trust)
+                if blob:
+                    blobs.append(key)
             elif isinstance(entry, TensorStorageMetadata):
                 shape, dtype, boxes = _tensor_entry(entry, fqn, mfile)
                 chunks = []
@@ -385,6 +395,15 @@ def read(src: Path, *, trust: bool = False, prefix: str = "") -> Imported:
                 out.tensors[key] = _Tensor(key, shape, dtype, tuple(chunks))
             else:
                 raise ConversionError(f"{mfile}: the entry {fqn!r} is a {type(entry).__name__}, which DCP does not write")
+    # the nesting DCP's planner recorded, and which values were BytesIO, kept as the DCP adapter keeps
+    # them (layout.dcp), so that read_state_dict and the DCP reader give them back as dcp.load does; a
+    # prefix "a." is one more mapping key above them (another prefix is no key: the keys stay flat)
+    planner = merged_planner_data([md.planner_data]) if not prefix or prefix.endswith(".") else None
+    if planner is not None and prefix:
+        planner = {prefix + k: (prefix[:-1], *p) for k, p in planner.items()}
+    layout = dcp_layout(planner, blobs)
+    if layout:
+        out.layout["dcp"] = layout
     return out
 
 
@@ -453,8 +472,9 @@ def _overlap(boxes: list[Box]) -> bool:
     return False
 
 
-def _value(s: _Stored, fqn: str, key: str, trust: bool) -> Any:
-    """A byte entry (``torch.save`` of a non-tensor leaf) as a JSON-able value."""
+def _value(s: _Stored, fqn: str, key: str, trust: bool) -> tuple[Any, bool]:
+    """A byte entry (``torch.save`` of a non-tensor leaf) as a JSON-able value, and whether
+    it was an ``io.BytesIO`` (stored as its bytes)."""
     raw = s.read_all()
     where = f"{s.file}: the value {fqn!r} (at offset {s.offset})"
     try:
@@ -472,13 +492,14 @@ def _value(s: _Stored, fqn: str, key: str, trust: bool) -> Any:
         raise
     except Exception as e:
         raise ConversionError(f"{where} is unreadable or truncated: {_first_line(e)}") from None
-    if isinstance(v, io.BytesIO):
+    blob = isinstance(v, io.BytesIO)
+    if blob:
         v = v.getvalue()
     try:
         to_json(v, key)
     except NotJSONableError as e:
         raise ConversionError(f"{where}: {e}") from None
-    return v
+    return v, blob
 
 
 # --- out -----------------------------------------------------------------------------------------
@@ -532,9 +553,11 @@ def write(
     ahead_of = read_ahead(ck.store, lambda r: ck.read(*r), reads, lambda r: r[1].numel * _dtype(ck, r[0]).itemsize)
     with atomic_folder(Path(dst), overwrite=overwrite, ours=_EXPORTED.fullmatch, what="an export to DCP") as tmp, \
             open(tmp / DATA_FILE, "wb") as f, closing(ahead_of) as read:
+        blobs = dcp_blobs(meta)
         for k in (k for k in keys if k in meta.values):  # byte entries first, as FileSystemWriter writes them
             start = f.tell()
-            torch.save(from_json(meta.values[k], k), f)
+            value = from_json(meta.values[k], k)
+            torch.save(io.BytesIO(value) if k in blobs and isinstance(value, bytes) else value, f)
             sdm[k] = BytesStorageMetadata()
             storage[MetadataIndex(k)] = _StorageInfo(DATA_FILE, start, f.tell() - start)
         written: dict[str, str] = {}
@@ -560,9 +583,10 @@ def write(
             sdm[k] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), chunks)
         f.flush()
         os.fsync(f.fileno())
+        planner_data = _planner_data(ck, list(sdm))
         md = Metadata(
-            state_dict_metadata=sdm,
-            planner_data={k: (k,) for k in sdm},  # the nesting the keys were flattened from is not recorded
+            state_dict_metadata={k: sdm[k] for k in planner_data},
+            planner_data=planner_data,
             storage_data=storage,
             storage_meta=StorageMeta(checkpoint_id=str(dst), save_id=str(uuid.uuid4())),
             version=DCP_VERSION,
@@ -570,6 +594,19 @@ def write(
         with open(tmp / METADATA_FILE, "wb") as mf:
             pickle.dump(md, mf)
     return Path(dst)
+
+
+def _planner_data(ck: CheckpointReader, keys: list[str]) -> dict[str, tuple[str | int, ...]]:
+    """``planner_data`` as ``DefaultSavePlanner`` records it for the state dict the checkpoint
+    was saved from (its structure, or the DCP nesting it kept): list positions as integers,
+    mapping keys as strings (DCP's own flattening spells an integer key ``"0"``); a key whose
+    nesting is not recorded stays flat."""
+    structure = ck.meta.structure or dcp_structure(ck.meta, f"{ck.store.url}/zarr.json")
+    paths = {} if structure is None else structure.paths
+    wanted = set(keys)
+    ordered = [k for k in paths if k in wanted] + [k for k in keys if k not in paths]  # (as saved)
+    return {k: tuple(int(p) if isinstance(p, ListIndex) else str(p) for p in paths[k]) if k in paths else (k,)
+            for k in ordered}
 
 
 def _shape(ck: CheckpointReader, key: str) -> tuple[int, ...]:

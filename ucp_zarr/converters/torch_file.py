@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConversionError
-from ..format.statedict import iter_leaves, to_json
+from ..format.statedict import iter_leaves, structure_of, to_json
 from ..protocol.writer import InMemory
 from .base import Imported, torch_load
 
@@ -25,11 +25,19 @@ def read(src: Path, *, trust: bool = False, prefix: str = "") -> Imported:
     if not isinstance(obj, dict):
         raise ConversionError(f"{src}: holds a {type(obj).__name__}, not a state dict (a dict)")
     out = Imported(layout={"source": {"format": "torch", "file": Path(src).name}})
-    for leaf in iter_leaves(obj):
-        key = prefix + leaf.key
+    # read_state_dict nests as torch.load gives it: a prefix "a." is one more mapping key above the
+    # file's (another prefix is no key: the keys stay flat)
+    nested = not prefix or prefix.endswith(".")
+    top = {prefix[:-1]: obj} if prefix and nested else obj
+    paths, empty = {}, []
+    for leaf in iter_leaves(top, empty):
+        key = leaf.key if top is not obj else prefix + leaf.key
+        paths[key] = leaf.path
         if isinstance(leaf.value, torch.Tensor):
             out.tensors[key] = InMemory(leaf.value)
         else:
             to_json(leaf.value, f"{src}: {key}")  # refused here, naming the file, if not JSON-able
             out.values[key] = leaf.value
+    if nested:
+        out.structure = structure_of(top, paths, empty)
     return out

@@ -54,9 +54,9 @@ def read_state_dict(
     meta = ck.meta
     stored = [*meta.tensors, *meta.values, *meta.rank_values, *meta.ties]
     where = f"{ck.store.url}/zarr.json"
-    structure, blobs = meta.structure, _dcp_blobs(meta)
+    structure, blobs = meta.structure, dcp_blobs(meta)
     if structure is None:
-        structure = _dcp_structure(meta, where)
+        structure = dcp_structure(meta, where)
     empty = [] if structure is None else [key_of(p) for _, p in structure.empty]
     wanted = _selected(stored, keys, empty)
     device = torch.device(device)
@@ -105,7 +105,7 @@ def _selects(key: str, asked: Iterable[str] | None) -> bool:
     return any(key == a or key.startswith(a + ".") for a in asked)
 
 
-def _dcp_structure(meta: CheckpointMeta, where: str) -> Structure | None:
+def dcp_structure(meta: CheckpointMeta, where: str) -> Structure | None:
     """The nesting a save through torch DCP recorded (``layout.dcp.planner_data``: names
     and list positions, as this format's structure spells them), if any."""
     dcp = meta.layout.get("dcp")
@@ -117,7 +117,7 @@ def _dcp_structure(meta: CheckpointMeta, where: str) -> Structure | None:
     return Structure.from_json(doc, keys, f"{where}: layout.dcp.planner_data")
 
 
-def _dcp_blobs(meta: CheckpointMeta) -> set[str]:
+def dcp_blobs(meta: CheckpointMeta) -> set[str]:
     """Keys of values a save through torch DCP was given as ``io.BytesIO``."""
     dcp = meta.layout.get("dcp")
     blobs = dcp.get("bytes_io") if isinstance(dcp, dict) else None

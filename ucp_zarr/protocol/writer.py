@@ -25,7 +25,7 @@ from .exchange import Exchange
 from ..layout import Box
 from .planner import FragmentInfo, SavePlan, plan_save
 from .saver import PreparedSave, SaveOptions, SaveResult, begin_transaction
-from ..format.statedict import to_json
+from ..format.statedict import Structure, to_json
 from .ties import check_ties
 from ..io.store import Store
 
@@ -114,13 +114,14 @@ def write_checkpoint(
     layout: dict[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
     ties: Mapping[str, str] | None = None,
+    structure: Structure | None = None,
 ) -> SaveResult:
     """Write a checkpoint of ``tensors`` (flattened key -> source) and ``values``
     (flattened key -> JSON-able value) at ``store`` from this process alone, as one
     transaction (see :func:`ucp_zarr.save` for ``options``). ``progress(nbytes)`` is called
     as each shard's data is read. ``layout`` is stored in the root (e.g. the rules);
     ``ties`` (alias -> canonical key of ``tensors``) names keys that read a tensor of
-    ``tensors`` (tied weights, stored once)."""
+    ``tensors`` (tied weights, stored once); ``structure``, how the keys nested."""
     options = options or SaveOptions(shard_bytes=CONVERT_SHARD_BYTES)
     clash = sorted(set(tensors) & set(values or {}))
     if clash:
@@ -136,7 +137,7 @@ def write_checkpoint(
     txn = begin_transaction(store, plan, options)
     prepared = PreparedSave(
         store, Comm(local=True), options, plan, txn, txn.save_id, txn.staged, _SourceStaging(plan, tensors, progress),
-        Exchange(), (json_values, {}), list(tensors), layout, ties=dict(ties or {}),
+        Exchange(), (json_values, {}), list(tensors), layout, structure=structure, ties=dict(ties or {}),
     )
     return prepared.finish()
 
