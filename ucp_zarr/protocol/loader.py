@@ -99,10 +99,12 @@ def load(
     ``allow_other_rules``. With ``strict``, a placed load on several ranks checks the keys
     against the union of every rank's.
 
-    ``load`` is a collective: every rank of ``process_group`` calls it, and an error on one
-    rank is raised on every rank (the failing rank's own error there, a
-    :class:`~ucp_zarr.SaveError` naming it on the others), so that no rank goes on with
-    its state filled while another's load failed.
+    A load of a sharded state dict (DTensors, :class:`Shard`, :class:`FlatShard`,
+    :class:`Placed`) is a collective: every rank of ``process_group`` calls it, and an error
+    on one rank is raised on every rank (the failing rank's own error there, a
+    :class:`~ucp_zarr.SaveError` naming it on the others), so that no rank goes on with its
+    state filled while another's load failed. A load of whole tensors is each rank's own, as
+    ``torch.load`` is (one rank may load alone).
 
     ``max_workers`` objects are read at once: by default ``LOAD_WORKERS`` (4), or the
     store's own request concurrency where it declares one (an object store: 16, as each
@@ -110,8 +112,10 @@ def load(
     """
     comm = Comm(process_group)
     what = f"load of {os.fspath(path)!r}"
-    # two agreements, whatever fails where: an error on one rank is raised on every rank, so
-    # that no rank goes on (into the next collective, or resumed while another starts fresh)
+    # a sharded load agrees twice, whatever fails where: an error on one rank is raised on every
+    # rank, so that no rank goes on (into the next collective, or resumed while another starts
+    # fresh); a load of whole tensors is one rank's own, as torch.load is
+    agreeing = comm if _sharded(state_dict) else Comm(local=True)
     error: Exception | None = None
     try:
         ck = open_store_reader(open_store(path, storage_options), hmac_key, shared=comm.world > 1)
@@ -119,13 +123,13 @@ def load(
         matched = planner.match(strict)
     except Exception as e:
         error = e
-    placements = _agree(comm, error, what, matched.placements if error is None else None)
+    placements = _agree(agreeing, error, what, matched.placements if error is None else None)
     try:
         plan = planner.plan(matched, placements, strict, allow_new_ranks, allow_lossy_cast, allow_other_rules)
         fill(ck, plan.reads, comm.rank, allow_lossy_cast, max_workers)
     except Exception as e:
         error = e
-    _agree(comm, error, what)
+    _agree(agreeing, error, what)
     for where, value in plan.values:
         put_path(state_dict, where, value, "the state dict")
     skipped = IncompatibleKeys(plan.missing, plan.unexpected)
@@ -194,6 +198,21 @@ class _Matched:
     placed: list[Placed]
     placements: tuple[set[str], frozenset[Any]] | None
     """(the keys held, the rule patterns used) for the other ranks, where strict and placed."""
+
+
+def _sharded(state_dict: Any) -> bool:
+    """Whether ``state_dict`` holds a rank's part of a tensor (a DTensor, :class:`Shard`,
+    :class:`FlatShard` or :class:`Placed`): then every rank of the group loads (told by the
+    values alone, so that every rank tells the same before anything can fail)."""
+    stack, seen = [state_dict], set()
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (Shard, FlatShard, Placed)) or is_dtensor(node):
+            return True
+        if isinstance(node, (Mapping, list, tuple)) and id(node) not in seen:
+            seen.add(id(node))
+            stack.extend(node.values() if isinstance(node, Mapping) else node)
+    return False
 
 
 def _agree(comm: Comm, error: Exception | None, what: str, payload: Any = None) -> list[Any]:
