@@ -591,3 +591,17 @@ def test_import_is_torch_free(tmp_path: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_group_is_shown_with_its_parameters_shape(tmp_path: Path) -> None:
+    """A group's summary shows its parameter's shape, not its first array's: Adam's 0-d
+    ``step`` saved before the weights made ``weight ()`` (now ``weight (64, 32)``)."""
+    net = torch.nn.Linear(32, 64)
+    opt = torch.optim.Adam(net.named_parameters())
+    net(torch.randn(2, 32)).sum().backward()
+    opt.step()
+    ucp_zarr.save({"optim": opt.state_dict(), "model": net.state_dict()}, tmp_path / "ck")
+    dom = Dom(ucp_zarr.open(tmp_path / "ck").tree()._repr_html_())
+    shown = {dom.inside(d, "code")[0]["text"]: dom.inside(d, "summary")[0]["text"]
+             for d in dom.find("details", **{"class": "group"})}
+    assert "(64, 32)" in shown["weight"] and "(64,)" in shown["bias"], shown

@@ -29,6 +29,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Collection, Sequence, TYPE_CHECKING
 
+from ..format.documents import reference_shape
 from ..protocol.reader import human_bytes
 from .inspect import CheckpointSummary, SummaryRow, TensorStats, checkpoint_summary, group_of
 
@@ -201,7 +202,7 @@ def _node_html(ck: "Checkpoint", node: _Node, budget: _Budget, opened: bool) -> 
         inner = _children_html(ck, list(node.children.values()), budget, opened)
         return f"<details class='module'{' open' * opened}>{summary}{inner}</details>"
     names = ", ".join(name for name, _, _ in node.arrays[:6]) + (", \u2026" if len(node.arrays) > 6 else "")
-    shape = _shape(node.arrays[0][2].shape)
+    shape = _shape(reference_shape([(name, tuple(e.shape)) for name, _, e in node.arrays]))  # (the parameter's)
     summary = (f"<summary><code>{_e(node.name)}</code> {shape} <span class='dim'>{_e(names)} \u00b7 {totals}</span>"
                "</summary>")
     if budget.rows >= len(node.arrays):

@@ -288,6 +288,19 @@ def bit_dtype_hint(dtype: StoredDtype) -> dict[str, Any]:
     }
 
 
+def reference_shape(names_shapes: list[tuple[str, tuple[int, ...]]]) -> tuple[int, ...]:
+    """The *reference shape* of a group's arrays (``(name, shape)`` each; see
+    :func:`dimension_names`): its parameter's shape, not that of a step counter or a
+    factored statistic beside it."""
+    count: dict[tuple[int, ...], int] = {}
+    first: dict[tuple[int, ...], tuple[bool, str]] = {}
+    for name, shape in names_shapes:
+        count[shape] = count.get(shape, 0) + 1
+        rank = ("." in name, name)
+        first[shape] = min(first.get(shape, rank), rank)
+    return min(count, key=lambda s: (-count[s], first[s])) if count else ()
+
+
 def dimension_names(names_shapes: list[tuple[str, tuple[int, ...]]]) -> list[tuple[str, ...]]:
     """The ``dimension_names`` of the arrays of one group (``(name, shape)`` each, in order).
 
@@ -296,13 +309,7 @@ def dimension_names(names_shapes: list[tuple[str, tuple[int, ...]]]) -> list[tup
     the first name). Arrays of that shape get ``dim_0, dim_1, ...`` (a parameter and its
     moments share dimensions, so xarray opens them as one dataset); any other array gets
     ``<name>_dim_0, ...``, which no other array in the group uses."""
-    count: dict[tuple[int, ...], int] = {}
-    first: dict[tuple[int, ...], tuple[bool, str]] = {}
-    for name, shape in names_shapes:
-        count[shape] = count.get(shape, 0) + 1
-        rank = ("." in name, name)
-        first[shape] = min(first.get(shape, rank), rank)
-    ref = min(count, key=lambda s: (-count[s], first[s])) if count else ()
+    ref = reference_shape(names_shapes)
     return [
         tuple(f"dim_{i}" if shape == ref else f"{name}_dim_{i}" for i in range(len(shape))) for name, shape in names_shapes
     ]
