@@ -434,3 +434,19 @@ def test_empty_selections_are_ordinary_tensors(ck: ucp_zarr.Checkpoint) -> None:
     for t in (ck["model.empty"][...], ck["model.empty"][1:, ::2], ck["model.w"][5:5], ck["model.bf"][:, 30:]):
         assert t.numel() == 0 and t.stride() == torch.empty(t.shape).stride()
         assert t.contiguous().reshape(-1).view(torch.uint8).numel() == 0  # (a zero stride refuses this view)
+
+
+def test_a_per_rank_checkpoint_has_one_size_everywhere(tmp_path: Path) -> None:
+    """Every face counts each rank's copy of per-rank state, as ``list_steps`` and the stored
+    bytes do (before: ``info``, the repr and the summary said 16 + 8 bytes where 2 ranks
+    stored 16 x 2 + 8)."""
+    from _dist import run
+
+    from ucp_zarr.ops.steps import list_steps, step_name
+
+    run(2, _save_rng_per_rank, str(tmp_path / step_name(1)), timeout_s=60)
+    ck = ucp_zarr.open(tmp_path / step_name(1))
+    stored = 2 * 16 + 8
+    assert ck.nbytes() == stored and I.checkpoint_info(ck)["nbytes"] == stored
+    assert [s.nbytes for s in list_steps(tmp_path)] == [stored]
+    assert "40 B" in repr(ck)

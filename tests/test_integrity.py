@@ -479,11 +479,30 @@ def test_a_changed_record_is_refused_by_its_digest(tmp_path, change) -> None:
     raw = (ck / "zarr.json").read_bytes()
     assert raw.count(change[0]) == 1
     (ck / "zarr.json").write_bytes(raw.replace(*change))
-    with pytest.raises(ucp_zarr.CorruptChunkError, match="record_digest"):
+    with pytest.raises(ucp_zarr.FormatError, match="record_digest"):
         ucp_zarr.read_state_dict(ck)
-    with pytest.raises(ucp_zarr.CorruptChunkError, match="record_digest"):
+    with pytest.raises(ucp_zarr.FormatError, match="record_digest"):
         ucp_zarr.load({"w": torch.empty(3), "step": 0, "opt": {"lr": 0.0}}, ck)
     r = subprocess.run([sys.executable, "-m", "ucp_zarr.cli", "verify", str(ck)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "verify FAILED" in r.stderr and "record_digest" in r.stderr
     (ck / "zarr.json").write_bytes(raw)
     assert ucp_zarr.read_state_dict(ck)["step"] == 100
+
+
+def test_a_manager_skips_a_step_whose_record_was_changed(tmp_path) -> None:
+    """A step whose commit record fails its digest is an unreadable step, like any other
+    malformed record: ``latest`` gives the step before, ``list_steps`` says so, and a save
+    over it goes on (its objects are left in place)."""
+    from ucp_zarr import CheckpointManager
+    from ucp_zarr.ops.steps import list_steps, step_name
+
+    m = CheckpointManager(tmp_path)
+    for step in (1, 2):
+        m.save(step, {"w": torch.full((3,), float(step)), "step": step})
+    root = tmp_path / step_name(2) / "zarr.json"
+    root.write_bytes(root.read_bytes().replace(b'"step":2', b'"step":3'))
+    assert m.latest() == 1
+    assert [(s.step, s.state) for s in list_steps(tmp_path)] == [(1, "committed"), (2, "unreadable")]
+    m.save(2, {"w": torch.full((3,), 2.0), "step": 2}, overwrite=True)
+    assert m.latest() == 2 and ucp_zarr.read_state_dict(tmp_path / step_name(2))["step"] == 2
+    m.close()

@@ -143,6 +143,11 @@ class CheckpointMeta:
         changed), or None; its bytes are :meth:`consolidated_document`'s."""
         return self.consolidated.get(path.removesuffix("/" + METADATA_FILE))
 
+    def nbytes(self) -> int:
+        """The bytes of every tensor's data, each saving rank's copy of per-rank state counted
+        (what is stored)."""
+        return sum(t.nbytes * (len(t.ranks) if t.ranks else 1) for t in self.tensors.values())
+
     def attributes(self) -> dict[str, Any]:
         """``attributes.ucp_zarr`` of the root document."""
         attrs: dict[str, Any] = {

@@ -22,7 +22,7 @@ import hmac
 import json
 from typing import Any, Sequence
 
-from ..errors import AuthenticationError, CorruptChunkError
+from ..errors import AuthenticationError, FormatError
 
 SIGNATURE_ALG = "HMAC-SHA256"
 
@@ -53,8 +53,9 @@ def record_digest(attrs: dict[str, Any]) -> str:
 
 
 def check_record_digest(attrs: dict[str, Any], where: str) -> None:
-    """Raise :class:`CorruptChunkError` unless ``attrs`` match their ``record_digest``
-    (records written before it existed have none: nothing to check)."""
+    """Raise :class:`FormatError` unless ``attrs`` match their ``record_digest`` (records
+    written before it existed have none: nothing to check). A FormatError, as for any other
+    unreadable record: a manager skips the step, an overwrite leaves its objects in place."""
     if RECORD_DIGEST not in attrs:
         return
     try:
@@ -62,7 +63,7 @@ def check_record_digest(attrs: dict[str, Any], where: str) -> None:
     except (ValueError, TypeError, RecursionError):  # not canonical JSON (NaN, say): never written by this library
         same = False
     if not same:
-        raise CorruptChunkError(
+        raise FormatError(
             f"{where}: the commit record does not match its record_digest: it was changed after it was written (a "
             "flipped bit, an edit), so its values, digests and entries cannot be trusted; restore it from a copy"
         )

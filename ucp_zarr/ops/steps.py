@@ -220,9 +220,8 @@ def _step_info(f: _Folder) -> StepInfo:
         meta = read_meta(f.store)
     except (FormatError, FileNotFoundError, NotACheckpointError, IncompleteCheckpointError) as e:
         return StepInfo(f.step, f.store.url, False, "unreadable", error=str(e)[:300])
-    nbytes = sum(t.nbytes * (len(t.ranks) if t.ranks else 1) for t in meta.tensors.values())
     return StepInfo(
-        f.step, f.store.url, True, "committed", nbytes, len(meta.tensors), meta.world_size,
+        f.step, f.store.url, True, "committed", meta.nbytes(), len(meta.tensors), meta.world_size,
         meta.created, tuple(sorted(meta.layout)), meta.library, readers=len(f.live_readers),
     )
 

@@ -456,7 +456,9 @@ class CheckpointReader:
         return groups
 
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.meta.tensors.values())
+        """The bytes of every tensor's data, each saving rank's copy of per-rank state counted
+        (:meth:`CheckpointMeta.nbytes`: what is stored, as ``list_steps`` counts it)."""
+        return self.meta.nbytes()
 
     def __repr__(self) -> str:
         lines = [
