@@ -450,3 +450,15 @@ def test_a_per_rank_checkpoint_has_one_size_everywhere(tmp_path: Path) -> None:
     assert ck.nbytes() == stored and I.checkpoint_info(ck)["nbytes"] == stored
     assert [s.nbytes for s in list_steps(tmp_path)] == [stored]
     assert "40 B" in repr(ck)
+
+
+def test_diff_of_large_integers_is_exact(tmp_path: Path) -> None:
+    """Integers that differ beyond 2**53 (int64 counters, seeds) differ by what torch says
+    (before: both sides became float64 and max_abs was 0.0, rel_update "nothing changed")."""
+    a = torch.tensor([2**62, 7, -(2**63)], dtype=torch.int64)
+    b = torch.tensor([2**62 + 1, 7, 2**63 - 1], dtype=torch.int64)
+    ucp_zarr.save({"n": a, "m": a[:2].clone()}, tmp_path / "a")
+    ucp_zarr.save({"n": b, "m": b[:2].clone()}, tmp_path / "b")
+    rows = {r.key: r for r in D.diff(tmp_path / "a", tmp_path / "b").rows}
+    assert (rows["m"].ndiff, rows["m"].max_abs) == (1, float((b[:2] - a[:2]).abs().max()))
+    assert (rows["n"].ndiff, rows["n"].max_abs) == (2, float(2**64 - 1)) and rows["n"].status == "differs"

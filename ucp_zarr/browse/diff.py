@@ -171,6 +171,11 @@ class _Compare:
         if not n:
             return
         self.ndiff += n
+        if wa.dtype.kind in "iu" and wb.dtype.kind in "iu":  # (exact: float64 loses integers beyond 2**53)
+            delta = _int_distance(wa[differ], wb[differ])
+            self.max_abs = max(self.max_abs, float(delta.max()))
+            self.sq_delta += _sum_squares(delta)
+            return
         da, db = _numbers(wa[differ]), _numbers(wb[differ])
         na, nb = np.isnan(da), np.isnan(db)
         self.nan_mismatch += int((na != nb).sum())
@@ -189,6 +194,16 @@ class _Compare:
             status = "differs"
         return DiffRow(key, status, shape, shape, dtype_a, dtype_b, self.ndiff, self.max_abs, rel, self.nan_mismatch, rank,
                        math.sqrt(self.sq_a), math.sqrt(self.sq_delta))
+
+
+def _int_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``|a - b|`` of two integer arrays, exactly, as uint64 (it fits: two 64-bit integers are
+    at most 2**64 - 1 apart); Python integers where one is signed and the other unsigned."""
+    if (a.dtype.kind == "i") != (b.dtype.kind == "i"):
+        return np.array([abs(int(x) - int(y)) for x, y in zip(a.tolist(), b.tolist())], dtype=np.uint64)
+    wide = np.int64 if a.dtype.kind == "i" else np.uint64
+    ua, ub = a.astype(wide).view(np.uint64), b.astype(wide).view(np.uint64)
+    return np.where(a.astype(wide) >= b.astype(wide), ua - ub, ub - ua)  # (modulo 2**64: the true distance)
 
 
 def _sum_squares(w: np.ndarray) -> float:
