@@ -273,3 +273,14 @@ def test_a_torch_file_reads_back_nested_as_torch_load_gives_it(tmp_path: Path) -
     _same_tree(ucp_zarr.read_state_dict(tmp_path / "ck"), want)
     ucp_zarr.convert(tmp_path / "sd.pt", tmp_path / "ck2", prefix="student.")
     _same_tree(ucp_zarr.read_state_dict(tmp_path / "ck2"), {"student": want})
+
+
+def test_a_torch_file_holding_lazy_views_converts(tmp_path: Path) -> None:
+    """A conjugate or negative view in a ``torch.save`` file (torch keeps the bit) converts to
+    its values (before: numpy's "Can't call numpy() on Tensor that has conjugate bit set")."""
+    z = torch.randn(5, dtype=torch.complex64)
+    x = torch.randn(4)
+    torch.save({"z": z.conj(), "n": x._neg_view()}, tmp_path / "v.pt")
+    ucp_zarr.convert(tmp_path / "v.pt", tmp_path / "ck")
+    got = ucp_zarr.read_state_dict(tmp_path / "ck")
+    assert same_bits(got["z"], z.conj().resolve_conj()) and same_bits(got["n"], -x)

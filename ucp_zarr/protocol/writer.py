@@ -65,7 +65,8 @@ class InMemory:
         return self.tensor.dtype
 
     def read(self, box: Box) -> tuple[torch.Tensor, Box]:
-        return self.tensor.detach().cpu(), Box.whole(tuple(self.tensor.shape))
+        # (a lazy conjugate or negative view, as torch.save keeps one, has its values made)
+        return self.tensor.detach().cpu().resolve_conj().resolve_neg(), Box.whole(tuple(self.tensor.shape))
 
 
 class _SourceStaging:
