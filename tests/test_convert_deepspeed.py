@@ -74,6 +74,9 @@ def test_equal_to_deepspeeds_own_outputs(converted: dict[str, tuple[Path, Path]]
     assert values["client_state.nested"] == D.CLIENT_STATE["nested"]
     assert [g["lr"] for g in values["optim.param_groups"]] == values["lr_scheduler"]["_last_lr"]
     assert [sorted(g["params"]) for g in values["optim.param_groups"]] == [sorted(g) for g in D.GROUP_NAMES]
+    # (the optimizer's own param_groups, as DeepSpeed's files hold them: betas a tuple, not a list)
+    groups = ck.metadata["values"]["optim.param_groups"]
+    assert all(type(g["betas"]) is tuple and len(g["betas"]) == 2 for g in groups if "betas" in g), groups
     # 5. ds_to_universal: same values, in real shapes (it leaves ZeRO-3 flat); it knows only Adam's keys
     if not ref["hp_trusted"]:
         return

@@ -96,6 +96,8 @@ def plain(v: Any) -> Any:
         return v.to_value()
     if isinstance(v, dict):
         return {str(k): plain(x) for k, x in v.items()}
+    if type(v) is tuple:  # (a tuple stays one: Adam's betas)
+        return tuple(plain(x) for x in v)
     if isinstance(v, (list, tuple)):
         return [plain(x) for x in v]
     if isinstance(v, torch.Tensor):
