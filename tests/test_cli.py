@@ -636,3 +636,15 @@ def test_a_key_holding_glob_characters_selects_itself(capsys, tmp_path) -> None:
     assert rc == 0 and sorted(r["key"] for r in out) == ["model.w*", "model.w0"]
     assert [r.key for r in D.diff(ck, ck, keys="model.w[0]").rows] == ["model.w[0]"]
     assert [r.key for r in I.list_tensors(ucp_zarr.open(ck), "model.w[0]")] == ["model.w[0]"]
+
+
+def test_a_key_holding_a_newline_stays_on_its_row(capsys, tmp_path) -> None:
+    """Control characters in a key are escaped in tables (before: ``ls`` broke the row in two,
+    and the half after the newline read as another tensor); JSON keeps the key as it is."""
+    ck = tmp_path / "ck"
+    ucp_zarr.save({"model": {"a\nb": torch.ones(2), "c": torch.ones(3)}}, ck)
+    rc, out, _ = run(capsys, "ls", ck)
+    lines = out.splitlines()
+    assert rc == 0 and len(lines) == 4 and lines[1].split()[0] == "model.a\\nb", lines
+    rc, data = run_json(capsys, "ls", ck)
+    assert [d["key"] for d in data] == ["model.a\nb", "model.c"]
