@@ -335,3 +335,19 @@ def test_a_small_shard_is_fetched_in_one_request(memory_backend: Backend):
     assert ck.store.stats.bytes_read < 1.1 * sum(t.nbytes for t in sd.values()) + 2000
     ck2 = ucp_zarr.open(url, storage_options=memory_backend.storage_options)
     _assert_bit_equal(ck2["t3"][5:7], sd["t3"][5:7], "partial")
+
+
+def test_an_overwrite_at_the_root_of_a_store_is_refused_naming_the_fix() -> None:
+    """A checkpoint at the top of a store has no folder to stage an overwrite in: the save
+    says so as a ucp_zarr error (before: a bare ValueError), and the checkpoint is intact."""
+    import uuid
+
+    url = f"memory://{uuid.uuid4().hex}"
+    ucp_zarr.save({"w": torch.ones(2)}, url)
+    with pytest.raises(ucp_zarr.OptionError, match="keep checkpoints in a folder"):
+        ucp_zarr.save({"w": torch.zeros(2)}, url, overwrite=True)
+    assert torch.equal(ucp_zarr.read_state_dict(url)["w"], torch.ones(2))
+    below = f"{url}/runs/ck"  # (in a folder: the overwrite is staged beside it)
+    ucp_zarr.save({"w": torch.ones(2)}, below)
+    ucp_zarr.save({"w": torch.zeros(2)}, below, overwrite=True)
+    assert torch.equal(ucp_zarr.read_state_dict(below)["w"], torch.zeros(2))

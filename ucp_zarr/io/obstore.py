@@ -45,6 +45,7 @@ from obstore.exceptions import (
     UnknownConfigurationKeyError,
 )
 
+from ..errors import OptionError
 from .fsspec import FsspecStore
 from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, at_once, fill, folders_of
 
@@ -353,7 +354,8 @@ class ObstoreStore(Store):
 
     def sibling(self, name: str) -> "ObstoreStore":
         if not self.root:
-            raise ValueError(f"{self.url} has no parent to hold a sibling {name!r}")
+            raise OptionError(f"{self.url} has no parent to hold a sibling {name!r} (an overwrite stages the new "
+                              "checkpoint beside the old one): keep checkpoints in a folder below the store's root")
         return ObstoreStore(f"{posixpath.dirname(self.url)}/{name}", self.storage_options, client=self.client,
                             large=self.large)
 
