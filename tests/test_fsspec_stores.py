@@ -347,7 +347,7 @@ def test_an_overwrite_at_the_root_of_a_store_is_refused_naming_the_fix() -> None
     with pytest.raises(ucp_zarr.OptionError, match="keep checkpoints in a folder"):
         ucp_zarr.save({"w": torch.zeros(2)}, url, overwrite=True)
     assert torch.equal(ucp_zarr.read_state_dict(url)["w"], torch.ones(2))
-    below = f"{url}/runs/ck"  # (in a folder: the overwrite is staged beside it)
+    below = f"{url}-runs/ck"  # (in a folder: the overwrite is staged beside it)
     ucp_zarr.save({"w": torch.ones(2)}, below)
     ucp_zarr.save({"w": torch.zeros(2)}, below, overwrite=True)
     assert torch.equal(ucp_zarr.read_state_dict(below)["w"], torch.zeros(2))
