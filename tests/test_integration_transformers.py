@@ -87,7 +87,7 @@ def test_a_save_records_the_trainer_state_as_the_trainers_own_save_does(tmp_path
         def state(self) -> dict[str, Any]:
             return {"args": {"count": self.count}, "attributes": {}}
 
-    def run(name: str, stop_at: int | None) -> tuple[Trainer, Count]:
+    def run(name: str, stop_at: int | None, ours: bool = True) -> tuple[Trainer, Count]:
         torch.manual_seed(0)
         model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=8,
                                            bos_token_id=0, eos_token_id=0))
@@ -96,13 +96,16 @@ def test_a_save_records_the_trainer_state_as_the_trainers_own_save_does(tmp_path
                                  logging_steps=3, report_to=[], use_cpu=True, disable_tqdm=True,
                                  restore_callback_states_from_checkpoint=True)
         count, zarr = Count(), ZarrCheckpointCallback(tmp_path / name / "ckpt")
-        callbacks = [zarr, count] + ([job.StopAt(stop_at)] if stop_at else [])
+        callbacks = ([zarr] if ours else []) + [count] + ([job.StopAt(stop_at)] if stop_at else [])
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
-        trainer.train(resume_from_checkpoint=zarr.resume(trainer))
+        trainer.train(resume_from_checkpoint=zarr.resume(trainer) if ours else None)
         return trainer, next(c for c in trainer.callback_handler.callbacks if isinstance(c, Count))  # (restored: another)
 
     run("cut", 4)
     saved = ucp_zarr.read_state_dict(tmp_path / "cut" / "ckpt" / "step_00000004", keys=["trainer_state"])["trainer_state"]
     assert saved["stateful_callbacks"]["Count"]["args"]["count"] == 4
+    run("own", 4, ours=False)  # the Trainer's own save of step 4: total_flos up to step 4 (the last log was at 3)
+    own = json.loads((tmp_path / "out_own" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert saved["total_flos"] == own["total_flos"] > 0
     _, count = run("cut", None)
     assert count.count == 6  # (4 restored, then steps 5 and 6)

@@ -219,13 +219,15 @@ class ZarrCheckpointCallback(TrainerCallback):
 
 
 def _bring_up_to_date(trainer: Any) -> None:
-    """What the Trainer's own ``_save_checkpoint`` does to its state before writing it: the
-    state of every ``ExportableState`` callback (``EarlyStoppingCallback``'s patience,
-    ``TrainerControl``) recorded in ``stateful_callbacks``, as it records them; resuming
-    restores those callbacks from there. (Not its ``store_flos()``: with DDP a collective
-    outside the Trainer's own order; ``total_flos`` is brought up to date at each log.)"""
+    """What the Trainer's own ``_save_checkpoint`` does to its state before writing it:
+    ``store_flos()`` (``total_flos`` up to this step; with DDP a collective, called where
+    the Trainer's own save calls it, on every rank), and the state of every
+    ``ExportableState`` callback (``EarlyStoppingCallback``'s patience, ``TrainerControl``)
+    recorded in ``stateful_callbacks``, as it records them; resuming restores those
+    callbacks from there."""
     from transformers.trainer_callback import ExportableState
 
+    trainer.store_flos()
     for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
         name = cb.__class__.__name__
         if isinstance(trainer.state.stateful_callbacks.get(name), list):
