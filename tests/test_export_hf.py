@@ -239,3 +239,38 @@ def test_megatron_core_to_llama(tmp_path: Path) -> None:
     with pytest.raises(ConversionError, match=r"names map its sub-parameters \['q'\] but not \['k', 'v'\]"):
         ucp_zarr.export(tmp_path / "untied", tmp_path / "x", to="hf",
                         names={"decoder.layers.0.self_attention.linear_qkv.weight:q": "q"})
+
+
+def test_an_export_the_config_has_no_place_for_is_refused(tmp_path: Path) -> None:
+    """A config.json of the same model with fewer layers (an old one left in the folder):
+    from_pretrained would load it and drop layer 1 silently; the export is refused naming the
+    weights (before: written, and the model loaded without them)."""
+    llama = _llama()
+    ucp_zarr.save({"model": llama.state_dict()}, tmp_path / "ck")
+    smaller = LlamaConfig(**(llama.config.to_dict() | {"num_hidden_layers": 1}))
+    smaller.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConversionError, match=r"9 weight\(s\) that the model its config.json describes does not have"):
+        ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf")
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf",  # (left out by names=: what the config describes)
+                    names=lambda n: None if n.startswith("model.layers.1.") else n)
+    assert _loads(LlamaForCausalLM, tmp_path / "hf").config.num_hidden_layers == 1
+
+
+def test_the_config_records_the_dtype_the_weights_were_written_in(tmp_path: Path) -> None:
+    """fp32 masters (or dtype=) exported into a folder whose config.json says bfloat16 (as
+    save_pretrained of a bf16 model writes it) load in the dtype written, bit-exact, as
+    save_pretrained of the fp32 model gives (before: from_pretrained followed the config and
+    rounded them to bf16)."""
+    llama = _llama()
+    masters = {k: v.clone() for k, v in llama.state_dict().items()}
+    low = {k: v.to(torch.bfloat16) for k, v in masters.items()}
+    ucp_zarr.save({"model": low, "optim": {"state": {k: {"fp32": v} for k, v in masters.items()}}}, tmp_path / "ck")
+    llama.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")  # (its config, as save_pretrained writes it)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_bytes((tmp_path / "bf16" / "config.json").read_bytes())
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf", masters=True)
+    loaded = _loads(LlamaForCausalLM, tmp_path / "hf")
+    assert loaded.dtype == torch.float32 and all(torch.equal(loaded.state_dict()[k], v) for k, v in masters.items())
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf", dtype="fp16", overwrite=True)
+    assert _loads(LlamaForCausalLM, tmp_path / "hf").dtype == torch.float16

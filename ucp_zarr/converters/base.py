@@ -255,7 +255,8 @@ def atomic_file(dst: Path, *, overwrite: bool) -> Iterator[Path]:
 def atomic_update(dst: Path, *, replaced: Callable[[str], bool], overwrite: bool) -> Iterator[Path]:
     """A temporary sibling folder to write the new files of the folder ``dst`` into; when the
     block succeeds, every entry of ``dst`` that ``replaced`` does not claim (``config.json``,
-    a tokenizer) is added to it (hard links, else copies; links as links), and the two
+    a tokenizer) and the block did not write itself (an updated ``config.json``) is added to
+    it (hard links, else copies; links as links), and the two
     folders are exchanged in one ``renameat2(RENAME_EXCHANGE)``, so that ``dst`` holds the
     old files or the new set, never a mix, whenever the process stops. (Where the file
     system cannot exchange, ``dst`` is renamed aside and the new folder renamed in: a crash
@@ -274,7 +275,7 @@ def atomic_update(dst: Path, *, replaced: Callable[[str], bool], overwrite: bool
         yield tmp
         if dst.exists():
             for name in sorted(os.listdir(dst)):
-                if not replaced(name):
+                if not replaced(name) and not os.path.lexists(tmp / name):  # (one the block rewrote: its copy)
                     _link_tree(dst / name, inside(tmp, name, f"the file {name!r} of {dst}", write=True))
         _fsync_tree(tmp)
         if not dst.exists():

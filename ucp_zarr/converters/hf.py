@@ -25,7 +25,10 @@ The files are named as Hugging Face names them (``model.safetensors``, or
 ``model-00001-of-0000n.safetensors`` shards of at most ``max_shard_size`` and
 ``model.safetensors.index.json``), with ``{"format": "pt"}`` metadata. They are written into a
 temporary sibling folder; the other files already in ``dst`` (``config.json``, the tokenizer)
-join them and the two folders are exchanged atomically (:func:`~.base.atomic_update`).
+join them and the two folders are exchanged atomically (:func:`~.base.atomic_update`). With a
+``config.json`` there, the export is checked against the model it describes (:func:`fit_to_config`:
+no weight left random, none it would drop), and its ``dtype`` is set to the one written, as
+``save_pretrained`` records it (``from_pretrained`` loads in the config's dtype).
 Weight files already in ``dst`` (a previous export, ``pytorch_model.bin``) are refused unless
 ``overwrite``, and then none of them stays (a stale ``model.safetensors`` beside a new index
 would be what ``from_pretrained`` loads).
@@ -33,6 +36,7 @@ would be what ``from_pretrained`` loads).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections import Counter
@@ -112,25 +116,46 @@ def write(
     index = {"total_parameters": sum(math.prod(t.shape) for t in items)}
     with atomic_update(Path(dst), replaced=lambda n: WEIGHT_FILE.fullmatch(n) is not None, overwrite=overwrite) as tmp:
         write_shards(tmp, items, limit, {"format": "pt"}, progress, index, ck.store)
+        _config_dtype(Path(dst), tmp, items)
     return Path(dst)
+
+
+def _config_dtype(dst: Path, tmp: Path, items: list[OutTensor]) -> None:
+    """``dst/config.json`` with the dtype the weights were written in, where it names another
+    (``from_pretrained`` loads in the config's dtype: fp32 masters exported beside a bf16
+    config would be rounded to bf16), written to ``tmp``; as ``save_pretrained`` records it.
+    Weights of several floating dtypes, or a config naming none: left as it is."""
+    floats = {t.dtype for t in items if t.dtype.is_floating_point}
+    config = dst / "config.json"
+    if len(floats) != 1 or not config.is_file():
+        return
+    try:
+        doc = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return  # (from_pretrained will say what is wrong with it)
+    name = str(floats.pop()).removeprefix("torch.")
+    fields = [f for f in ("dtype", "torch_dtype") if isinstance(doc, dict) and f in doc and doc[f] != name]
+    if fields:
+        (tmp / "config.json").write_text(json.dumps(doc | {f: name for f in fields}, indent=2, sort_keys=True) + "\n")
 
 
 def fit_to_config(dst: Path, items: list[OutTensor], prefix: str) -> list[OutTensor]:
     """``items`` checked against the model whose ``config.json`` ``dst`` holds (of an
     architecture ``transformers`` knows; built on the meta device: nothing allocated,
     nothing downloaded): an export that ``from_pretrained`` would load with weights left to
-    random initialisation is refused (:class:`~ucp_zarr.errors.ConversionError`): every
-    parameter must be written, one name of each tied group, unless the model lets it be
-    missing. A tie is written under the name ``save_pretrained`` keeps (the embedding, not
+    random initialisation, or with weights dropped, is refused
+    (:class:`~ucp_zarr.errors.ConversionError`): every parameter must be written, one name of
+    each tied group, unless the model lets it be missing, and nothing the model has no
+    place for. A tie is written under the name ``save_pretrained`` keeps (the embedding, not
     ``lm_head.weight``), whichever the checkpoint stored. Nothing to compare with (no
     config, no ``transformers``, an unknown architecture): ``items`` as they are."""
     models = _model_parameters(dst)
     if not models:
         return items
     written = {t.name for t in items}
-    unmet = [[g[0] for g in groups if not written.intersection(g)] for groups, _ in models]
+    unmet = [[g[0] for g in groups if not written.intersection(g)] for groups, _, _ in models]
     if all(unmet):
-        (groups, _), missing = models[0], unmet[0]
+        (groups, _, _), missing = models[0], unmet[0]
         stray = sorted(written - {n for g in groups for n in g})
         raise ConversionError(
             f"the export to {dst} would leave {len(missing)} weight(s) of the model its config.json describes to "
@@ -138,7 +163,15 @@ def fit_to_config(dst: Path, items: list[OutTensor], prefix: str) -> list[OutTen
             f"{stray[:3] if stray else 'nothing else'}{' ...' * (len(stray) > 3)} instead, with the training "
             f"prefix {prefix!r} removed: give the right prefix= (Lightning's self.model: 'state_dict.model.') or names="
         )
-    groups, dropped = models[unmet.index([])]
+    groups, dropped, known = models[unmet.index([])]
+    extra = sorted(n for n in written if not known(n))
+    if extra:
+        raise ConversionError(
+            f"the export to {dst} would write {len(extra)} weight(s) that the model its config.json describes does "
+            f"not have ({extra[:3]}{' ...' * (len(extra) > 3)}): from_pretrained would drop them silently (a config "
+            "of another model, with fewer layers, say?); give the config of the trained model, or leave them out "
+            "with names= (a name mapped to None)"
+        )
     kept = {}
     for g in groups:
         keep = next((n for n in g if n not in dropped), g[0])
@@ -147,11 +180,12 @@ def fit_to_config(dst: Path, items: list[OutTensor], prefix: str) -> list[OutTen
     return [replace(t, name=kept[t.name]) if t.name in kept else t for t in items]
 
 
-def _model_parameters(dst: Path) -> list[tuple[list[list[str]], set[str]]]:
+def _model_parameters(dst: Path) -> list[tuple[list[list[str]], set[str], Callable[[str], bool]]]:
     """For each model ``dst/config.json`` may describe (its ``architectures``, else a causal
     language model and the bare model of its type), its parameter names grouped by tie (the
-    names of one parameter), less those the model lets ``from_pretrained`` miss, and the
-    tied names ``save_pretrained`` leaves out; none when that cannot be told."""
+    names of one parameter), less those the model lets ``from_pretrained`` miss; the tied
+    names ``save_pretrained`` leaves out; and whether ``from_pretrained`` takes a name (one of
+    its state dict, or one it lets a file hold beside them); none when that cannot be told."""
     if not (dst / "config.json").is_file():
         return []
     try:
@@ -178,7 +212,13 @@ def _model_parameters(dst: Path) -> list[tuple[list[list[str]], set[str]]]:
         for name, param in model.named_parameters(remove_duplicate=False):
             groups.setdefault(id(param), []).append(name)
         dropped = set(getattr(model, "_tied_weights_keys", None) or ())  # (a dict target -> source, or a list)
-        out.append(([g for g in groups.values() if not all(any(p.search(n) for p in ignored) for n in g)], dropped))
+        unexpected = [re.compile(p) for p in getattr(type(model), "_keys_to_ignore_on_load_unexpected", None) or ()]
+        names = set(model.state_dict()) | {n for g in groups.values() for n in g}
+
+        def known(name: str, names: set[str] = names, unexpected: list[re.Pattern[str]] = unexpected) -> bool:
+            return name in names or any(p.search(name) for p in unexpected)
+
+        out.append(([g for g in groups.values() if not all(any(p.search(n) for p in ignored) for n in g)], dropped, known))
     return out
 
 
