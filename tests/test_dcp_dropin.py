@@ -506,3 +506,30 @@ def test_bytesio_two_ranks_gloo(tmp_path):
     assert layout["bytes_io"] == ["nested.blob", "only1"]
     assert layout["planner_data"]["nested.n.1.k"] == ["nested", "n", 1, "k"]
     assert (tmp_path / "ck" / "config.json").read_bytes() == b'{"keep": true}'
+
+
+def test_values_come_back_as_dcp_gives_them_or_are_refused(tmp_path: Path) -> None:
+    """DCP's own writer pickles a non-tensor value, so dcp.load gives it back as it was. The
+    drop-in stores JSON: a value that would come back as another type (an IntEnum as an int,
+    a namedtuple as a tuple, a numpy scalar as a float, a bytearray as bytes) is refused at
+    save, naming its key (before: saved, and loaded back as the base type, silently)."""
+    import enum
+    from collections import OrderedDict, namedtuple
+
+    import numpy as np
+
+    class Phase(enum.IntEnum):
+        WARMUP = 1
+
+    Pos = namedtuple("Pos", "epoch step")
+    odd = {"phase": Phase.WARMUP, "pos": Pos(1, 2), "size": torch.Size([2, 3]), "f32": np.float32(0.1),
+           "i64": np.int64(7), "arr0": np.array(2.5), "ba": bytearray(b"ab"), "deep": [1, (2, Phase.WARMUP)],
+           "od": OrderedDict(a=(1, OrderedDict(b=2)))}
+    for name, value in odd.items():
+        with pytest.raises(CheckpointException, match=f"value at key '{name}.*' is a .*come back as"):
+            dcp.save({"w": torch.ones(1), name: value}, storage_writer=ucp_zarr.ZarrStorageWriter(tmp_path / name))
+    plain = {"w": torch.ones(2), "n": 3, "x": 0.5, "s": "a", "b": b"\x00", "t": (1, [2.0, None]), "d": [{"k": (True,)}]}
+    dcp.save(plain, storage_writer=ucp_zarr.ZarrStorageWriter(tmp_path / "plain"))
+    out = _template(plain)
+    dcp.load(out, storage_reader=ucp_zarr.ZarrStorageReader(tmp_path / "plain"))
+    _assert_same(out, plain)

@@ -19,7 +19,7 @@ from ..errors import FormatError
 from ..format.commit_record import CheckpointMeta
 from ..protocol.fragments import Fragment
 from ..layout import Box
-from ..format.statedict import from_json, to_json
+from ..format.statedict import check_exact, from_json, to_json
 
 
 DCP_LAYOUT_FORMAT = "ucp_zarr.dcp/1"
@@ -86,6 +86,7 @@ def _plan_to_state(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str, Frag
                 value = value.getvalue()  # (leaves the caller's position alone)
                 blobs.append(fqn)
             values[fqn] = to_json(value, fqn)
+            check_exact(value, fqn)  # (DCP's own writer pickles it: it comes back as it was, or is refused)
             continue
         td = item.tensor_data
         if td is None:

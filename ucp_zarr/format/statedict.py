@@ -212,6 +212,33 @@ def _to_json(value: Any, key: str, depth: int) -> Any:
     )
 
 
+_EXACT = (type(None), bool, int, float, str, bytes, list, tuple, dict)
+"""The types :func:`from_json` gives back: a value made of these alone round-trips type for type."""
+
+
+def check_exact(value: Any, key: str) -> None:
+    """Refuse (:class:`NotJSONableError`, naming ``key``) a value :func:`to_json` takes but
+    :func:`from_json` would give back as another type: a subclass (an ``IntEnum``, a
+    namedtuple, ``torch.Size``, an ``OrderedDict``), a numpy scalar, a ``bytearray``, at any
+    depth. (For callers that promise values back as they were: the DCP drop-in, since DCP's
+    own writer pickles them. Call after ``to_json``, which bounds the depth.)"""
+    kind = type(value)
+    if kind not in _EXACT:
+        base = next((t.__name__ for t in _EXACT if isinstance(value, t)), None)
+        raise NotJSONableError(
+            f"value at key {key!r} is a {kind.__module__}.{kind.__qualname__}"
+            + (f", which would come back as a plain {base}" if base else ", which would come back as a plain number")
+            + ": ucp_zarr stores no pickles, so it cannot give it back as itself; convert it to a plain value "
+            "before saving (int(v), tuple(v), dict(v), float(v), bytes(v))"
+        )
+    if kind in (list, tuple):
+        for i, v in enumerate(value):
+            check_exact(v, f"{key}.{i}")
+    elif kind is dict:
+        for k, v in value.items():
+            check_exact(v, f"{key}.{k}")
+
+
 def from_json(value: Any, key: str = "") -> Any:
     """Inverse of :func:`to_json`. Raises :class:`FormatError` naming ``key`` for data that
     :func:`to_json` never produces (an unknown or malformed ``$`` tag, a value nested deeper
