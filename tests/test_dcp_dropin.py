@@ -533,3 +533,19 @@ def test_values_come_back_as_dcp_gives_them_or_are_refused(tmp_path: Path) -> No
     out = _template(plain)
     dcp.load(out, storage_reader=ucp_zarr.ZarrStorageReader(tmp_path / "plain"))
     _assert_same(out, plain)
+
+
+def test_a_lossy_cast_is_refused_unless_the_reader_allows_it(tmp_path: Path) -> None:
+    """DCP's FileSystemReader copies fp32 into a bf16 destination silently; the drop-in refuses
+    it naming allow_lossy_cast, which ZarrStorageReader now takes (before: the error named an
+    option the reader did not have), and then gives what FileSystemReader gives."""
+    for src, dtype in [(torch.arange(4.0) / 3, torch.bfloat16), (torch.arange(4), torch.float32)]:
+        dcp.save({"w": src}, storage_writer=dcp.FileSystemWriter(tmp_path / "fs"))
+        dcp.save({"w": src}, storage_writer=ucp_zarr.ZarrStorageWriter(tmp_path / "zarr", overwrite=True))
+        want = {"w": torch.zeros(4, dtype=dtype)}
+        dcp.load(want, storage_reader=dcp.FileSystemReader(tmp_path / "fs"))
+        got = {"w": torch.zeros(4, dtype=dtype)}
+        with pytest.raises(CheckpointException, match="allow_lossy_cast"):
+            dcp.load(got, storage_reader=ucp_zarr.ZarrStorageReader(tmp_path / "zarr"))
+        dcp.load(got, storage_reader=ucp_zarr.ZarrStorageReader(tmp_path / "zarr", allow_lossy_cast=True))
+        assert got["w"].dtype == dtype and torch.equal(got["w"], want["w"]), (src.dtype, dtype)

@@ -376,6 +376,11 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
     otherwise the state dict keeps its own value, as ``ucp_zarr.load`` does.
     ``unsafe_non_exclusive_store`` is taken so that the writer's options build the reader
     too; a load creates nothing, so it needs no exclusive create and the flag changes nothing.
+
+    A tensor is read into a destination of another dtype when the conversion is exact
+    (``bfloat16`` into ``float32``); a lossy one (``float32`` into ``bfloat16``, which DCP's
+    ``FileSystemReader`` does silently) raises :class:`~ucp_zarr.DtypeMismatchError` unless
+    ``allow_lossy_cast``.
     """
 
     def __init__(
@@ -384,12 +389,14 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
         *,
         storage_options: dict[str, Any] | None = None,
         max_workers: int | None = None,
+        allow_lossy_cast: bool = False,
         unsafe_non_exclusive_store: bool = False,
     ) -> None:
         super().__init__()
         self.path = path
         self.storage_options = storage_options
         self.max_workers = max_workers
+        self.allow_lossy_cast = allow_lossy_cast
         self._fresh()
 
     def _fresh(self) -> None:
@@ -495,7 +502,8 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
                         raise AssertionError(
                             f"tensor {fqn!r}: destination shape {list(target.shape)} != read box {list(box.shape)}"
                         )
-                    pending.append((item, target, pool.submit(_read_into, ck, fqn, box, target, copy_of)))
+                    pending.append((item, target, pool.submit(_read_into, ck, fqn, box, target, copy_of,
+                                                              self.allow_lossy_cast)))
                     settle(window)
                 settle(0)
             finally:

@@ -206,9 +206,9 @@ def _read_dcp_layout(meta: CheckpointMeta, url: str) -> tuple[dict[str, tuple[st
     return planner_data, frozenset(blobs)
 
 
-def _read_into(ck: CheckpointReader, fqn: str, box: Box, target: torch.Tensor, rank: int | None) -> None:
+def _read_into(ck: CheckpointReader, fqn: str, box: Box, target: torch.Tensor, rank: int | None, lossy: bool) -> None:
     with torch.no_grad():
-        ck.read(fqn, box, out=target, rank=rank)
+        ck.read(fqn, box, out=target, rank=rank, allow_lossy_cast=lossy)
 
 
 def _chunk(box: Box) -> ChunkStorageMetadata:
