@@ -549,3 +549,15 @@ def test_a_lossy_cast_is_refused_unless_the_reader_allows_it(tmp_path: Path) -> 
             dcp.load(got, storage_reader=ucp_zarr.ZarrStorageReader(tmp_path / "zarr"))
         dcp.load(got, storage_reader=ucp_zarr.ZarrStorageReader(tmp_path / "zarr", allow_lossy_cast=True))
         assert got["w"].dtype == dtype and torch.equal(got["w"], want["w"]), (src.dtype, dtype)
+
+
+def test_a_save_beside_a_dcp_filesystem_checkpoint_warns(tmp_path: Path) -> None:
+    """A folder holding DCP's own FileSystemWriter checkpoint: the drop-in's save leaves it
+    (as every other file), and ``dcp.load(checkpoint_id=path)`` (which picks
+    FileSystemReader) reads that one, not the new save: the save says so (before: nothing)."""
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=tmp_path / "ck")
+    with pytest.warns(UserWarning, match=r"holds a checkpoint of DCP's own FileSystemWriter \(\.metadata\)"):
+        dcp.save({"w": torch.full((3,), 2.0)}, storage_writer=ucp_zarr.ZarrStorageWriter(tmp_path / "ck"))
+    out = {"w": torch.zeros(3)}
+    dcp.load(out, storage_reader=ucp_zarr.ZarrStorageReader(tmp_path / "ck"))
+    assert torch.equal(out["w"], torch.full((3,), 2.0))

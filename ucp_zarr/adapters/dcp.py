@@ -18,7 +18,9 @@ and ``dcp_to_torch_save``, which hard-code DCP's plug-ins, and
 * the checkpoint may share its directory with other files (a ``config.json``, the
   ``torch.save`` file ``torch_save_to_dcp`` converts, ...): a save, an overwrite, a failed
   save and the takeover of a crashed save's leftovers touch only the checkpoint's own
-  objects (see :func:`_own_key`), never the other files;
+  objects (see :func:`_own_key`), never the other files; beside a checkpoint of DCP's own
+  ``FileSystemWriter`` (its ``.metadata``), which ``dcp.load(checkpoint_id=path)`` reads
+  instead of this one, a save warns;
 * DCP's ``planner_data`` (how ``DefaultSavePlanner`` flattened the nested state dict: flat
   key -> object path) is kept as JSON in the commit record and handed back by
   ``read_metadata``, so DCP's metadata-only loaders rebuild the nested structure;
@@ -77,6 +79,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
+import warnings
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future as _PyFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -123,6 +126,9 @@ from .dcp_plans import (
 )
 
 __all__ = ["ZarrStorageReader", "ZarrStorageWriter"]
+
+DCP_METADATA = ".metadata"
+"""What DCP's ``FileSystemWriter`` writes last, and its ``FileSystemReader`` reads first."""
 
 
 def _valid_id(checkpoint_id: Any) -> bool:
@@ -334,6 +340,13 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
         error: BaseException | None = None
         try:
             store = _BesideOtherFiles(open_store(self.path, self.storage_options))
+            if store.inner.exists(DCP_METADATA):  # (left alone, as every other file: but said)
+                warnings.warn(
+                    f"{store.url} also holds a checkpoint of DCP's own FileSystemWriter ({DCP_METADATA}), left as "
+                    "it is: dcp.load(checkpoint_id=...) of this path reads that one, not this save; load this one "
+                    "with storage_reader=ZarrStorageReader(...), or remove the .metadata and .distcp files",
+                    stacklevel=2,
+                )
             fragments, values, blobs = _plan_to_state(plan, planner)
             results = _write_results(plan, values)
             metadata = getattr(planner, "metadata", None)

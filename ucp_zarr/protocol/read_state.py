@@ -34,10 +34,11 @@ def read_state_dict(
     """The state dict saved at ``path``, as ``torch.load`` would give it back: nested
     mappings and lists, integer (and other non-string) keys, tuples and every other value
     as saved, tensors materialised on ``device`` in their saved dtype. Types are the base
-    ones, as DCP's loaders give them: every mapping a ``dict`` (an ``OrderedDict``, or the
-    ``Counter`` of ``MultiStepLR``'s milestones, too), every tuple a ``tuple`` (a
-    namedtuple or ``torch.Size`` too), an ``int``/``str`` enum member its value (a
-    :func:`load` into a state dict keeps the target's types). What a trainer's
+    ones (JSON records no classes): every mapping a ``dict`` (an ``OrderedDict``, or the
+    ``Counter`` of ``MultiStepLR``'s milestones, too, as DCP's loaders rebuild mappings),
+    every tuple a ``tuple`` (a namedtuple or ``torch.Size`` too), an ``int``/``str`` enum
+    member its value (a :func:`load` into a state dict keeps the target's types; the DCP
+    drop-in refuses such values at save). What a trainer's
     loader needs, as DCP's ``dcp_to_torch_save`` gives it; no unpickling, nothing to
     fill in advance (:func:`load` fills a state dict of any layout in place instead).
 
