@@ -274,3 +274,21 @@ def test_the_config_records_the_dtype_the_weights_were_written_in(tmp_path: Path
     assert loaded.dtype == torch.float32 and all(torch.equal(loaded.state_dict()[k], v) for k, v in masters.items())
     ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf", dtype="fp16", overwrite=True)
     assert _loads(LlamaForCausalLM, tmp_path / "hf").dtype == torch.float16
+
+
+def test_a_sequence_to_sequence_model_without_architectures_exports(tmp_path: Path) -> None:
+    """A tied BART whose config.json names no architectures (config.save_pretrained): the
+    export is checked against BartForConditionalGeneration, as from_pretrained of that class
+    loads it (before: only a causal LM and the bare model were tried, and the export was
+    refused as leaving the decoder's embedding random)."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    bart = BartForConditionalGeneration(BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=32))
+    ucp_zarr.save({"model": bart.state_dict()}, tmp_path / "ck")
+    bart.config.save_pretrained(tmp_path / "hf")
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf")
+    loaded = _loads(BartForConditionalGeneration, tmp_path / "hf")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in bart.state_dict().items())

@@ -182,7 +182,8 @@ def fit_to_config(dst: Path, items: list[OutTensor], prefix: str) -> list[OutTen
 
 def _model_parameters(dst: Path) -> list[tuple[list[list[str]], set[str], Callable[[str], bool]]]:
     """For each model ``dst/config.json`` may describe (its ``architectures``, else a causal
-    language model and the bare model of its type), its parameter names grouped by tie (the
+    language model, a sequence-to-sequence one and the bare model of its type), its parameter
+    names grouped by tie (the
     names of one parameter), less those the model lets ``from_pretrained`` miss; the tied
     names ``save_pretrained`` leaves out; and whether ``from_pretrained`` takes a name (one of
     its state dict, or one it lets a file hold beside them); none when that cannot be told."""
@@ -199,7 +200,8 @@ def _model_parameters(dst: Path) -> list[tuple[list[list[str]], set[str], Callab
     if config.architectures:
         build = [getattr(transformers, config.architectures[0], None)]
     else:
-        build = [transformers.AutoModelForCausalLM.from_config, transformers.AutoModel.from_config]
+        build = [transformers.AutoModelForCausalLM.from_config, transformers.AutoModelForSeq2SeqLM.from_config,
+                 transformers.AutoModel.from_config]
     out = []
     for make in build:
         try:
@@ -357,7 +359,12 @@ def megatron_to_llama(name: str) -> str | None:
     """The Llama (``LlamaForCausalLM``) name of a Megatron-core ``GPTModel`` weight, or of a
     sub-parameter ``<name>:<sub>`` (``...linear_qkv.weight:q`` -> ``...self_attn.q_proj.weight``);
     None for Transformer Engine's ``_extra_state`` and for sub-parameters it does not split.
-    Raises :class:`ConversionError` for a weight Llama has no place for."""
+    Raises :class:`ConversionError` for a weight Llama has no place for.
+
+    It maps names only: the rows of ``q`` and ``k`` are Llama's for Megatron's default rotary
+    embedding (``rotary_interleaved=False``, ``rotary_percent=1``). A model trained otherwise
+    exports to weights Llama applies its rotary embedding to differently, and the checkpoint
+    does not record those settings: do not export such a model with this mapping."""
     for r in MEGATRON_TO_LLAMA:
         m = r.pattern.fullmatch(name)
         if m is not None:
