@@ -194,13 +194,22 @@ def test_param_names_on_one_side_only_are_neither_missing_nor_unexpected(tmp_pat
     _assert_same_state(plain.state_dict()["state"], opt.state_dict()["state"])
 
 
+def _without_nesting(ck: Path) -> None:
+    """The checkpoint ``ck`` as an older ucp_zarr wrote it: no recorded nesting."""
+    root = ck / "zarr.json"
+    doc = json.loads(root.read_text())
+    del doc["attributes"]["ucp_zarr"]["structure"]
+    root.write_text(record_text(doc))
+    assert ucp_zarr.open(ck).meta.structure is None
+
+
 def test_a_checkpoint_without_recorded_nesting_fills_it_too(tmp_path):
-    """A checkpoint converted from a torch.save file records no nesting: the state is
-    matched through the param groups saved with it."""
+    """A checkpoint that records no nesting (an older one): the state is matched through
+    the param groups saved with it."""
     model, opt = _trained(named=True)
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "state.pt")
     ucp_zarr.convert(tmp_path / "state.pt", tmp_path / "ck")
-    assert ucp_zarr.open(tmp_path / "ck").meta.structure is None
+    _without_nesting(tmp_path / "ck")
     model2, opt2 = _fresh(named=True)
     state = ucp_zarr.load({"model": model2.state_dict(), "optim": opt2.state_dict()}, tmp_path / "ck")
     _assert_same_state(state["optim"]["state"], opt.state_dict()["state"])
@@ -310,6 +319,8 @@ def test_read_state_dict_keys_and_device(tmp_path):
 def test_read_state_dict_of_a_checkpoint_without_recorded_nesting_is_flat(tmp_path):
     torch.save({"a": {"b": torch.ones(2)}, "n": 1}, tmp_path / "s.pt")
     ucp_zarr.convert(tmp_path / "s.pt", tmp_path / "ck")
+    assert list(ucp_zarr.read_state_dict(tmp_path / "ck")) == ["a", "n"]  # (a conversion records it)
+    _without_nesting(tmp_path / "ck")
     got = ucp_zarr.read_state_dict(tmp_path / "ck")
     assert list(got) == ["a.b", "n"] and torch.equal(got["a.b"], torch.ones(2)) and got["n"] == 1
 

@@ -48,8 +48,9 @@ def read_state_dict(
     back as the lowest saving rank's copy, unwrapped (``ucp_zarr.open(path).read(key,
     rank=r)`` reads another). ``BytesIO`` values saved through DCP come back as
     ``BytesIO``. A checkpoint that does not record its nesting (saved by an older
-    ucp_zarr, converted from another format, or through DCP without ``planner_data``) comes
-    back flat: ``{flattened key: value}``.
+    ucp_zarr, converted from a flat format such as safetensors, or through DCP without
+    ``planner_data``) comes back flat: ``{flattened key: value}``; one converted from a
+    ``torch.save`` file or a DCP folder nests as ``torch.load`` / ``dcp_to_torch_save`` do.
     """
     ck = open_store_reader(open_store(path, storage_options), hmac_key, shared=Comm().world > 1)
     meta = ck.meta
