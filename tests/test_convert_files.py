@@ -177,6 +177,10 @@ def test_an_overwriting_export_replaces_only_an_earlier_export(tmp_path: Path, t
         ucp_zarr.save(state, runs / f"step_{step}")
     with pytest.raises(ConversionError, match="holds the checkpoint"):
         ucp_zarr.export(runs / "step_200", runs, to=to, overwrite=True)
+    # (a Hugging Face export keeps what it does not write: beside its checkpoint is fine)
+    ucp_zarr.export(runs / "step_200", runs, to="hf")
+    assert (runs / "model.safetensors").is_file() and ucp_zarr.read_state_dict(runs / "step_200")["step"] == 3
+    (runs / "model.safetensors").unlink()
     with pytest.raises(ConversionError, match="is inside the checkpoint"):
         ucp_zarr.export(runs / "step_200", runs / "step_200" / "out", to=to, overwrite=True)
     other = tmp_path / "other"

@@ -30,6 +30,7 @@ from .errors import (
     IncompleteCheckpointError,
     Keyword,
     NotACheckpointError,
+    OptionError,
     did_you_mean,
     render,
 )
@@ -505,7 +506,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         url = ck.store.url
         with progress_bar(args, "verify") as bar:
             n = ck.verify(progress=bar)
-    except (NotACheckpointError, IncompleteCheckpointError):
+    except (NotACheckpointError, IncompleteCheckpointError, OptionError):  # (no checkpoint, or bad options: 2)
         raise
     except CheckpointError as e:
         if args.json:

@@ -142,17 +142,18 @@ def export(
         raise ConversionError(f"unknown export format {to!r} (known: {sorted(TARGETS)})")
     ck = open_reader(src, storage_options=storage_options)
     if ck.store.local_path is not None:
-        _check_apart(Path(ck.store.local_path), Path(dst))
+        _check_apart(Path(ck.store.local_path), Path(dst), replaces=to != "hf")
     module = importlib.import_module(f".{TARGETS[to]}", __name__)
     options = _taken(module.write, f"an export to {to}", options)
     return module.write(ck, Path(dst), overwrite=overwrite, progress=_running_total(progress, ck.nbytes()), **options)
 
 
-def _check_apart(src: Path, dst: Path) -> None:
-    """Refuse an export into its own checkpoint, or into a folder that holds it (which an
-    overwrite would replace)."""
+def _check_apart(src: Path, dst: Path, replaces: bool) -> None:
+    """Refuse an export into its own checkpoint, or (where the export ``replaces`` the
+    folder whole: every format but ``hf``, which keeps what it does not write) into a
+    folder that holds it."""
     a, b = src.resolve(), dst.resolve()
-    if a == b or a.is_relative_to(b) or b.is_relative_to(a):
+    if a == b or b.is_relative_to(a) or (replaces and a.is_relative_to(b)):
         where = "is" if a == b else ("holds" if a.is_relative_to(b) else "is inside")
         raise ConversionError(f"{dst} {where} the checkpoint {src} being exported: export to a folder apart from it")
 

@@ -191,6 +191,7 @@ def _metadata(ck: CheckpointReader) -> dict[str, str]:
     header = values.get("__metadata__")
     if isinstance(header, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in header.items()):
         del values["__metadata__"]
+        header = {k: v for k, v in header.items() if not k.startswith("ucp_zarr.")}  # (an earlier export's: redone)
     else:
         header = {}
     out = {"format": "pt"} | header

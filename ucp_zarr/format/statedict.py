@@ -126,10 +126,11 @@ def set_leaf(state_dict: Any, path: Path, value: Any) -> None:
 
 # --- JSON values ---------------------------------------------------------------------------
 
-_NONFINITE = {"nan": math.nan, "-nan": -math.nan, "inf": math.inf, "-inf": -math.inf}
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _QUIET_NAN_BITS = 0x7FF8_0000_0000_0000
-"""A NaN's bits but its sign: the one NaN Python and numpy arithmetic make (``-nan``
-only differs in its sign: x86's 0/0)."""
+"""A NaN's bits but its sign: the one NaN Python and numpy arithmetic make (x86's 0/0
+sets the sign too, which the format does not keep: readers of this format version know
+one ``nan``)."""
 MAX_INT_DIGITS = 4300
 """The most digits of an integer value: what Python parses from JSON by default
 (``sys.get_int_max_str_digits``), so that every reader can read the commit record."""
@@ -149,8 +150,8 @@ def to_json(value: Any, key: str) -> Any:
     the same types at every depth:
 
     * ``None``, ``bool``, ``int``, ``str``, finite ``float``: themselves (numpy scalars too);
-    * non-finite floats: ``{"$float": "nan"|"-nan"|"inf"|"-inf"}`` (a NaN keeps its sign;
-      one with another payload is refused: store it as a tensor);
+    * non-finite floats: ``{"$float": "nan"|"inf"|"-inf"}`` (a NaN's sign is not kept; a
+      NaN with another payload is refused: store it as a tensor to keep its bits);
     * ``bytes``/``bytearray``: ``{"$bytes": "<base64>"}`` (opaque bytes; never unpickled);
     * lists: JSON arrays; tuples: ``{"$tuple": [...]}`` (so ``(1, (2, 3))`` comes back as
       itself, not as ``[1, [2, 3]]``);
@@ -189,9 +190,9 @@ def _to_json(value: Any, key: str, depth: int) -> Any:
         if bits & ~(1 << 63) != _QUIET_NAN_BITS:
             raise NotJSONableError(
                 f"value at key {key!r}: a NaN with the payload {bits:#018x}, which the format does not keep "
-                "(it stores nan and -nan): store it as a tensor to keep its bits"
+                "(it stores one nan): store it as a tensor to keep its bits"
             )
-        return {"$float": "-nan" if bits >> 63 else "nan"}
+        return {"$float": "nan"}
     if hasattr(value, "item") and hasattr(value, "dtype") and getattr(value, "ndim", 1) == 0:
         return _to_json(value.item(), key, depth)  # numpy scalars
     if isinstance(value, list):
@@ -236,6 +237,11 @@ def check_exact(value: Any, key: str) -> None:
             check_exact(v, f"{key}.{i}")
     elif kind is dict:
         for k, v in value.items():
+            if type(k) is not str:
+                raise NotJSONableError(
+                    f"value at key {key!r}: mapping key {k!r} is a {type(k).__module__}.{type(k).__qualname__}, which "
+                    "would come back as a plain str: convert it (str(k)) before saving"
+                )
             check_exact(v, f"{key}.{k}")
 
 
