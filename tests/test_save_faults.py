@@ -346,3 +346,32 @@ def test_async_saves_over_subgroups_and_given_groups(results, name):
     for rank, rec in enumerate(_records(results, name)):
         assert rec["ok"], (rank, rec.get("trace"))
         assert rec["elapsed"] < PROMPT_S * 3
+
+
+def _uneven_groups(rank: int, world: int, root: str) -> None:
+    """Ranks that belong to different numbers of process groups (a Megatron embedding group
+    of the first and last stage, [0, 3]): a plain async_save of every rank completes (before:
+    every rank waited for a background group torch named differently on each, until the
+    timeout); on a subgroup whose members differ so, it is refused on every member, naming
+    async_group, and with async_group given it completes."""
+    import torch.distributed as dist
+
+    dist.new_group([0, 3])  # (every rank calls it; ranks 0 and 3 belong to one more group)
+    sd = {"w": ucp_zarr.Shard(torch.full((2, 4), float(rank)), (2 * world, 4), (2 * rank, 0)), "step": 3}
+    fut = ucp_zarr.async_save(sd, Path(root) / "all", async_group=None)
+    assert isinstance(fut.result(timeout=PROMPT_S * 3), ucp_zarr.SaveResult)
+    pair = dist.new_group([0, 1])  # (rank 0 belongs to [0, 3] too, rank 1 does not)
+    given = dist.new_group([0, 1], backend="gloo")
+    if rank in (0, 1):
+        half = {"w": ucp_zarr.Shard(torch.full((2, 4), float(rank)), (4, 4), (2 * rank, 0))}
+        with pytest.raises(ucp_zarr.OptionError, match="async_group="):
+            ucp_zarr.async_save(half, Path(root) / "pair", process_group=pair)
+        fut = ucp_zarr.async_save(half, Path(root) / "pair", process_group=pair, async_group=given)
+        fut.result(timeout=PROMPT_S * 3)
+    dist.barrier()
+    want = torch.cat([torch.full((2, 4), float(r)) for r in range(world)])
+    assert torch.equal(ucp_zarr.open(Path(root) / "all")["w"][...], want)
+
+
+def test_async_save_with_ranks_in_different_numbers_of_groups(tmp_path) -> None:
+    run(4, _uneven_groups, str(tmp_path), timeout_s=60)

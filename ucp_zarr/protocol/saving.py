@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, OptionError
 from ..io import writer_process
 from ..io.factory import open_store
 from ..io.pace import Pace
@@ -243,16 +243,36 @@ def wait_for_pending_save() -> None:
 
 def _background_group(group: Any) -> Any:
     """A gloo group of the ranks of ``group`` for background saves, so that their
-    collectives never interleave with training's. Created on first use by the members of
-    ``group`` alone (``use_local_synchronization``: other ranks need not call anything),
-    and again after the default group was re-created."""
+    collectives never interleave with training's; created on first use, and again after
+    the default group was re-created.
+
+    Every rank of the job saving: ``new_group`` as a collective of them all. A subgroup
+    saving: by its members alone (``use_local_synchronization``: the other ranks call
+    nothing). torch names such a group by its ranks and the number of groups the creating
+    process belongs to (``distributed_c10d._hash_ranks_to_str``), so members that belong to
+    different numbers of groups (a Megatron embedding group ``[0, 3]`` beside others) would
+    wait for each other under different names until the timeout: that is checked first and
+    refused, naming the fix."""
     import torch.distributed as dist
 
     default = dist.distributed_c10d._get_default_group()
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else default))
     held = _async_groups.get(ranks)
     if held is None or held[0] is not default:
-        held = (default, dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True))
+        if len(ranks) == dist.get_world_size():
+            made = dist.new_group(ranks=list(ranks), backend="gloo")
+        else:
+            counts: list[Any] = [None] * len(ranks)
+            dist.all_gather_object(counts, len(dist.distributed_c10d._world.pg_names), group=group)
+            if len(set(counts)) > 1:
+                raise OptionError(
+                    f"async_save on the group of ranks {list(ranks)}: its ranks belong to different numbers of process "
+                    f"groups ({dict(zip(ranks, counts))}), so torch would give its background group a different name "
+                    "on each (a hang); pass async_group=dist.new_group(<those ranks>, backend='gloo'), created on "
+                    "every rank of the job, once"
+                )
+            made = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True)
+        held = (default, made)
         _async_groups[ranks] = held
     return held[1]
 
