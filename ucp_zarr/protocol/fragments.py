@@ -115,7 +115,9 @@ class Placed:
 class PerRank:
     """State that is each rank's own (RNG states, data-loader positions): a plain tensor
     or a JSON-able value, saved once per saving rank and restored on the rank of the same
-    number. A plain tensor that differs between ranks without this wrapper is an error."""
+    number: the rank within the ``process_group`` of the save and of the load (the global
+    rank with the default group). A plain tensor that differs between ranks without this
+    wrapper is an error."""
 
     value: Any
 
