@@ -96,9 +96,9 @@ import torch
 from ..protocol.loader import load as ucp_load
 from ..protocol.saving import wait_for_pending_save
 from ..protocol.reader import open_reader
-from ..protocol.distributed import Comm, describe
+from ..protocol.distributed import Comm
 from ..format.dtypes import stored_dtype_by_name
-from ..errors import KeyMismatchError, LayoutError, agreed_error
+from ..errors import KeyMismatchError, LayoutError
 from ..protocol.fragments import FlatShard, PerRank
 from ..protocol.collect import collect
 from ..protocol.saver import SaveOptions, SaveResult, prepare
@@ -178,7 +178,7 @@ def load_checkpoint(engine: Any, path: str | os.PathLike[str], *, load_optimizer
         plan = _load_plan(layout, ck, load_optimizer_states, strict)
     except BaseException as e:  # noqa: BLE001 - every rank must learn of it
         error = e
-    _agree(comm, error, f"preparing to load {path}")
+    comm.agree(error, f"preparing to load {path}", own=True)
     assert plan is not None
     error = None
     try:
@@ -188,7 +188,7 @@ def load_checkpoint(engine: Any, path: str | os.PathLike[str], *, load_optimizer
             fn()
     except BaseException as e:  # noqa: BLE001
         error = e
-    _agree(comm, error, f"loading {path}")
+    comm.agree(error, f"loading {path}", own=True)
     # refresh the low-precision weights from the masters (collective) and the engine's counters
     _refresh(layout, optimizer_states=load_optimizer_states and plan.loaded_optimizer)
     _epilogue(layout)
@@ -525,12 +525,3 @@ def _refresh(layout: _Layout, *, optimizer_states: bool) -> None:
     opt.update_lp_params()
 
 
-def _agree(comm: Comm, error: BaseException | None, what: str) -> None:
-    """All ranks learn whether any failed ``what``: a failing rank raises its own error, the
-    others one naming the failing ranks (nobody is left waiting in the next collective)."""
-    failures = {r: e for r, e in enumerate(comm.all_gather(describe(error))) if e is not None}
-    if error is not None:
-        raise error
-    if failures:
-        raise agreed_error(f"{what} failed on {len(failures)} of {comm.world} ranks: "
-                           + "; ".join(f"rank {r}: {n}: {m}" for r, (n, m) in sorted(failures.items())), failures)

@@ -202,8 +202,9 @@ def _int_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if (a.dtype.kind == "i") != (b.dtype.kind == "i"):
         return np.array([abs(int(x) - int(y)) for x, y in zip(a.tolist(), b.tolist())], dtype=np.uint64)
     wide = np.int64 if a.dtype.kind == "i" else np.uint64
-    ua, ub = a.astype(wide).view(np.uint64), b.astype(wide).view(np.uint64)
-    return np.where(a.astype(wide) >= b.astype(wide), ua - ub, ub - ua)  # (modulo 2**64: the true distance)
+    wa, wb = a.astype(wide), b.astype(wide)
+    ua, ub = wa.view(np.uint64), wb.view(np.uint64)
+    return np.where(wa >= wb, ua - ub, ub - ua)  # (modulo 2**64: the true distance)
 
 
 def _sum_squares(w: np.ndarray) -> float:

@@ -74,9 +74,8 @@ def read_source(src: str | os.PathLike[str], source: str | None = None, **option
     if kind not in SOURCES:
         raise ConversionError(f"unknown source kind {kind!r} (known: {sorted(SOURCES)})")
     module = importlib.import_module(f".{SOURCES[kind]}", __name__)
-    if options.get("trust") and "trust" not in inspect.signature(module.read).parameters:
-        del options["trust"]  # (a source that is never unpickled needs no trust)
-    return module.read(Path(src), **_taken(module.read, f"a {kind} source", options))
+    # (trust widens what is unpickled: a source that is never unpickled needs none)
+    return module.read(Path(src), **_taken(module.read, f"a {kind} source", options, harmless=("trust",)))
 
 
 def convert(
@@ -158,11 +157,13 @@ def _check_apart(src: Path, dst: Path, replaces: bool) -> None:
         raise ConversionError(f"{dst} {where} the checkpoint {src} being exported: export to a folder apart from it")
 
 
-def _taken(fn: Callable[..., Any], what: str, options: dict[str, Any]) -> dict[str, Any]:
+def _taken(fn: Callable[..., Any], what: str, options: dict[str, Any], harmless: tuple[str, ...] = ()) -> dict[str, Any]:
     """The ``options`` that ``fn`` takes; :class:`ConversionError` naming any other that is
-    set (not None, empty or False): an option given is never silently ignored."""
+    set (not None, empty or False) and not ``harmless``: an option given is never silently
+    ignored."""
     params = inspect.signature(fn).parameters
-    ignored = sorted(k for k, v in options.items() if k not in params and v is not None and v is not False and v != "")
+    ignored = sorted(k for k, v in options.items()
+                     if k not in params and k not in harmless and v is not None and v is not False and v != "")
     if ignored:
         takes = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY and k not in ("overwrite", "progress"))
         raise ConversionError(f"{what} takes no option {', '.join(ignored)} (it takes: {', '.join(takes) or 'none'})")

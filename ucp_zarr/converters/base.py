@@ -60,6 +60,15 @@ class Imported:
     it back so); None: flat keys."""
 
 
+def prefix_key(prefix: str) -> str | None:
+    """The mapping key a conversion's ``prefix`` nests the source under, for the nesting it
+    records: ``""`` without a prefix, ``"a"`` for ``"a."``; None for a prefix that is no
+    key (``"student_"``: the keys stay flat)."""
+    if not prefix:
+        return ""
+    return prefix[:-1] if prefix.endswith(".") else None
+
+
 class Opaque:
     """A foreign Python object read without running its code: the class it names, and the
     arguments and state its pickle holds (DeepSpeed's loss scaler, a named tuple, an enum).

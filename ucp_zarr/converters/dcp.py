@@ -53,7 +53,7 @@ from ..format.safe_paths import inside_relative
 from ..format.statedict import ListIndex, from_json, to_json
 from ..protocol.read_state import dcp_blobs, dcp_structure
 from ..adapters.dcp_plans import dcp_layout, merged_planner_data
-from .base import Imported, atomic_folder, read_ahead
+from .base import Imported, atomic_folder, prefix_key, read_ahead
 
 METADATA_FILE = ".metadata"
 DATA_FILE = "__0_0.distcp"
@@ -396,11 +396,12 @@ def read(src: Path, *, trust: bool = False, prefix: str = "") -> Imported:
             else:
                 raise ConversionError(f"{mfile}: the entry {fqn!r} is a {type(entry).__name__}, which DCP does not write")
     # the nesting DCP's planner recorded, and which values were BytesIO, kept as the DCP adapter keeps
-    # them (layout.dcp), so that read_state_dict and the DCP reader give them back as dcp.load does; a
-    # prefix "a." is one more mapping key above them (another prefix is no key: the keys stay flat)
-    planner = merged_planner_data([md.planner_data]) if not prefix or prefix.endswith(".") else None
-    if planner is not None and prefix:
-        planner = {prefix + k: (prefix[:-1], *p) for k, p in planner.items()}
+    # them (layout.dcp), so that read_state_dict and the DCP reader give them back as dcp.load does;
+    # under the prefix's key (see prefix_key)
+    above = prefix_key(prefix)
+    planner = None if above is None else merged_planner_data([md.planner_data])
+    if planner is not None and above:
+        planner = {prefix + k: (above, *p) for k, p in planner.items()}
     layout = dcp_layout(planner, blobs)
     if layout:
         out.layout["dcp"] = layout

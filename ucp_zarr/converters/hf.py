@@ -183,10 +183,10 @@ def fit_to_config(dst: Path, items: list[OutTensor], prefix: str) -> list[OutTen
 def _model_parameters(dst: Path) -> list[tuple[list[list[str]], set[str], Callable[[str], bool]]]:
     """For each model ``dst/config.json`` may describe (its ``architectures``, else a causal
     language model, a sequence-to-sequence one and the bare model of its type), its parameter
-    names grouped by tie (the
-    names of one parameter), less those the model lets ``from_pretrained`` miss; the tied
-    names ``save_pretrained`` leaves out; and whether ``from_pretrained`` takes a name (one of
-    its state dict, or one it lets a file hold beside them); none when that cannot be told."""
+    names grouped by tie (the names of one parameter), less those the model lets
+    ``from_pretrained`` miss; the tied names ``save_pretrained`` leaves out; and whether
+    ``from_pretrained`` takes a name (one of its state dict, or one it lets a file hold
+    beside them); none when that cannot be told."""
     if not (dst / "config.json").is_file():
         return []
     try:

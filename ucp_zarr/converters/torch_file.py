@@ -15,7 +15,7 @@ import torch
 from ..errors import ConversionError
 from ..format.statedict import iter_leaves, structure_of, to_json
 from ..protocol.writer import InMemory
-from .base import Imported, torch_load
+from .base import Imported, prefix_key, torch_load
 
 
 def read(src: Path, *, trust: bool = False, prefix: str = "") -> Imported:
@@ -25,10 +25,9 @@ def read(src: Path, *, trust: bool = False, prefix: str = "") -> Imported:
     if not isinstance(obj, dict):
         raise ConversionError(f"{src}: holds a {type(obj).__name__}, not a state dict (a dict)")
     out = Imported(layout={"source": {"format": "torch", "file": Path(src).name}})
-    # read_state_dict nests as torch.load gives it: a prefix "a." is one more mapping key above the
-    # file's (another prefix is no key: the keys stay flat)
-    nested = not prefix or prefix.endswith(".")
-    top = {prefix[:-1]: obj} if prefix and nested else obj
+    # read_state_dict nests as torch.load gives it, under the prefix's key (see prefix_key)
+    above = prefix_key(prefix)
+    top = {above: obj} if above else obj
     paths, empty = {}, []
     for leaf in iter_leaves(top, empty):
         key = leaf.key if top is not obj else prefix + leaf.key
@@ -38,6 +37,6 @@ def read(src: Path, *, trust: bool = False, prefix: str = "") -> Imported:
         else:
             to_json(leaf.value, f"{src}: {key}")  # refused here, naming the file, if not JSON-able
             out.values[key] = leaf.value
-    if nested:
+    if above is not None:
         out.structure = structure_of(top, paths, empty)
     return out

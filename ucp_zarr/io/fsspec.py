@@ -12,8 +12,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 import fsspec
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
-from ..errors import OptionError
-from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, fill, folders_of
+from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, fill, folders_of, no_parent
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -254,8 +253,7 @@ class FsspecStore(Store):
     def sibling(self, name: str) -> "FsspecStore":
         parent = posixpath.dirname(self.url)
         if not parent or parent.endswith(":/") or parent.endswith(":"):
-            raise OptionError(f"{self.url} has no parent to hold a sibling {name!r} (an overwrite stages the new "
-                              "checkpoint beside the old one): keep checkpoints in a folder below the store's root")
+            raise no_parent(self.url, name)
         return FsspecStore(f"{parent}/{name}", self.storage_options, self.retry)
 
     def child(self, name: str) -> "FsspecStore":

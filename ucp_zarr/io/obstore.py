@@ -45,9 +45,8 @@ from obstore.exceptions import (
     UnknownConfigurationKeyError,
 )
 
-from ..errors import OptionError
 from .fsspec import FsspecStore
-from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, at_once, fill, folders_of
+from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, at_once, fill, folders_of, no_parent
 
 T = TypeVar("T")
 
@@ -354,8 +353,7 @@ class ObstoreStore(Store):
 
     def sibling(self, name: str) -> "ObstoreStore":
         if not self.root:
-            raise OptionError(f"{self.url} has no parent to hold a sibling {name!r} (an overwrite stages the new "
-                              "checkpoint beside the old one): keep checkpoints in a folder below the store's root")
+            raise no_parent(self.url, name)
         return ObstoreStore(f"{posixpath.dirname(self.url)}/{name}", self.storage_options, client=self.client,
                             large=self.large)
 

@@ -19,6 +19,8 @@ from typing import Any, Callable, Generator, Iterable, Protocol, Sequence, TypeV
 
 import numpy as np
 
+from ..errors import OptionError
+
 
 Buffer = memoryview
 ReadRequest = tuple[int, Sequence[memoryview]]
@@ -72,6 +74,13 @@ def temp_name(key: str, tag: str) -> str:
     """Where a guarded write of ``key`` by save ``tag`` is staged before it is moved into place."""
     return f"{key}.tmp-{tag}"
 
+
+
+def no_parent(url: str, name: str) -> OptionError:
+    """The error of :meth:`Store.sibling` for a store at the top of its bucket or file
+    system, which an overwrite cannot stage a new checkpoint beside."""
+    return OptionError(f"{url} has no parent to hold a sibling {name!r} (an overwrite stages the new checkpoint "
+                       "beside the old one): keep checkpoints in a folder below the store's root")
 
 class Store:
     """The operations the format needs from a storage backend.
@@ -245,7 +254,8 @@ class Store:
         raise NotImplementedError
 
     def sibling(self, name: str) -> "Store":
-        """A store of the same kind at ``name`` beside this one (same parent)."""
+        """A store of the same kind at ``name`` beside this one (same parent);
+        :func:`no_parent` where it has none."""
         raise NotImplementedError
 
     def child(self, name: str) -> "Store":

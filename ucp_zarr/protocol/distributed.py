@@ -199,10 +199,15 @@ class Comm:
             w.wait()
         return {src: t.cpu() for src, t in recvs.items()}
 
-    def agree(self, error: BaseException | None, what: str, payload: Any = None) -> list[Any]:
+    def agree(self, error: BaseException | None, what: str, payload: Any = None, *, own: bool = False) -> list[Any]:
         """All-gather ``(error, payload)``; return every rank's payload, or raise on every
-        rank if any rank failed ``what`` (a single process re-raises its own error)."""
+        rank if any rank failed ``what`` (a single process re-raises its own error). With
+        ``own``, a failing rank raises its own error, as one process would, and only the
+        others the agreed one naming the failing ranks (loads: the failing rank's error is
+        the one its caller can act on)."""
         gathered = self.all_gather((describe(error), payload))
+        if own and error is not None:
+            raise error
         raise_failures(self, {r: e for r, (e, _) in enumerate(gathered) if e is not None}, error, what)
         return [p for _, p in gathered]
 

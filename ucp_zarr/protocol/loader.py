@@ -123,13 +123,13 @@ def load(
         matched = planner.match(strict)
     except Exception as e:
         error = e
-    placements = _agree(agreeing, error, what, matched.placements if error is None else None)
+    placements = agreeing.agree(error, what, matched.placements if error is None else None, own=True)
     try:
         plan = planner.plan(matched, placements, strict, allow_new_ranks, allow_lossy_cast, allow_other_rules)
         fill(ck, plan.reads, comm.rank, allow_lossy_cast, max_workers)
     except Exception as e:
         error = e
-    _agree(agreeing, error, what)
+    agreeing.agree(error, what, own=True)
     for where, value in plan.values:
         put_path(state_dict, where, value, "the state dict")
     skipped = IncompatibleKeys(plan.missing, plan.unexpected)
@@ -213,20 +213,6 @@ def _sharded(state_dict: Any) -> bool:
             seen.add(id(node))
             stack.extend(node.values() if isinstance(node, Mapping) else node)
     return False
-
-
-def _agree(comm: Comm, error: Exception | None, what: str, payload: Any = None) -> list[Any]:
-    """Every rank's ``payload``, or raise on every rank if one failed: this rank's own
-    error where it failed (as one process would raise it), else a
-    :class:`~ucp_zarr.SaveError` naming the failing ranks' errors."""
-    if error is not None and not comm.active:
-        raise error
-    try:
-        return comm.agree(error, what, payload)
-    except Exception:
-        if error is None:
-            raise
-    raise error  # (outside the handler: with its own cause and context)
 
 
 @dataclass
