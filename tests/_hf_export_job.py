@@ -10,7 +10,10 @@ Run by ``megatron_core_models.run_job(job, 2, folder)``: on 2 ranks,
 2. a tied model at PP=2 (the last stage holds the output layer, a copy of the embedding:
    ``rename`` + ``pipeline_replicated``) is saved to ``folder/tied``; the same model at TP=1,
    PP=1 (the same seed gives the same tensors) gives the logits and state dict in
-   ``folder/tied.pt``.
+   ``folder/tied.pt``;
+3. Llama's architecture but rotary embeddings Llama does not apply (interleaved; on half of
+   each head's dims), untied at TP=2, to ``folder/interleaved`` and ``folder/partial``, their
+   logits to ``folder/interleaved.pt`` and ``folder/partial.pt``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ LLAMA = MC.Variant("llama", tied=False, normalization="RMSNorm", add_bias_linear
                    qk_layernorm=False, position_embedding_type="rope")
 TIED_LLAMA = MC.Variant("tied-llama", tied=True, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
                         qk_layernorm=False, position_embedding_type="rope")
+INTERLEAVED = MC.Variant("interleaved", tied=False, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
+                         qk_layernorm=False, position_embedding_type="rope", rotary_interleaved=True)
+PARTIAL = MC.Variant("partial", tied=False, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
+                     qk_layernorm=False, position_embedding_type="rope", rotary_percent=0.5)
 TOKENS = torch.randint(0, MC.VOCAB, (2, MC.MAX_SEQ), generator=torch.Generator().manual_seed(5))
 
 
@@ -40,17 +47,24 @@ def logits(model: Any) -> torch.Tensor:
         return model(TOKENS, torch.arange(MC.MAX_SEQ).expand(2, MC.MAX_SEQ), causal)
 
 
-def job(rank: int, world: int, folder: str) -> None:
+def _untied(variant: MC.Variant, name: str, rank: int, world: int, folder: str) -> None:
+    """``variant`` at TP=``world`` saved to ``folder/name``, its logits to ``folder/name.pt``."""
     from megatron.core import parallel_state as ps
 
-    model = MC.build(LLAMA, world, 1, seed=11)
+    model = MC.build(variant, world, 1, seed=11)
     rules = ucp_zarr.Rules.from_megatron(model, vocab_size=MC.VOCAB)
-    ucp_zarr.save(ucp_zarr.place({"model": model.state_dict()}, rules, **MC.coords()), f"{folder}/untied")
+    ucp_zarr.save(ucp_zarr.place({"model": model.state_dict()}, rules, **MC.coords()), f"{folder}/{name}")
     local = logits(model)
     parts = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
     if rank == 0:
-        torch.save({"tokens": TOKENS, "logits": torch.cat(parts, -1)[..., :MC.VOCAB]}, f"{folder}/untied.pt")
+        torch.save({"tokens": TOKENS, "logits": torch.cat(parts, -1)[..., :MC.VOCAB]}, f"{folder}/{name}.pt")
+
+
+def job(rank: int, world: int, folder: str) -> None:
+    _untied(LLAMA, "untied", rank, world, folder)
+    _untied(INTERLEAVED, "interleaved", rank, world, folder)
+    _untied(PARTIAL, "partial", rank, world, folder)
 
     model = MC.build(TIED_LLAMA, 1, world, seed=12)
     rules = ucp_zarr.Rules.from_megatron(model, vocab_size=MC.VOCAB)

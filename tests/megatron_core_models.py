@@ -71,6 +71,8 @@ class Variant:
     add_qkv_bias: bool
     qk_layernorm: bool
     position_embedding_type: str
+    rotary_interleaved: bool = False
+    rotary_percent: float = 1.0
 
 
 VARIANTS = {
@@ -131,7 +133,8 @@ def build(variant: Variant, tp: int, pp: int, seed: int, vocab: int = VOCAB) -> 
         kv_channels=KV_CHANNELS, ffn_hidden_size=FFN, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, normalization=variant.normalization,
         add_bias_linear=variant.add_bias_linear, add_qkv_bias=variant.add_qkv_bias,
-        qk_layernorm=variant.qk_layernorm, hidden_dropout=0.0, attention_dropout=0.0,
+        qk_layernorm=variant.qk_layernorm, rotary_interleaved=variant.rotary_interleaved,
+        hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, perform_initialization=True,
         pipeline_dtype=torch.float32, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
     )
@@ -141,7 +144,7 @@ def build(variant: Variant, tp: int, pp: int, seed: int, vocab: int = VOCAB) -> 
             config, spec, vocab_size=padded_vocab(tp, vocab), max_sequence_length=MAX_SEQ,
             pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
             share_embeddings_and_output_weights=variant.tied,
-            position_embedding_type=variant.position_embedding_type,
+            position_embedding_type=variant.position_embedding_type, rotary_percent=variant.rotary_percent,
         )
     _fill_constants(model, seed)
     return model

@@ -207,22 +207,40 @@ def test_safetensors_file_and_the_command_line(tmp_path: Path, capsys: pytest.Ca
     assert all(f"  {kind} " in shown for kind in ("hf", "safetensors", "dcp", "ds-universal"))
 
 
-def test_megatron_core_to_llama(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoints and logits of ``tests/_hf_export_job.py``, made once."""
+    import _hf_export_job as job
+    import megatron_core_models as MC
+
+    folder = tmp_path_factory.mktemp("megatron")
+    MC.run_job(job.job, 2, str(folder), timeout_s=600)
+    return folder
+
+
+def _llama_config(out: Path, tied: bool, **kw: object) -> None:
+    """A config.json in ``out`` of the Llama that Megatron-core's test models are."""
+    import megatron_core_models as MC
+
+    LlamaConfig(**{"vocab_size": MC.VOCAB, "hidden_size": MC.HIDDEN, "intermediate_size": MC.FFN,
+                   "num_hidden_layers": MC.NUM_LAYERS, "num_attention_heads": MC.HEADS,
+                   "num_key_value_heads": MC.GROUPS, "head_dim": MC.KV_CHANNELS, "rms_norm_eps": 1e-5,
+                   "max_position_embeddings": MC.MAX_SEQ, "tie_word_embeddings": tied} | kw).save_pretrained(out)
+
+
+def test_megatron_core_to_llama(megatron: Path, tmp_path: Path) -> None:
     """Megatron-core's GPTModel (Llama's architecture) saved at TP=2 (untied) and PP=2 (tied)
     through Rules.from_megatron, exported with names="megatron_to_llama": LlamaForCausalLM
     loads each with no missing or unexpected keys and gives Megatron-core's own logits."""
     import _hf_export_job as job
     import megatron_core_models as MC
 
-    MC.run_job(job.job, 2, str(tmp_path), timeout_s=600)
     for name, tied in (("untied", False), ("tied", True)):
         out = tmp_path / f"hf_{name}"
-        LlamaConfig(vocab_size=MC.VOCAB, hidden_size=MC.HIDDEN, intermediate_size=MC.FFN, num_hidden_layers=MC.NUM_LAYERS,
-                    num_attention_heads=MC.HEADS, num_key_value_heads=MC.GROUPS, head_dim=MC.KV_CHANNELS,
-                    rms_norm_eps=1e-5, max_position_embeddings=MC.MAX_SEQ, tie_word_embeddings=tied).save_pretrained(out)
-        ucp_zarr.export(tmp_path / name, out, to="hf", names="megatron_to_llama")
+        _llama_config(out, tied)
+        ucp_zarr.export(megatron / name, out, to="hf", names="megatron_to_llama")
         llama = _loads(LlamaForCausalLM, out)
-        ref = torch.load(tmp_path / f"{name}.pt")
+        ref = torch.load(megatron / f"{name}.pt")
         with torch.no_grad():
             torch.testing.assert_close(llama(job.TOKENS).logits, ref["logits"], rtol=0, atol=1e-5)
         names = _names(out)
@@ -237,8 +255,56 @@ def test_megatron_core_to_llama(tmp_path: Path) -> None:
         assert torch.equal(sd[f"model.layers.{i}.mlp.down_proj.weight"], state[f"decoder.layers.{i}.mlp.linear_fc2.weight"])
     # a fused tensor is split whole or not at all
     with pytest.raises(ConversionError, match=r"names map its sub-parameters \['q'\] but not \['k', 'v'\]"):
-        ucp_zarr.export(tmp_path / "untied", tmp_path / "x", to="hf",
+        ucp_zarr.export(megatron / "untied", tmp_path / "x", to="hf",
                         names={"decoder.layers.0.self_attention.linear_qkv.weight:q": "q"})
+
+
+@pytest.mark.parametrize("name, setting", [("interleaved", r"rotary_interleaved=True \(Llama: False\)"),
+                                           ("partial", r"rotary embeddings on 4 of each head's 8 dims")])
+def test_megatron_core_rotary_llama_does_not_apply_is_refused(megatron: Path, tmp_path: Path, name: str,
+                                                               setting: str) -> None:
+    """Megatron-core models of Llama's architecture but for their rotary embeddings
+    (``rotary_interleaved``, ``rotary_percent=0.5``): exported under Llama's names, Llama
+    loads them without a word and gives other logits (shown with the same mapping, unchecked);
+    names="megatron_to_llama" is refused naming the setting (before: exported)."""
+    import megatron_core_models as MC
+
+    assert MC.KV_CHANNELS == 8
+    unchecked = tmp_path / "unchecked"
+    _llama_config(unchecked, False)
+    ucp_zarr.export(megatron / name, unchecked, to="hf", names=lambda n: hf.megatron_to_llama(n))
+    with torch.no_grad():
+        got = _loads(LlamaForCausalLM, unchecked)(torch.load(megatron / f"{name}.pt")["tokens"]).logits
+    assert (got - torch.load(megatron / f"{name}.pt")["logits"]).abs().max() > 1e-4  # (equal: below 1e-5)
+    _llama_config(tmp_path / "hf", False)
+    for names in ("megatron_to_llama", hf.megatron_to_llama):
+        with pytest.raises(ConversionError, match=setting):
+            ucp_zarr.export(megatron / name, tmp_path / "hf", to="hf", names=names)
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["config.json"]
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"rms_norm_eps": 1e-6}, r"rms_norm_eps=1e-06 where Megatron-core's layernorm_epsilon=1e-05"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, r"rotary frequencies"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}, r"rotary frequencies"),
+    ({"hidden_act": "gelu"}, r"hidden_act='gelu' where Megatron-core's activation_func='silu'"),
+])
+def test_a_llama_config_of_other_settings_than_megatron_core_trained_is_refused(
+        megatron: Path, tmp_path: Path, setting: dict[str, object], message: str) -> None:
+    """A config.json whose epsilon (Llama's default 1e-6; Megatron's 1e-5), rope theta or
+    scaling, or activation differs from the Megatron-core model's: from_pretrained loads
+    the export without a word and gives other logits (shown unchecked); the export with
+    names="megatron_to_llama" is refused naming both settings (before: exported)."""
+    ref = torch.load(megatron / "untied.pt")
+    unchecked = tmp_path / "unchecked"
+    _llama_config(unchecked, False, **setting)
+    ucp_zarr.export(megatron / "untied", unchecked, to="hf", names=lambda n: hf.megatron_to_llama(n))
+    with torch.no_grad():
+        got = _loads(LlamaForCausalLM, unchecked)(ref["tokens"]).logits
+    assert (got - ref["logits"]).abs().max() > 1e-6
+    _llama_config(tmp_path / "hf", False, **setting)
+    with pytest.raises(ConversionError, match=message):
+        ucp_zarr.export(megatron / "untied", tmp_path / "hf", to="hf", names="megatron_to_llama")
 
 
 def test_an_export_the_config_has_no_place_for_is_refused(tmp_path: Path) -> None:

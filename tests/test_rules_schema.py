@@ -63,6 +63,19 @@ def test_valid_rules_are_read_and_written_back() -> None:
         assert Rules.from_dict(json.loads(json.dumps(rules.to_dict()))) == rules
 
 
+def test_model_facts_are_json_scalars_or_lists_of_them() -> None:
+    """``model`` (what the weights compute: Rules.from_megatron's settings) round-trips; a
+    value that is no JSON scalar or list of them is refused naming it."""
+    facts = {"framework": "megatron-core", "rotary_inv_freq": [1.0, 0.1], "window_size": None, "num_layers": 2}
+    rules = Rules.from_dict({"params": [], "model": facts})
+    assert rules.model == facts and Rules.from_dict(json.loads(json.dumps(rules.to_dict()))) == rules
+    for bad in ({"a": 1}, [[1]], float("nan"), object()):
+        with pytest.raises(RuleError, match=r"model: 'x' must be a JSON scalar"):
+            Rules.from_dict({"params": [], "model": {"x": bad}})
+    with pytest.raises(RuleError, match="'model' must be a mapping"):
+        Rules.from_dict({"params": [], "model": [1]})
+
+
 def test_every_kind_has_a_field_schema() -> None:
     assert set(KIND_FIELDS) == set(PRECEDENCE)
 

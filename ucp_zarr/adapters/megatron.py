@@ -97,10 +97,44 @@ def rules_from_megatron(rules_type: Callable[..., R], model: Any, *, vocab_size:
         params=params, vocab_patterns=vocab, vocab_size=vocab_size,
         rename=((_OUTPUT_NAME, "embedding.word_embeddings.weight"),) if tied else (),
         pipeline=_pipeline(gpt, get_transformer_layer_offset), pipeline_replicated=(_OUTPUT,) if tied else (),
-        default="error",
+        model=model_facts(gpt), default="error",
     )
     _check_against_megatron(gpt, rules)
     return rules
+
+
+_CONFIG_FACTS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "normalization", "layernorm_epsilon", "layernorm_zero_centered_gamma", "apply_residual_connection_post_layernorm",
+    "gated_linear_unit", "glu_linear_offset", "activation_func_clamp_value", "add_bias_linear", "add_qkv_bias",
+    "qk_layernorm", "attention_output_gate", "softmax_scale", "softmax_type", "window_size", "no_rope_freq",
+    "experimental_attention_variant", "rotary_interleaved",
+)
+"""``TransformerConfig`` members that change what the weights compute (those this version has)."""
+
+
+def model_facts(gpt: Any) -> dict[str, Any]:
+    """What a megatron-core ``GPTModel`` computes that its weights' names and shapes do not
+    tell, as JSON (``Rules.model``), for an export to check (``names="megatron_to_llama"``):
+    the config members of :data:`_CONFIG_FACTS` as Megatron names them, the activation's
+    name, the position embedding, and for rotary embeddings the inverse frequencies the
+    model's ``RotaryEmbedding`` applies (base, ``rotary_percent``, Llama 3 scaling and
+    ``seq_len_interpolation_factor`` folded in: the frequencies themselves, not the
+    arguments, which ``GPTModel`` and its config may record differently)."""
+    cfg = gpt.config
+    facts: dict[str, Any] = {"framework": "megatron-core", "position_embedding_type": gpt.position_embedding_type,
+                             "share_embeddings_and_output_weights": bool(gpt.share_embeddings_and_output_weights)}
+    for name in _CONFIG_FACTS:
+        if hasattr(cfg, name):
+            value = getattr(cfg, name)
+            facts[name] = list(value) if isinstance(value, tuple) else value
+    act = cfg.activation_func
+    facts["activation_func"] = getattr(act, "__name__", type(act).__name__)
+    rotary = getattr(gpt, "rotary_pos_emb", None)
+    if rotary is not None and hasattr(rotary, "inv_freq"):
+        factor = getattr(rotary, "seq_len_interpolation_factor", None) or 1.0
+        facts["rotary_inv_freq"] = [float(f) / factor for f in rotary.inv_freq.tolist()]
+    return facts
 
 
 def _pipeline(gpt: Any, layer_offset: Any) -> Renumber:

@@ -112,7 +112,10 @@ def write(
     twice = sorted(n for n, c in Counter(t.name for t in items).items() if c > 1)
     if twice:
         raise ConversionError(f"several tensors of checkpoint {ck.store.url} are mapped to the names {twice[:5]}")
-    items = fit_to_config(Path(dst), items, prefix)
+    config = _config(Path(dst))
+    if names == "megatron_to_llama" or names is megatron_to_llama:
+        check_llama(ck.meta.layout.get("rules", {}).get("model"), config, f"checkpoint {ck.store.url}", Path(dst))
+    items = fit_to_config(Path(dst), items, prefix, config)
     index = {"total_parameters": sum(math.prod(t.shape) for t in items)}
     with atomic_update(Path(dst), replaced=lambda n: WEIGHT_FILE.fullmatch(n) is not None, overwrite=overwrite) as tmp:
         write_shards(tmp, items, limit, {"format": "pt"}, progress, index, ck.store)
@@ -139,9 +142,9 @@ def _config_dtype(dst: Path, tmp: Path, items: list[OutTensor]) -> None:
         (tmp / "config.json").write_text(json.dumps(doc | {f: name for f in fields}, indent=2, sort_keys=True) + "\n")
 
 
-def fit_to_config(dst: Path, items: list[OutTensor], prefix: str) -> list[OutTensor]:
-    """``items`` checked against the model whose ``config.json`` ``dst`` holds (of an
-    architecture ``transformers`` knows; built on the meta device: nothing allocated,
+def fit_to_config(dst: Path, items: list[OutTensor], prefix: str, config: Any) -> list[OutTensor]:
+    """``items`` checked against the model ``config`` (:func:`_config` of ``dst``) describes
+    (of an architecture ``transformers`` knows; built on the meta device: nothing allocated,
     nothing downloaded): an export that ``from_pretrained`` would load with weights left to
     random initialisation, or with weights dropped, is refused
     (:class:`~ucp_zarr.errors.ConversionError`): every parameter must be written, one name of
@@ -149,7 +152,7 @@ def fit_to_config(dst: Path, items: list[OutTensor], prefix: str) -> list[OutTen
     place for. A tie is written under the name ``save_pretrained`` keeps (the embedding, not
     ``lm_head.weight``), whichever the checkpoint stored. Nothing to compare with (no
     config, no ``transformers``, an unknown architecture): ``items`` as they are."""
-    models = _model_parameters(dst)
+    models = _model_parameters(config)
     if not models:
         return items
     written = {t.name for t in items}
@@ -180,35 +183,49 @@ def fit_to_config(dst: Path, items: list[OutTensor], prefix: str) -> list[OutTen
     return [replace(t, name=kept[t.name]) if t.name in kept else t for t in items]
 
 
-def _model_parameters(dst: Path) -> list[tuple[list[list[str]], set[str], Callable[[str], bool]]]:
-    """For each model ``dst/config.json`` may describe (its ``architectures``, else a causal
-    language model, a sequence-to-sequence one and the bare model of its type), its parameter
-    names grouped by tie (the names of one parameter), less those the model lets
-    ``from_pretrained`` miss; the tied names ``save_pretrained`` leaves out; and whether
-    ``from_pretrained`` takes a name (one of its state dict, or one it lets a file hold
-    beside them); none when that cannot be told."""
+def _config(dst: Path) -> Any:
+    """The ``transformers`` config of ``dst/config.json``; None without one, without
+    ``transformers``, or for a config it cannot read (``from_pretrained`` would say why)."""
     if not (dst / "config.json").is_file():
-        return []
+        return None
     try:
         import transformers
     except ImportError:
-        return []
+        return None
     try:
-        config = transformers.AutoConfig.from_pretrained(str(dst), local_files_only=True)
-    except Exception:  # (a config this transformers cannot read: from_pretrained would say so)
-        return []
+        return transformers.AutoConfig.from_pretrained(str(dst), local_files_only=True)
+    except Exception:
+        return None
+
+
+def _models(config: Any) -> Iterator[Any]:
+    """The models ``config`` may describe (its ``architectures``, else a causal language
+    model, a sequence-to-sequence one and the bare model of its type), built on the meta
+    device; those it cannot build left out."""
+    import transformers
+
     if config.architectures:
         build = [getattr(transformers, config.architectures[0], None)]
     else:
         build = [transformers.AutoModelForCausalLM.from_config, transformers.AutoModelForSeq2SeqLM.from_config,
                  transformers.AutoModel.from_config]
-    out = []
     for make in build:
         try:
             with torch.device("meta"):
                 model = make(config)  # type: ignore[misc]
         except Exception:  # (no such class, or one this config cannot build)
             continue
+        yield model
+
+
+def _model_parameters(config: Any) -> list[tuple[list[list[str]], set[str], Callable[[str], bool]]]:
+    """For each model ``config`` may describe (:func:`_models`), its parameter names grouped
+    by tie (the names of one parameter), less those the model lets ``from_pretrained`` miss;
+    the tied names ``save_pretrained`` leaves out; and whether ``from_pretrained`` takes a
+    name (one of its state dict, or one it lets a file hold beside them); none when that
+    cannot be told (no config)."""
+    out = []
+    for model in _models(config) if config is not None else ():
         ignored = [re.compile(p) for p in getattr(type(model), "_keys_to_ignore_on_load_missing", None) or ()]
         groups: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
@@ -361,10 +378,9 @@ def megatron_to_llama(name: str) -> str | None:
     None for Transformer Engine's ``_extra_state`` and for sub-parameters it does not split.
     Raises :class:`ConversionError` for a weight Llama has no place for.
 
-    It maps names only: the rows of ``q`` and ``k`` are Llama's for Megatron's default rotary
-    embedding (``rotary_interleaved=False``, ``rotary_percent=1``). A model trained otherwise
-    exports to weights Llama applies its rotary embedding to differently, and the checkpoint
-    does not record those settings: do not export such a model with this mapping."""
+    It maps names only; an export with it checks the settings the checkpoint records
+    (:func:`check_llama`): the rows of ``q`` and ``k`` are Llama's only for a model that
+    rotates the halves of every head's dims, as Megatron's default rotary embedding does."""
     for r in MEGATRON_TO_LLAMA:
         m = r.pattern.fullmatch(name)
         if m is not None:
@@ -373,6 +389,85 @@ def megatron_to_llama(name: str) -> str | None:
         return None
     raise ConversionError(f"megatron_to_llama: Llama has no place for Megatron-core weight {name!r} (give names= "
                           "a mapping that knows it)")
+
+
+LLAMA_COMPUTES: dict[str, Any] = {
+    "position_embedding_type": "rope", "rotary_interleaved": False, "normalization": "RMSNorm",
+    "layernorm_zero_centered_gamma": False, "apply_residual_connection_post_layernorm": False,
+    "gated_linear_unit": True, "activation_func": "silu", "glu_linear_offset": 0.0, "activation_func_clamp_value": None,
+    "attention_output_gate": False, "softmax_type": "vanilla", "window_size": None, "no_rope_freq": None,
+    "experimental_attention_variant": None,
+}
+"""Megatron-core's settings (``Rules.model``, :func:`ucp_zarr.adapters.megatron.model_facts`)
+of a model that computes what ``LlamaForCausalLM`` does (``modeling_llama.py``: RMSNorm before
+attention and MLP, SwiGLU with SiLU, rotary embeddings on all of each head's ``head_dim``
+dims, rotating its two halves, softmax scaled by ``head_dim ** -0.5``, full causal attention)."""
+LLAMA_CONFIG = (
+    ("hidden_size", "hidden_size"), ("intermediate_size", "ffn_hidden_size"), ("num_hidden_layers", "num_layers"),
+    ("num_attention_heads", "num_attention_heads"), ("num_key_value_heads", "num_query_groups"),
+    ("head_dim", "kv_channels"), ("rms_norm_eps", "layernorm_epsilon"), ("hidden_act", "activation_func"),
+    ("attention_bias", "add_qkv_bias"), ("mlp_bias", "add_bias_linear"),
+)
+"""``config.json`` member -> the Megatron-core setting it must equal. (A tie need not: an
+untied export under a tying config loads untied, ``transformers`` says so; a tied one under an
+untying config leaves ``lm_head`` random, which :func:`fit_to_config` refuses.)"""
+
+
+def check_llama(facts: Mapping[str, Any] | None, config: Any, what: str, dst: Path) -> None:
+    """Refuse (:class:`ConversionError`, naming each setting) an export with
+    ``names="megatron_to_llama"`` that would load into a model computing something else:
+    a Megatron-core model (``facts``: ``Rules.model`` as :meth:`Rules.from_megatron
+    <ucp_zarr.Rules.from_megatron>` records it) that does not compute what Llama does
+    (:data:`LLAMA_COMPUTES`; interleaved or partial rotary embeddings, another softmax
+    scale), or a ``config.json`` in ``dst`` (``config``) that describes another model: its
+    sizes, epsilon, activation and biases (:data:`LLAMA_CONFIG`), and the rotary
+    frequencies its own rotary embedding module computes (``rope_theta``, its scaling),
+    against those the Megatron-core model applied. A checkpoint that records no settings (not
+    saved through ``Rules.from_megatron``, or before it recorded them) is not checked."""
+    if facts is None or facts.get("framework") != "megatron-core":
+        return
+    wrong = [f"{k}={facts[k]!r} (Llama: {v!r})" for k, v in LLAMA_COMPUTES.items() if k in facts and facts[k] != v]
+    hn, scale, freqs = facts.get("kv_channels"), facts.get("softmax_scale"), facts.get("rotary_inv_freq")
+    if scale is not None and hn and not math.isclose(scale, hn ** -0.5, rel_tol=1e-6):
+        wrong.append(f"softmax_scale={scale!r} (Llama: kv_channels ** -0.5 = {hn ** -0.5!r})")
+    if freqs is not None and hn and 2 * len(freqs) != hn:
+        wrong.append(f"rotary embeddings on {2 * len(freqs)} of each head's {hn} dims (rotary_percent < 1; Llama: all)")
+    if wrong:
+        raise ConversionError(
+            f"{what}: its Megatron-core model computes what Llama does not: {'; '.join(wrong)}. An export with "
+            "names='megatron_to_llama' would load without error and give other outputs; export it without names= (or "
+            "with a mapping to a model that computes the same)")
+    if config is None:
+        return
+    missing = object()
+    wrong = [f"{hf}={getattr(config, hf)!r} where Megatron-core's {mc}={facts[mc]!r}" for hf, mc in LLAMA_CONFIG
+             if mc in facts and getattr(config, hf, missing) not in (missing, None) and getattr(config, hf) != facts[mc]]
+    rotary = _rotary(config)
+    if freqs is not None and rotary is not None:
+        theirs = rotary.inv_freq.double()
+        if theirs.shape != (len(freqs),) or not torch.allclose(theirs, torch.tensor(freqs, dtype=torch.float64),
+                                                                rtol=1e-6, atol=0):
+            wrong.append(f"rotary frequencies {[round(f, 9) for f in theirs.tolist()[:3]]}... where Megatron-core's were "
+                         f"{[round(f, 9) for f in freqs[:3]]}... (rope_theta and rope scaling: Megatron's rotary_base, "
+                         "rope_scaling, seq_len_interpolation_factor)")
+        elif float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+            wrong.append(f"rotary attention scaling {rotary.attention_scaling!r} (Megatron-core's: 1.0)")
+    if wrong:
+        raise ConversionError(f"{dst / 'config.json'} describes another model than {what}'s Megatron-core model: "
+                              f"{'; '.join(wrong)}. Set them in config.json as the model was trained")
+
+
+def _rotary(config: Any) -> Any:
+    """The rotary embedding module of the model ``config`` describes, built on the CPU from
+    the config (its ``inv_freq`` as ``transformers`` computes it), or None."""
+    for model in _models(config):
+        for module in model.modules():
+            if "inv_freq" in dict(module.named_buffers(recurse=False)):
+                try:
+                    return type(module)(config=config)
+                except Exception:  # (a module built otherwise: nothing to compare with)
+                    return None
+    return None
 
 
 NAME_MAPS: dict[str, Callable[[str], str | None]] = {"megatron_to_llama": megatron_to_llama}

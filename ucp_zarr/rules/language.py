@@ -30,7 +30,13 @@ The vocabulary (``Rules.from_dict``)::
      "pipeline": {"pattern": "decoder\\.layers\\.(\\d+)\\.", "num_layers": 24},   # or "offsets", or "global"
      "pipeline_replicated": [...],                        # tied parameters, stored once
      "experts": {"pattern": "...experts\\.(\\d+)\\.", "num_experts": 8},
+     "model": {"framework": "megatron-core", "rotary_interleaved": false, ...},
      "default": "split", "strict": true}
+
+``model`` records what the weights compute that their names and shapes do not tell (for
+Megatron-core: the rotary embedding, the normalisation, the activation; see
+:func:`ucp_zarr.adapters.megatron.model_facts`), for an export to check against the model it
+writes for; placing and loading ignore it.
 
 Every member's type and range is checked (:mod:`ucp_zarr.rules.schema`), for rules read
 from a dict or file and for rules built in Python or from DeepSpeed's dicts alike.
@@ -65,6 +71,8 @@ class Rules:
     pipeline_replicated: tuple[str, ...] = ()
     experts: Renumber | str | None = None
     """Local expert index -> global, per expert-parallel rank (or ``"global"``, or ``None``)."""
+    model: Mapping[str, Any] | None = None
+    """What the trained model computes that the weights do not tell (JSON values by name)."""
     default: str = "split"
     """The rule of a parameter no pattern matches: ``split`` (dim 0, DeepSpeed's default),
     ``replicated``, or ``error``."""
@@ -102,6 +110,7 @@ class Rules:
                 pipeline=Renumber.read(d.get("pipeline"), "pipeline"),
                 pipeline_replicated=_patterns(d.get("pipeline_replicated", ())),
                 experts=Renumber.read(d.get("experts"), "experts"),
+                model=None if d.get("model") is None else dict(d["model"]),
                 default=d.get("default", "split"),
                 strict=d.get("strict", True),
             )
@@ -151,6 +160,8 @@ class Rules:
             d["pipeline_replicated"] = list(self.pipeline_replicated)
         if self.experts is not None:
             d["experts"] = self.experts.to_dict() if isinstance(self.experts, Renumber) else self.experts
+        if self.model is not None:
+            d["model"] = dict(self.model)
         return d | {"default": self.default, "strict": self.strict}
 
     # --- matching ------------------------------------------------------------------------

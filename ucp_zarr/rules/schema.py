@@ -14,6 +14,7 @@ checked by :func:`ucp_zarr.place`.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Callable, Mapping
 
@@ -28,8 +29,8 @@ KIND_FIELDS: dict[str, frozenset[str]] = {
     "pieces": frozenset({"shape", "pieces"}),
 }
 """The fields each kind of parameter rule takes besides ``kind`` and ``patterns``."""
-_TOP = frozenset({"format", "params", "vocab", "rename", "pipeline", "pipeline_replicated", "experts", "default",
-                  "strict"})
+_TOP = frozenset({"format", "params", "vocab", "rename", "pipeline", "pipeline_replicated", "experts", "model",
+                  "default", "strict"})
 _NEEDS = {"fused": (("sizes",), "the sub-parameter sizes ('sizes')"),
           "grouped": (("sizes", "groups"), "'groups' and the sizes of a group's sub-parameters ('sizes')"),
           "pieces": (("shape", "pieces"), "'shape' and 'pieces'")}
@@ -62,6 +63,10 @@ def check_rules(d: Mapping[str, Any]) -> None:
         if d.get(axis) is not None:
             _check_renumber(d[axis], axis)
     _patterns(d.get("pipeline_replicated", []), "rules", "pipeline_replicated", allow_empty=True)
+    if d.get("model") is not None:
+        for name, value in _mapping(d["model"], "rules", "model").items():
+            if not isinstance(name, str) or not all(_fact(v) for v in (value if isinstance(value, list) else [value])):
+                _bad("model", str(name), value, "a JSON scalar or a list of them, by name")
     if "default" in d and d["default"] not in ("split", "replicated", "error"):
         raise RuleError(f"rules: default must be 'split', 'replicated' or 'error', not {d['default']!r}")
     if "strict" in d and not isinstance(d["strict"], bool):
@@ -180,6 +185,11 @@ def _check_renumber(value: Any, axis: str) -> None:
 
 
 # --- field readers ---------------------------------------------------------------------------
+
+
+def _fact(value: Any) -> bool:
+    """A JSON scalar (a finite number)."""
+    return value is None or isinstance(value, (bool, int, str)) or isinstance(value, float) and math.isfinite(value)
 
 
 def _bad(where: str, name: str, value: Any, what: str) -> None:
