@@ -120,6 +120,24 @@ def test_a_linked_last_checkpoint_is_removed_as_a_link(tmp_path: Path) -> None:
         assert ZarrCheckpointIO().load_checkpoint(p)["global_step"] > 0, p
 
 
+def test_a_save_over_a_linked_last_checkpoint_replaces_the_link(tmp_path: Path) -> None:
+    """A resumed ``ModelCheckpoint(save_last="link")`` run saves a real ``last.ckpt`` while it
+    is still a link to a top-k checkpoint: the link is replaced and the top-k checkpoint keeps
+    its state, as with Lightning's own ``TorchCheckpointIO`` (before: the save went through the
+    link, and ``epoch=2-step=12.ckpt``, the best model, held step 14)."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    for io, name in ((TorchCheckpointIO(), "torch"), (ZarrCheckpointIO(), "zarr")):
+        best, last = tmp_path / name / "epoch=2-step=12.ckpt", tmp_path / name / "last.ckpt"
+        best.parent.mkdir()
+        io.save_checkpoint({"global_step": 12, "w": torch.full((3,), 12.0)}, best)
+        last.symlink_to(best.name)  # (as ModelCheckpoint._link_checkpoint makes it)
+        io.save_checkpoint({"global_step": 14, "w": torch.full((3,), 14.0)}, last)
+        assert not last.is_symlink(), name
+        assert [io.load_checkpoint(p)["global_step"] for p in (best, last)] == [12, 14], name
+        assert torch.equal(io.load_checkpoint(best)["w"], torch.full((3,), 12.0)), name
+
+
 def test_a_value_that_needs_pickle_is_refused_naming_its_key(tmp_path: Path) -> None:
     class WithModule(Regression):
         def __init__(self) -> None:

@@ -392,7 +392,9 @@ def structure_of(state_dict: Mapping[str, Any], paths: Mapping[str, Path], empty
     before one only moves it later among its siblings): list positions and mapping keys
     told apart by walking it."""
     out = {key: typed_path(state_dict, path, key) for key, path in paths.items()}
-    return Structure(out, [(min(n, len(out)), typed_path(state_dict, p)) for n, p in empty])
+    structure = Structure(out, [(min(n, len(out)), typed_path(state_dict, p)) for n, p in empty])
+    structure.to_json()  # (refuses a mapping key JSON cannot hold now, before anything is written)
+    return structure
 
 
 def typed_path(state_dict: Any, path: Path, key: str | None = None) -> Path:
@@ -427,7 +429,8 @@ def key_of(path: Path) -> str:
 
 def _path_to_json(path: Path) -> list[Any]:
     """String keys as strings, list positions as integers, other mapping keys as
-    ``{"key": <value>}`` (section 8's JSON values; a key JSON cannot hold, as its text)."""
+    ``{"key": <value>}`` (section 8's JSON values). Raises :class:`NotJSONableError` for a
+    key that is none (a ``frozenset``, an object): it would come back as another key."""
     out: list[Any] = []
     for p in path:
         if isinstance(p, str):
@@ -438,7 +441,9 @@ def _path_to_json(path: Path) -> list[Any]:
             try:
                 out.append({"key": to_json(p, "")})
             except NotJSONableError:
-                out.append(str(p))
+                raise NotJSONableError(
+                    f"mapping key {p!r} (of {key_of(path)[:200]!r}) is no JSON value: ucp_zarr stores no pickles; use a "
+                    "str, int, float, bool, None, bytes or a tuple of them as the key") from None
     return out
 
 

@@ -96,7 +96,10 @@ class ZarrCheckpointIO(CheckpointIO):
         """(the default group it was made in, a process group of this rank alone)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None) -> None:
-        """Save Lightning's ``checkpoint`` dict as the ucp_zarr checkpoint ``path``."""
+        """Save Lightning's ``checkpoint`` dict as the ucp_zarr checkpoint ``path``. A symbolic
+        link there (``last.ckpt`` of ``ModelCheckpoint(save_last="link")``, which a resumed run
+        saves over) is replaced, not what it names, as Lightning's own ``TorchCheckpointIO``
+        replaces it: the top-k checkpoint behind it keeps its state."""
         if storage_options is not None:
             raise TypeError(
                 f"ZarrCheckpointIO takes storage_options when created (ZarrCheckpointIO(storage_options=...)), "
@@ -104,6 +107,8 @@ class ZarrCheckpointIO(CheckpointIO):
             )
         with self._lock:
             self._wait()
+            if os.path.islink(path):
+                os.unlink(path)
             try:
                 out = (async_save if self.async_save else save)(
                     checkpoint, path, overwrite=True, process_group=self._group(), storage_options=self.storage_options,
