@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -1008,3 +1009,26 @@ def test_uneven_split(tmp_path) -> None:
         Rules.from_dict({"params": [{"kind": "split", "patterns": ["w"], "widths": {"3": [7, 7]}}]})
     with pytest.raises(RuleError, match=re.escape("unknown member(s) ['widths']: a replicated rule takes")):
         Rules.from_dict({"params": [{"kind": "replicated", "patterns": ["w"], "widths": {"2": [7, 7]}}]})
+
+
+def test_a_save_warns_of_vocabulary_padding_it_does_not_store(tmp_path: Path) -> None:
+    """Padding rows beyond vocab_size that are not zero (Megatron initialises and trains them;
+    its cross entropy counts their logits) are not stored and load as zeros: the save warns,
+    naming the tensor and the fix (vocab_size = the padded size stores them, and they load
+    back bit-exactly). Zero padding: no warning."""
+    import warnings
+
+    rules = Rules(params=(ParamRule("split", (r"emb",)),), vocab_patterns=(r"emb",), vocab_size=5)
+    padded = torch.arange(16.0).reshape(8, 2)
+    with pytest.warns(UserWarning, match=r"padding rows of \['emb'\] are not zero, and are not stored"):
+        ucp_zarr.save(place({"emb": padded}, rules), tmp_path / "a")
+    back = torch.full((8, 2), -1.0)
+    ucp_zarr.load(place({"emb": back}, rules), tmp_path / "a")
+    assert torch.equal(back[:5], padded[:5]) and not back[5:].any()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ucp_zarr.save(place({"emb": torch.cat([padded[:5], torch.zeros(3, 2)])}, rules), tmp_path / "b")
+        whole = Rules(params=rules.params, vocab_patterns=rules.vocab_patterns, vocab_size=8)
+        ucp_zarr.save(place({"emb": padded}, whole), tmp_path / "c")
+    ucp_zarr.load(place({"emb": back}, whole), tmp_path / "c")
+    assert torch.equal(back, padded)

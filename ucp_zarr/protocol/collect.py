@@ -5,6 +5,7 @@ gave, global or per rank (:func:`merge_values`)."""
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -87,6 +88,7 @@ def collect(state_dict: Mapping[str, Any], model: Any = None) -> Collected:
             paths[leaf.key] = leaf.path
             if wrapped:
                 per_rank.add(leaf.key)
+    _warn_of_padding(fragments)
     clash = sorted(set(fragments) & set(values))
     if clash:
         raise LayoutError(f"keys {clash} are both a placed tensor and a value")
@@ -95,6 +97,21 @@ def collect(state_dict: Mapping[str, Any], model: Any = None) -> Collected:
     structure = structure_of(state_dict, paths, empty)
     ties = find_ties(unplaced) | renamed
     return Collected(fragments, values, frozenset(per_rank), rules, frozenset(used), aliases, structure, ties, hooks)
+
+
+def _warn_of_padding(fragments: Mapping[str, Fragment]) -> None:
+    """Warn of placed tensors whose padding (vocabulary rows beyond the rules' ``vocab_size``)
+    is not zero: it is not stored, and a load fills it with zeros."""
+    dropped = sorted(k for k, f in fragments.items() if any(bool(v.any()) for v in f.pad if v.numel()))
+    if dropped:
+        warnings.warn(
+            f"ucp_zarr: the vocabulary padding rows of {dropped[:3]}{' ...' * (len(dropped) > 3)} are not zero, and "
+            "are not stored: the checkpoint holds the tokenizer's vocab_size rows, and a load fills the padding with "
+            "zeros (as DeepSpeed's universal checkpoints do). A trainer whose loss counts the padded logits "
+            "(Megatron's vocab-parallel cross entropy) resumes with another loss; to resume exactly, give the rules "
+            "the padded size as vocab_size (Rules.from_megatron(model, vocab_size=...)): the padding is then stored",
+            stacklevel=3,
+        )
 
 
 def _merge_tied(into: Fragment, other: Fragment, leaf_key: str) -> None:
