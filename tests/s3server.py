@@ -513,6 +513,7 @@ class FaultProxy:
         self._fail_next = 0
         self._http_503_next = 0
         self._delay_s = 0.0
+        self._ignore_conditions = False
         self._down = False
         self._closed = False
         # live (client, upstream) connection pairs; touched in the loop thread only
@@ -567,6 +568,13 @@ class FaultProxy:
         distant object store adds to each request, paid concurrently by concurrent ones."""
         with self._lock:
             self._delay_s = seconds
+
+    def ignore_conditions(self, on: bool = True) -> None:
+        """Drop the ``If-None-Match`` and ``If-Match`` headers of every request: an
+        S3-compatible server that ignores conditional writes (a PUT with ``If-None-Match: *``
+        replaces what is there)."""
+        with self._lock:
+            self._ignore_conditions = on
 
     def pending(self) -> tuple[int, int]:
         """(connection resets, 503 answers) still to be injected."""
@@ -770,6 +778,9 @@ class FaultProxy:
                 else:
                     self._counts.forwarded_requests += 1
                 delay = self._delay_s
+                if self._ignore_conditions:
+                    head = b"\r\n".join(line for line in head.split(b"\r\n")
+                                         if not line.lower().startswith((b"if-none-match:", b"if-match:")))
             if answer_503:
                 await self._answer_503(creader, cwriter, method, target, headers)
                 return "close"

@@ -309,6 +309,35 @@ def test_exclusive_create_is_a_conditional_put(store: O.ObstoreStore) -> None:
     assert len(won) == 1 and store.read("race") == f"{won[0]}".encode() * 64
 
 
+def test_a_server_that_ignores_conditional_writes_is_refused(seaweed) -> None:
+    """Behind a proxy that drops If-None-Match (an S3-compatible server that ignores
+    conditional writes), a second exclusive create would replace the first and two saves
+    could both claim a path: the first exclusive create of a store is repeated to see it
+    refused, and the save is refused naming the hazard; a checkpoint there stays whole
+    (before: both creates succeeded, and two racing overwrites both committed over each other)."""
+    from s3server import FaultProxy
+
+    state = {"w": torch.randn(64, 16), "step": 3}
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+    ucp_zarr.save(state, url, storage_options=seaweed.storage_options())
+    with FaultProxy(seaweed.s3_port) as proxy:
+        options = seaweed.storage_options(proxy.endpoint)
+        proxy.ignore_conditions()
+        s = open_store(f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/x", options)
+        with pytest.raises(ucp_zarr.OwnershipError, match="does not create objects exclusively"):
+            s.create_exclusive("m", b"first")
+        for target, overwrite in ((f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/new", False), (url, True)):
+            with pytest.raises(ucp_zarr.OwnershipError, match="unsafe_non_exclusive_store"):
+                ucp_zarr.save({"w": torch.zeros(64, 16), "step": 4}, target, storage_options=options, overwrite=overwrite)
+        proxy.ignore_conditions(False)
+        fresh = open_store(f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/y", options)
+        fresh.create_exclusive("m", b"first")  # (a server that honours them: one more request, once per store)
+        with pytest.raises(FileExistsError):
+            fresh.create_exclusive("m", b"second")
+    back = ucp_zarr.read_state_dict(url, storage_options=seaweed.storage_options())
+    assert torch.equal(back["w"], state["w"]) and back["step"] == 3
+
+
 def test_prune_and_remove_leave_no_folder_entries(seaweed, store: O.ObstoreStore) -> None:
     """SeaweedFS keeps a folder entry for every prefix written: pruned once empty."""
     store.write_atomic("g/a/c/0", b"0")

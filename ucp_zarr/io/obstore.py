@@ -45,6 +45,7 @@ from obstore.exceptions import (
     UnknownConfigurationKeyError,
 )
 
+from ..errors import Keyword, OwnershipError
 from .fsspec import FsspecStore
 from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, at_once, fill, folders_of, no_parent
 
@@ -124,6 +125,7 @@ class ObstoreStore(Store):
         self.large = large or threading.BoundedSemaphore(LARGE_AT_ONCE)
         """Held while an object over :data:`PART_BYTES` is sent or fetched (:data:`LARGE_AT_ONCE`)."""
         self.stats = IOStats()
+        self._exclusive_checked = False
 
     def holding(self, nbytes: int) -> AbstractContextManager[Any]:
         return self.large if nbytes > PART_BYTES else nullcontext()
@@ -186,12 +188,35 @@ class ObstoreStore(Store):
         self.stats.add_write(key, len(data))
 
     def create_exclusive(self, key: str, data: bytes) -> None:
+        """A conditional PUT. The first that succeeds on this store is repeated, to see the
+        server refuse it: a server that ignores the condition (some S3-compatible ones do)
+        would let two saves both claim a path, and is refused (:class:`OwnershipError`)."""
         try:
             self._put(f"creating {self.url}/{key}", key, data, mode="create")
         except FileExistsError:
             if not self.holds(key, data):
                 raise FileExistsError(f"{self.url}/{key} exists") from None
+        else:
+            self._check_exclusive(key, data)
         self.stats.add_write(key, len(data))
+
+    def _check_exclusive(self, key: str, data: bytes) -> None:
+        """Once per store: a second conditional create of ``key`` (just created, with the same
+        ``data``: replacing it changes nothing) must fail."""
+        if self._exclusive_checked:
+            return
+        try:
+            self._put(f"creating {self.url}/{key} again", key, data, mode="create")
+        except FileExistsError:
+            self._exclusive_checked = True
+            return
+        raise OwnershipError(
+            f"{self.url}: the server accepted a second conditional create of {key} (If-None-Match: *, or the "
+            "generation or etag precondition): it does not create objects exclusively, so two saves racing for "
+            "a path could both claim it and corrupt each other. Use a server that honours conditional writes, "
+            "or, if no other save can ever target this path, storage_options backend='fsspec' with ",
+            Keyword("unsafe_non_exclusive_store", True),
+        )
 
     def _get_buffer(self, key: str, options: dict[str, Any] | None = None) -> Any:
         """The object (or the range ``options`` name) in obstore's own buffer (``obstore.Bytes``,
