@@ -161,6 +161,42 @@ def test_a_stale_object_of_an_earlier_save_is_detected(tmp_path):
     _all_fail(new, ucp_zarr.CorruptChunkError, "written by another save")
 
 
+def test_a_checkpoint_replaced_or_deleted_while_read_is_not_called_corrupt(tmp_path):
+    """A reader opened before an overwrite commits (or a delete) finds objects of another save,
+    or none: CheckpointReplacedError says so, and that nothing is corrupt (before:
+    CorruptChunkError "written by another save", and users deleted good checkpoints); verify
+    exits 2, not 1. An object corrupt in the checkpoint still open is corruption."""
+    path = tmp_path / "ck"
+    state = {"a": torch.randn(64, 32), "b": torch.randn(8)}
+    ucp_zarr.save(state, path)
+    for change in ("overwrite", "delete"):
+        ck = ucp_zarr.open(path)
+        if change == "overwrite":
+            ucp_zarr.save({"a": torch.zeros(64, 32), "b": torch.zeros(8)}, path, overwrite=True)
+        else:
+            shutil.rmtree(path)
+        what = "replaced" if change == "overwrite" else "deleted"
+        with pytest.raises(ucp_zarr.CheckpointReplacedError, match=f"was {what} while it was being read.*nothing is corrupt"):
+            ck["a"].read()
+        with pytest.raises(ucp_zarr.CheckpointReplacedError):
+            ck.verify()
+        ucp_zarr.save(state, path, overwrite=True)
+    ck = ucp_zarr.open(path)
+    ucp_zarr.save({"a": torch.zeros(64, 32), "b": torch.zeros(8)}, path, overwrite=True)
+    assert cli(["verify", str(path)]) == 0
+    ck2 = ucp_zarr.open(path)
+    ucp_zarr.save({"a": torch.ones(64, 32), "b": torch.ones(8)}, path, overwrite=True)
+    with pytest.raises(ucp_zarr.CheckpointReplacedError):
+        ck2.read_numpy("b")
+    raw = bytearray(_shard(path, "a").read_bytes())
+    raw[0] ^= 1
+    _shard(path, "a").write_bytes(bytes(raw))
+    with pytest.raises(ucp_zarr.CorruptChunkError) as e:
+        ucp_zarr.open(path)["a"].read()
+    assert not isinstance(e.value, ucp_zarr.CheckpointReplacedError)
+    del ck
+
+
 def test_a_chunk_replaced_with_a_valid_crc_is_detected(tmp_path):
     """The chunk's own crc32c is fine, but it is not the chunk its shard recorded."""
     path = tmp_path / "ck"

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .protocol.reader import human_bytes
 from .errors import (
     CheckpointError,
+    CheckpointReplacedError,
     FormatError,
     IncompleteCheckpointError,
     Keyword,
@@ -506,7 +507,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         url = ck.store.url
         with progress_bar(args, "verify") as bar:
             n = ck.verify(progress=bar)
-    except (NotACheckpointError, IncompleteCheckpointError, OptionError):  # (no checkpoint, or bad options: 2)
+    except (NotACheckpointError, IncompleteCheckpointError, OptionError, CheckpointReplacedError):  # (none, or
+        # bad options, or replaced while checked: 2)
         raise
     except CheckpointError as e:
         if args.json:

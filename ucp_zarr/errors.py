@@ -159,6 +159,11 @@ class CorruptChunkError(CheckpointError):
     crc32c, absent chunk, a shard from another array or another save)."""
 
 
+class CheckpointReplacedError(CheckpointError):
+    """The checkpoint being read was replaced (an overwrite committed) or deleted meanwhile:
+    what the read missed belongs to another save, not to a corrupt checkpoint. Read again."""
+
+
 class AuthenticationError(CorruptChunkError):
     """An authenticated checkpoint (``hmac_key``) failed its check, or a key was given and
     the checkpoint is unsigned: data, metadata or values were changed."""

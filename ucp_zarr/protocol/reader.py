@@ -34,6 +34,8 @@ from ..io.arrayio import (
 )
 from ..format.dtypes import is_lossless_cast, stored_dtype_by_name
 from ..errors import (
+    CheckpointError,
+    CheckpointReplacedError,
     CorruptChunkError,
     DtypeMismatchError,
     FormatError,
@@ -63,9 +65,12 @@ class CheckpointReader:
     against its crc32c and the one its shard recorded. With ``hmac_key`` the commit record's
     signature, the shards' seals and every chunk's SHA-256 are verified too."""
 
-    def __init__(self, store: Store, meta: CheckpointMeta, hmac_key: bytes | None = None) -> None:
+    def __init__(self, store: Store, meta: CheckpointMeta, hmac_key: bytes | None = None, *,
+                 origin: Store | None = None) -> None:
         self.store = store
         self.meta = meta
+        self.origin = origin or store
+        """The path opened (``store`` is where its committed checkpoint was found then)."""
         self.seal = Seal(meta.save_id, meta.authenticated, hmac_key)
         self._arrays: dict[str, ArrayMeta] = {}
         self._heads: dict[tuple[str, tuple[int, ...]], ShardHead] = {}
@@ -177,7 +182,8 @@ class CheckpointReader:
         with self._lock:
             meta = self._arrays.get(path)
         if meta is None:
-            meta = self._parse_array_meta(f"{path}/{METADATA_FILE}", where)
+            with self._unless_replaced():
+                meta = self._parse_array_meta(f"{path}/{METADATA_FILE}", where)
             with self._lock:
                 self._arrays[path] = meta
         entry = self._entry(key)
@@ -210,19 +216,42 @@ class CheckpointReader:
         with self._lock:
             head = self._heads.get((path, shard))
         if head is None:
-            if whole is not None:
-                head = decode_shard_head(self.store, path, meta, shard, self.seal, whole)
-            else:
-                head = read_shard_head(self.store, path, meta, shard, self.seal)
+            with self._unless_replaced():
+                if whole is not None:
+                    head = decode_shard_head(self.store, path, meta, shard, self.seal, whole)
+                else:
+                    head = read_shard_head(self.store, path, meta, shard, self.seal)
             with self._lock:
                 self._heads[(path, shard)] = head
         return head
+
+    @contextlib.contextmanager
+    def _unless_replaced(self) -> Iterator[None]:
+        """Raise a :class:`CorruptChunkError` of what is read inside as
+        :class:`CheckpointReplacedError` when the checkpoint at :attr:`origin` is no longer
+        the one being read (an overwrite committed, or a delete, while it was read)."""
+        try:
+            yield
+        except CorruptChunkError as e:
+            try:
+                now = commit_meta(self.origin)[1].save_id
+            except (CheckpointError, OSError):
+                now = None
+            if now == self.meta.save_id:
+                raise
+            raise CheckpointReplacedError(
+                f"the checkpoint at {self.origin.url} was {'replaced' if now else 'deleted'} while it was being read "
+                f"({e}): nothing is corrupt; read it again") from e
 
     def _read_into(self, key: str, box: Box, raw: np.ndarray, rank: int | None) -> None:
         """Fill ``raw`` (storage dtype, shape of ``box``, any strides) with ``box`` of ``key``.
         A shard that ``box`` covers whole, whose index is not known yet, is read in one
         request: its chunks straight into ``raw`` and its index from its end where the store
         can (:func:`read_whole_shard`), else, when small, the whole object."""
+        with self._unless_replaced():
+            self._read_shards(key, box, raw, rank)
+
+    def _read_shards(self, key: str, box: Box, raw: np.ndarray, rank: int | None) -> None:
         meta = self.array_meta(key, rank)
         path = self._path(key, rank)
         for shard in meta.grid.shards_overlapping(box):
@@ -371,7 +400,12 @@ class CheckpointReader:
         a time).
 
         Raises :class:`~ucp_zarr.CorruptChunkError` naming the first bad object (in the order
-        of the record's tensors, their copies and their shards, whichever was checked first)."""
+        of the record's tensors, their copies and their shards, whichever was checked first),
+        :class:`~ucp_zarr.CheckpointReplacedError` when the checkpoint was replaced meanwhile."""
+        with self._unless_replaced():
+            return self._verify(progress)
+
+    def _verify(self, progress: Callable[[int, int], None] | None) -> int:
         at_once(self.store, lambda path: self.document(path, stored=True), self.meta.documents)
         everything = sum(e.nbytes * len(e.ranks or (None,)) for e in self.meta.tensors.values())
         lock, done = threading.Lock(), [0]
@@ -676,4 +710,4 @@ def open_store_reader(store: Store, hmac_key: bytes | None = None, *, shared: bo
     job) read it at the same time (:meth:`.Store.share_reads`)."""
     if shared:
         store.share_reads()
-    return CheckpointReader(*commit_meta(store, hmac_key), hmac_key)
+    return CheckpointReader(*commit_meta(store, hmac_key), hmac_key, origin=store)
