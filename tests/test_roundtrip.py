@@ -162,3 +162,34 @@ def test_metadata_and_reprs(tmp_path):
     assert "model.head.weight" in repr(ck) or "head.weight/" in repr(ck)
     assert "<details>" in ck._repr_html_()
     assert ck.verify() == sum(ck[k].numel() * ck[k].dtype.itemsize for k in ck.keys())
+
+
+def test_module_state_dict_metadata_comes_back_as_torch_load_gives_it(tmp_path):
+    """A module's ``state_dict()`` carries ``_metadata`` (each submodule's version), which
+    ``load_state_dict`` passes to the modules: read_state_dict gives it back, at the top, under
+    a key and in a list, as torch.load does, so a torch.ao observer keeps its saved ``eps``
+    (before: a plain dict, and the observer took its old-checkpoint branch: eps 1.19e-07, not 1e-3)."""
+    import io
+
+    from torch.ao.quantization import MinMaxObserver
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), MinMaxObserver(eps=1e-3))
+
+    model = make()
+    model(torch.randn(3, 4))
+    state = {"state_dict": model.state_dict(), "more": [model.state_dict()], "step": 3}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    ref = torch.load(buffer, weights_only=False)
+    for name, saved in (("nested", state), ("top", model.state_dict())):
+        ucp_zarr.save(saved, tmp_path / name)
+        back = ucp_zarr.read_state_dict(tmp_path / name)
+        for got, want in ((back["state_dict"], ref["state_dict"]), (back["more"][0], ref["more"][0])) if name == "nested" \
+                else ((back, ref["state_dict"]),):
+            assert got._metadata == want._metadata and list(got) == list(want)
+            fresh = make()
+            fresh[2].eps.fill_(1.0)
+            fresh.load_state_dict(got)
+            assert torch.equal(fresh[2].eps, model[2].eps) and fresh[2].eps.item() == pytest.approx(1e-3)

@@ -14,7 +14,8 @@ import math
 import re
 import struct
 import sys
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, MutableMapping
 
 from ..errors import FormatError, LayoutError, NotJSONableError
@@ -304,12 +305,18 @@ class Structure:
 
     paths: dict[str, Path]
     empty: list[tuple[int, Path]]
+    metadata: list[tuple[Path, dict[str, Any]]] = field(default_factory=list)
+    """The ``_metadata`` of the mappings that had one (a module's ``state_dict()``: each
+    submodule's ``{"version": n}``, which ``load_state_dict`` passes to the modules)."""
 
     def to_json(self) -> dict[str, Any]:
         """The commit record's ``structure`` member (FORMAT.md section 3)."""
         out: dict[str, Any] = {"format": STRUCTURE_FORMAT, "paths": {k: _path_to_json(p) for k, p in self.paths.items()}}
         if self.empty:
             out["empty"] = [[n, _path_to_json(p)] for n, p in self.empty]
+        if self.metadata:
+            out["metadata"] = [[_path_to_json(p), to_json(m, f"{key_of(p)}._metadata".lstrip("."))]
+                               for p, m in self.metadata]
         return out
 
     @classmethod
@@ -335,8 +342,16 @@ class Structure:
             if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int and 0 <= item[0] <= len(paths)):
                 raise FormatError(f"{where}: structure.empty holds {str(item)[:100]}, not [position, path]")
             out.append((item[0], _path_from_json(item[1], f"{where}: structure.empty")))
+        metadata = []
+        for item in doc.get("metadata", []) if isinstance(doc.get("metadata", []), list) else [None]:
+            if not (isinstance(item, list) and len(item) == 2):
+                raise FormatError(f"{where}: structure.metadata holds {str(item)[:100]}, not [path, metadata]")
+            meta = from_json(item[1], f"{where}: structure.metadata")
+            if not isinstance(meta, dict):
+                raise FormatError(f"{where}: structure.metadata holds {str(item[1])[:100]}, not a mapping")
+            metadata.append((_path_from_json(item[0], f"{where}: structure.metadata", root=True), meta))
         _check_list_slots([*paths.values(), *(p for _, p in out)], where)
-        return cls(paths, out)
+        return cls(paths, out, metadata)
 
     def select(self, keep: Callable[[str], bool], keep_empty: Callable[[str], bool] | None = None) -> "Structure":
         """The structure of the keys ``keep`` accepts, and of the empty mappings (by their
@@ -347,7 +362,7 @@ class Structure:
                 kept[key] = path
             before.append(len(kept))
         keep_empty = keep_empty or keep
-        return Structure(kept, [(before[n], p) for n, p in self.empty if keep_empty(key_of(p))])
+        return Structure(kept, [(before[n], p) for n, p in self.empty if keep_empty(key_of(p))], self.metadata)
 
     @classmethod
     def merged(cls, per_rank: list["Structure | None"]) -> "Structure | None":
@@ -359,13 +374,16 @@ class Structure:
             return None
         paths = dict(given[0].paths)
         empty = list(given[0].empty)
-        for other in given[1:]:
+        metadata: dict[Path, dict[str, Any]] = {}
+        for other in given:
             for key, path in other.paths.items():
                 paths.setdefault(key, path)
             known = {p for _, p in empty}
             empty += [(len(paths), p) for _, p in other.empty if p not in known]
+            for path, meta in other.metadata:  # (another pipeline stage's modules: their entries added)
+                metadata[path] = meta | metadata.get(path, {})
         held = {path[:i] for path in paths.values() for i in range(1, len(path))}
-        return cls(paths, [(n, p) for n, p in empty if p not in held])
+        return cls(paths, [(n, p) for n, p in empty if p not in held], list(metadata.items()))
 
     def nest(self, values: Mapping[str, Any], where: str) -> dict[Any, Any]:
         """The nested state dict of ``values`` (flattened key -> value) as it was saved, with
@@ -382,7 +400,50 @@ class Structure:
         for key, value in values.items():
             if key not in self.paths:
                 put_path(root, (key,), value, where)
+        for path, meta in self.metadata:
+            root = _with_metadata(root, path, meta)
         return root
+
+
+def _with_metadata(root: dict[Any, Any], path: Path, meta: dict[str, Any]) -> dict[Any, Any]:
+    """``root`` with the mapping at ``path`` (where there is one) an ``OrderedDict`` whose
+    ``_metadata`` is ``meta``, as ``Module.state_dict()`` gives it."""
+    parent: Any = None
+    node: Any = root
+    for p in path:
+        inside = isinstance(node, list) and isinstance(p, ListIndex) and p < len(node)
+        if not (inside or isinstance(node, dict) and not isinstance(p, ListIndex) and p in node):
+            return root
+        parent, node = node, node[p]
+    if not isinstance(node, dict):
+        return root
+    marked = OrderedDict(node)
+    marked._metadata = OrderedDict(meta)  # type: ignore[attr-defined]
+    if parent is None:
+        return marked
+    parent[path[-1]] = marked
+    return root
+
+
+def module_metadata(state_dict: Mapping[str, Any]) -> list[tuple[Path, dict[str, Any]]]:
+    """The ``_metadata`` of every mapping in ``state_dict`` that has one, by path."""
+    out: list[tuple[Path, dict[str, Any]]] = []
+
+    def walk(path: Path, node: Any) -> None:
+        if isinstance(node, Mapping):
+            meta = getattr(node, "_metadata", None)
+            if isinstance(meta, Mapping):
+                out.append((path, dict(meta)))
+            for k, v in node.items():
+                if isinstance(v, (Mapping, list)):
+                    walk(path + (k,), v)
+        elif isinstance(node, list) and not _is_terminal(node, len(path)):
+            for i, v in enumerate(node):
+                if isinstance(v, (Mapping, list)):
+                    walk(path + (ListIndex(i),), v)
+
+    walk((), state_dict)
+    return out
 
 
 def structure_of(state_dict: Mapping[str, Any], paths: Mapping[str, Path], empty: list[tuple[int, Path]]) -> Structure:
@@ -392,7 +453,8 @@ def structure_of(state_dict: Mapping[str, Any], paths: Mapping[str, Path], empty
     before one only moves it later among its siblings): list positions and mapping keys
     told apart by walking it."""
     out = {key: typed_path(state_dict, path, key) for key, path in paths.items()}
-    structure = Structure(out, [(min(n, len(out)), typed_path(state_dict, p)) for n, p in empty])
+    structure = Structure(out, [(min(n, len(out)), typed_path(state_dict, p)) for n, p in empty],
+                          module_metadata(state_dict))
     structure.to_json()  # (refuses a mapping key JSON cannot hold now, before anything is written)
     return structure
 
@@ -466,8 +528,9 @@ def _check_list_slots(paths: list[Path], where: str) -> None:
         raise FormatError(f"{where}: the list positions of structure would make {sum(slots.values())} list slots")
 
 
-def _path_from_json(raw: Any, where: str) -> Path:
-    if not (isinstance(raw, list) and raw):
+def _path_from_json(raw: Any, where: str, root: bool = False) -> Path:
+    """A path (``root``: the empty path of the root mapping too)."""
+    if not (isinstance(raw, list) and (raw or root)):
         raise FormatError(f"{where}: a path is a non-empty list")
     out: list[Any] = []
     for p in raw:

@@ -38,7 +38,9 @@ def read_state_dict(
     ``Counter`` of ``MultiStepLR``'s milestones, too, as DCP's loaders rebuild mappings),
     every tuple a ``tuple`` (a namedtuple or ``torch.Size`` too), an ``int``/``str`` enum
     member its value (a :func:`load` into a state dict keeps the target's types; the DCP
-    drop-in refuses such values at save). What a trainer's
+    drop-in refuses such values at save); a module's ``state_dict()`` comes back as an
+    ``OrderedDict`` with its ``_metadata`` (the versions ``load_state_dict`` hands to the
+    submodules), as ``torch.load`` gives it. What a trainer's
     loader needs, as DCP's ``dcp_to_torch_save`` gives it; no unpickling, nothing to
     fill in advance (:func:`load` fills a state dict of any layout in place instead).
 
