@@ -426,14 +426,15 @@ def _with_metadata(root: dict[Any, Any], path: Path, meta: dict[str, Any]) -> di
 
 
 def module_metadata(state_dict: Mapping[str, Any]) -> list[tuple[Path, dict[str, Any]]]:
-    """The ``_metadata`` of every mapping in ``state_dict`` that has one, by path."""
+    """The ``_metadata`` of every mapping in ``state_dict`` that has one, by path (its
+    entries JSON holds: a hook's other objects are left out, as if not recorded)."""
     out: list[tuple[Path, dict[str, Any]]] = []
 
     def walk(path: Path, node: Any) -> None:
         if isinstance(node, Mapping):
             meta = getattr(node, "_metadata", None)
             if isinstance(meta, Mapping):
-                out.append((path, dict(meta)))
+                out.append((path, {k: v for k, v in meta.items() if isinstance(k, str) and _storable(v)}))
             for k, v in node.items():
                 if isinstance(v, (Mapping, list)):
                     walk(path + (k,), v)
@@ -446,6 +447,14 @@ def module_metadata(state_dict: Mapping[str, Any]) -> list[tuple[Path, dict[str,
     return out
 
 
+def _storable(value: Any) -> bool:
+    try:
+        to_json(value, "")
+    except NotJSONableError:
+        return False
+    return True
+
+
 def structure_of(state_dict: Mapping[str, Any], paths: Mapping[str, Path], empty: list[tuple[int, Path]]) -> Structure:
     """The :class:`Structure` of ``state_dict`` from the live paths of its stored keys (as
     :func:`iter_leaves` gave them; a key placed under another name maps to its leaf's
@@ -453,10 +462,7 @@ def structure_of(state_dict: Mapping[str, Any], paths: Mapping[str, Path], empty
     before one only moves it later among its siblings): list positions and mapping keys
     told apart by walking it."""
     out = {key: typed_path(state_dict, path, key) for key, path in paths.items()}
-    structure = Structure(out, [(min(n, len(out)), typed_path(state_dict, p)) for n, p in empty],
-                          module_metadata(state_dict))
-    structure.to_json()  # (refuses a mapping key JSON cannot hold now, before anything is written)
-    return structure
+    return Structure(out, [(min(n, len(out)), typed_path(state_dict, p)) for n, p in empty], module_metadata(state_dict))
 
 
 def typed_path(state_dict: Any, path: Path, key: str | None = None) -> Path:
@@ -491,8 +497,9 @@ def key_of(path: Path) -> str:
 
 def _path_to_json(path: Path) -> list[Any]:
     """String keys as strings, list positions as integers, other mapping keys as
-    ``{"key": <value>}`` (section 8's JSON values). Raises :class:`NotJSONableError` for a
-    key that is none (a ``frozenset``, an object): it would come back as another key."""
+    ``{"key": <value>}`` (section 8's JSON values; a key JSON cannot hold, as its text:
+    :func:`ucp_zarr.load` into a state dict with that key matches it by its flattened key,
+    as DCP does; ``read_state_dict`` gives the text)."""
     out: list[Any] = []
     for p in path:
         if isinstance(p, str):
@@ -503,9 +510,7 @@ def _path_to_json(path: Path) -> list[Any]:
             try:
                 out.append({"key": to_json(p, "")})
             except NotJSONableError:
-                raise NotJSONableError(
-                    f"mapping key {p!r} (of {key_of(path)[:200]!r}) is no JSON value: ucp_zarr stores no pickles; use a "
-                    "str, int, float, bool, None, bytes or a tuple of them as the key") from None
+                out.append(str(p))
     return out
 
 

@@ -40,7 +40,9 @@ def read_state_dict(
     member its value (a :func:`load` into a state dict keeps the target's types; the DCP
     drop-in refuses such values at save); a module's ``state_dict()`` comes back as an
     ``OrderedDict`` with its ``_metadata`` (the versions ``load_state_dict`` hands to the
-    submodules), as ``torch.load`` gives it. What a trainer's
+    submodules), as ``torch.load`` gives it; a mapping key JSON cannot hold (a
+    ``frozenset``, an object) comes back as its ``str()`` (:func:`load` into a state dict
+    with that key matches it, as DCP does). What a trainer's
     loader needs, as DCP's ``dcp_to_torch_save`` gives it; no unpickling, nothing to
     fill in advance (:func:`load` fills a state dict of any layout in place instead).
 
