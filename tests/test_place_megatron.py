@@ -205,6 +205,11 @@ def _refusals(model: Any) -> dict[str, str]:
     norm.tensor_model_parallel, norm.partition_dim, norm.partition_stride = True, 0, 1
     out["marked"] = said(lambda: Rules.from_megatron(model, vocab_size=MC.VOCAB))
     del norm.tensor_model_parallel, norm.partition_dim, norm.partition_stride
+    for change, rule in (("fc1 split", {"kind": "split"}), ("proj dim 0", {"kind": "split", "dim": 0})):
+        written = Rules.from_megatron(model, vocab_size=MC.VOCAB).to_dict()  # (as a user would write them)
+        at = 2 if change == "fc1 split" else 3
+        written["params"][at] = {"patterns": written["params"][at]["patterns"], **rule}
+        out[change] = said(lambda: place({"model": model.state_dict()}, Rules.from_dict(written), model=model))
     return out
 
 
@@ -334,6 +339,10 @@ def test_from_megatron_refuses_what_it_cannot_describe(megatron: Path) -> None:
     assert "mixture of experts (num_moe_experts=2) is not supported" in said["moe"]
     assert "does not know parameter 'decoder.extra'" in said["unknown"]
     assert "Megatron splits parameter 'decoder.final_layernorm.weight' along dim 0" in said["marked"]
+    # hand-written rules that split otherwise than Megatron, placed with the model: refused (before: placed)
+    assert "Megatron splits parameter 'decoder.layers.0.mlp.linear_fc1.weight' along dim 0 (stride 2)" in said["fc1 split"]
+    assert ("Megatron splits parameter 'decoder.layers.0.self_attention.linear_proj.weight' along dim 1 (stride 1)"
+            in said["proj dim 0"])
     assert said["wrapped"] == "True"
 
 

@@ -154,20 +154,18 @@ def _pipeline(gpt: Any, layer_offset: Any) -> Renumber:
 
 
 def _check_against_megatron(gpt: Any, rules: Any) -> None:
-    """Every parameter has a rule, and one Megatron marks as split (``tensor_model_parallel``,
-    ``partition_dim``, ``partition_stride``) a rule that splits it so. (Megatron-LM marks the rest
-    as not split, also parameters it did not initialise: no mark is no evidence.)"""
-    for name, param in gpt.named_parameters():
+    """Every parameter has a rule, and one Megatron marks as split a rule that splits it so
+    (:func:`ucp_zarr.rules.place.check_split_marks`)."""
+    from ..rules.place import check_split_marks
+
+    names = [name for name, _ in gpt.named_parameters()]
+    for name in names:
         try:
-            rule, _ = rules.match(name)
+            rules.match(name)
         except RuleError:
             raise RuleError(f"Rules.from_megatron does not know parameter {name!r} of this GPTModel (a layer spec or "
                             "feature it does not describe); describe it with Rules.from_dict") from None
-        if not getattr(param, "tensor_model_parallel", False):
-            continue
-        dim, stride = param.partition_dim, param.partition_stride
-        if rule.kind not in ("split", "grouped", "fused") or (dim, stride) != (
-            rule.dim, len(rule.sizes or ()) if rule.kind == "fused" else 1
-        ):
-            raise RuleError(f"Rules.from_megatron: Megatron splits parameter {name!r} along dim {dim} (stride "
-                            f"{stride}), but its rule is {rule.to_dict()}")
+    try:
+        check_split_marks(rules, gpt, names)
+    except RuleError as e:
+        raise RuleError(f"Rules.from_megatron: {e}") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -59,7 +59,10 @@ def place(
     ``model.named_parameters()``), else by the order of ``model.named_parameters()`` when
     ``model`` is given (checked: the groups number exactly the model's parameters, with their
     shapes); it is stored under the parameter's name (``optim.state.<name>.exp_avg``), so it
-    loads at any layout. A number whose parameter is not knowable is refused.
+    loads at any layout. A number whose parameter is not knowable is refused. With ``model``,
+    the parameters Megatron marks as split (Megatron-LM, Megatron-core, Megatron-DeepSpeed)
+    must have rules that split them so (:func:`check_split_marks`): hand-written rules are
+    checked as :meth:`Rules.from_megatron <ucp_zarr.Rules.from_megatron>`'s are.
 
     Raises :class:`~ucp_zarr.rules.params.RuleError` naming the parameter and the rule when the
     rules do not fit (ambiguous or, in strict mode with every parameter on this rank,
@@ -79,6 +82,8 @@ def place(
     located = [(leaf, *owners.locate(leaf.path)) for leaf in iter_leaves(state_dict)]
     params = {fqn: leaf.value for leaf, fqn, _, opt in located if not opt and isinstance(leaf.value, (torch.Tensor, FlatShard))}
     owners.check_names(params)
+    if model is not None:
+        check_split_marks(rules, model, params)
     out = _copy_structure(state_dict)
     placed: list[Placed] = []
     others: list[tuple[Path, str, tuple[int, int]]] = []
@@ -104,6 +109,28 @@ def place(
         check_used(rules, [used])
     return out
 
+
+
+def check_split_marks(rules: Rules, model: torch.nn.Module, fqns: Iterable[str]) -> None:
+    """Raise :class:`RuleError` where a parameter of ``model`` among ``fqns`` (its name, or
+    without a wrapper's ``module.``) is marked as split the way Megatron marks them
+    (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``, set by Megatron-LM,
+    Megatron-core and Megatron-DeepSpeed as they build their layers) and its rule does not
+    split it so: a ``split`` or ``grouped`` rule along ``partition_dim`` for stride 1, a
+    ``fused`` rule of ``partition_stride`` sub-parameters (each rank's block of each one,
+    in turn) for a larger stride. (Unmarked parameters tell nothing: Megatron leaves the
+    mark off parameters it does not initialise.)"""
+    wanted = set(fqns)
+    for name, param in model.named_parameters():
+        fqn = name if name in wanted else name.removeprefix("module.")
+        if fqn not in wanted or not getattr(param, "tensor_model_parallel", False):
+            continue
+        rule, pattern = rules.match(fqn)
+        dim, stride = getattr(param, "partition_dim", 0), getattr(param, "partition_stride", 1)
+        subs = len(rule.sizes or ()) if rule.kind == "fused" else 1
+        if rule.kind not in ("split", "grouped", "fused") or (rule.dim, subs) != (dim, stride):
+            raise RuleError(f"Megatron splits parameter {fqn!r} along dim {dim} (stride {stride}), but its rule "
+                            f"({pattern or 'the default'!r}) is {rule.to_dict()}")
 
 
 class RulesHooks(LayoutHooks):
