@@ -331,9 +331,13 @@ def test_a_server_that_ignores_conditional_writes_is_refused(seaweed) -> None:
                 ucp_zarr.save({"w": torch.zeros(64, 16), "step": 4}, target, storage_options=options, overwrite=overwrite)
         proxy.ignore_conditions(False)
         fresh = open_store(f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/y", options)
-        fresh.create_exclusive("m", b"first")  # (a server that honours them: one more request, once per store)
+        fresh.create_exclusive("m", b"first")  # (a server that honours them: one more request, once per client)
         with pytest.raises(FileExistsError):
             fresh.create_exclusive("m", b"second")
+        assert fresh.sibling("z").exclusive_checked.is_set() and fresh.child("z").exclusive_checked.is_set()
+    # AWS S3 itself (no endpoint configured), GCS, Azure: known to honour them, never asked
+    assert O.ObstoreStore("s3://bucket/x", {"anon": True, "region_name": "us-east-1"}).exclusive_checked.is_set()
+    assert not O.ObstoreStore("s3://bucket/x", {"anon": True, "endpoint_url": "http://127.0.0.1:1"}).exclusive_checked.is_set()
     back = ucp_zarr.read_state_dict(url, storage_options=seaweed.storage_options())
     assert torch.equal(back["w"], state["w"]) and back["step"] == 3
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import posixpath
 import threading
 from contextlib import AbstractContextManager, nullcontext
@@ -113,7 +114,7 @@ class ObstoreStore(Store):
 
     def __init__(
         self, url: str, storage_options: dict[str, Any] | None = None, *, client: Any = None,
-        large: threading.Semaphore | None = None,
+        large: threading.Semaphore | None = None, exclusive_checked: threading.Event | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         scheme, rest = self.url.split("://", 1)
@@ -125,7 +126,12 @@ class ObstoreStore(Store):
         self.large = large or threading.BoundedSemaphore(LARGE_AT_ONCE)
         """Held while an object over :data:`PART_BYTES` is sent or fetched (:data:`LARGE_AT_ONCE`)."""
         self.stats = IOStats()
-        self._exclusive_checked = False
+        self.exclusive_checked = exclusive_checked or threading.Event()
+        """Set once the server was seen to refuse a second conditional create (shared with the
+        siblings and children on this client), or from the start where it is known to: AWS S3
+        itself (no other endpoint configured), GCS and Azure."""
+        if exclusive_checked is None and not _other_endpoint(scheme.lower(), self.client):
+            self.exclusive_checked.set()
 
     def holding(self, nbytes: int) -> AbstractContextManager[Any]:
         return self.large if nbytes > PART_BYTES else nullcontext()
@@ -201,14 +207,15 @@ class ObstoreStore(Store):
         self.stats.add_write(key, len(data))
 
     def _check_exclusive(self, key: str, data: bytes) -> None:
-        """Once per store: a second conditional create of ``key`` (just created, with the same
-        ``data``: replacing it changes nothing) must fail."""
-        if self._exclusive_checked:
+        """Once per client, on an S3-compatible server of another endpoint: a second conditional
+        create of ``key`` (just created, with the same ``data``: replacing it changes nothing)
+        must fail."""
+        if self.exclusive_checked.is_set():
             return
         try:
             self._put(f"creating {self.url}/{key} again", key, data, mode="create")
         except FileExistsError:
-            self._exclusive_checked = True
+            self.exclusive_checked.set()
             return
         raise OwnershipError(
             f"{self.url}: the server accepted a second conditional create of {key} (If-None-Match: *, or the "
@@ -380,17 +387,32 @@ class ObstoreStore(Store):
         if not self.root:
             raise no_parent(self.url, name)
         return ObstoreStore(f"{posixpath.dirname(self.url)}/{name}", self.storage_options, client=self.client,
-                            large=self.large)
+                            large=self.large, exclusive_checked=self.exclusive_checked)
 
     def child(self, name: str) -> "ObstoreStore":
         """(One client for a run's root and all its steps.)"""
-        return ObstoreStore(f"{self.url}/{name}", self.storage_options, client=self.client, large=self.large)
+        return ObstoreStore(f"{self.url}/{name}", self.storage_options, client=self.client, large=self.large,
+                            exclusive_checked=self.exclusive_checked)
 
     def adopt(self, src: Store, key: str, tag: str) -> None:
         """A server-side copy (one request; S3 copies objects of up to 5 GiB this way)."""
         if not isinstance(src, ObstoreStore) or src.client is not self.client:
             raise TypeError(f"cannot adopt objects of {src.url} into {self.url}")
         self._call(f"copying {src.url}/{key}", lambda: obstore.copy(self.client, src._path(key), self._path(key)))
+
+
+ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT")
+"""Environment variables that point an S3 client at another server."""
+
+
+def _other_endpoint(scheme: str, client: Any) -> bool:
+    """Whether ``client`` talks to an S3-compatible server other than AWS S3 (an endpoint in
+    its configuration or the environment), whose conditional writes are not known to hold.
+    (AWS S3 has honoured ``If-None-Match: *`` since 2024; GCS and Azure their preconditions.)"""
+    if SCHEMES.get(scheme) != "s3":
+        return False
+    config = getattr(client, "config", None) or {}
+    return bool(config.get("endpoint") or config.get("aws_endpoint") or any(os.environ.get(v) for v in ENDPOINT_VARIABLES))
 
 
 def _runs(starts: Sequence[int], ends: Sequence[int]) -> int:
