@@ -210,6 +210,9 @@ def _refusals(model: Any) -> dict[str, str]:
         at = 2 if change == "fc1 split" else 3
         written["params"][at] = {"patterns": written["params"][at]["patterns"], **rule}
         out[change] = said(lambda: place({"model": model.state_dict()}, Rules.from_dict(written), model=model))
+        if change == "fc1 split":  # (Megatron-LM's bf16 wrapping: DDP(Float16Module(model)))
+            out["fc1 split, wrapped twice"] = said(lambda: place({"model": model.state_dict()}, Rules.from_dict(written),
+                                                               model=Wrapper(Wrapper(model))))
     return out
 
 
@@ -343,7 +346,63 @@ def test_from_megatron_refuses_what_it_cannot_describe(megatron: Path) -> None:
     assert "Megatron splits parameter 'decoder.layers.0.mlp.linear_fc1.weight' along dim 0 (stride 2)" in said["fc1 split"]
     assert ("Megatron splits parameter 'decoder.layers.0.self_attention.linear_proj.weight' along dim 1 (stride 1)"
             in said["proj dim 0"])
+    assert said["fc1 split, wrapped twice"] == said["fc1 split"]
     assert said["wrapped"] == "True"
+
+
+def _experts_job(rank: int, world: int, folder: str) -> None:
+    """Megatron-core MoE at TP=2 whose experts are not split (expert_tensor_parallel_size=1):
+    every TP rank holds each expert whole, yet Megatron marks its weights as split. Records
+    what place(model=) says to the right rule (replicated) and to a split one, and what a
+    save with the replicated rule consolidates."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    ps.initialize_model_parallel(2, 1, expert_model_parallel_size=1, expert_tensor_parallel_size=1)
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, num_moe_experts=2,
+                               moe_router_topk=1, moe_router_pre_softmax=True, gated_linear_unit=True,
+                               activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
+                               use_cpu_initialization=True, tensor_model_parallel_size=2, expert_tensor_parallel_size=1,
+                               pipeline_dtype=torch.float32)
+    torch.manual_seed(0)
+    with MC._cuda_is_cpu():
+        model = GPTModel(config, get_gpt_layer_local_spec(num_experts=2, normalization="RMSNorm"), vocab_size=128,
+                         max_sequence_length=MC.MAX_SEQ, position_embedding_type="rope")
+    layer = r"decoder\.layers\.\d+\."
+    experts = layer + r"mlp\.experts\.local_experts\.\d+\.linear_fc(1|2)\.weight$"
+    base = [{"kind": "replicated", "patterns": [r".*layernorm\.weight$", layer + r"mlp\.router\.weight$"]},
+            {"kind": "grouped", "patterns": [layer + r"self_attention\.linear_qkv\.weight$"], "groups": 4, "sizes": [8, 8, 8]},
+            {"kind": "split", "dim": 1, "patterns": [layer + r"self_attention\.linear_proj\.weight$"]},
+            {"kind": "split", "patterns": [r"embedding\.word_embeddings\.weight$", r"output_layer\.weight$"]}]
+    state = {"model": {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}}
+    out: dict[str, Any] = {}
+    for name, kind in (("replicated", "replicated"), ("split", "split")):
+        rules = Rules.from_dict({"params": base + [{"kind": kind, "patterns": [experts]}], "default": "error"})
+        try:
+            placed = place(state, rules, model=model, **MC.coords())
+        except RuleError as e:
+            out[name] = str(e)
+            continue
+        out[name] = "(accepted)"
+        ucp_zarr.save(placed, f"{folder}/{name}")
+        key = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
+        out["equal"] = torch.equal(ucp_zarr.read_state_dict(f"{folder}/{name}")["model"][key], state["model"][key])
+    if rank == 0:
+        (Path(folder) / "experts.json").write_text(json.dumps(out))
+
+
+def test_marks_of_experts_not_split_over_tp_are_not_held_against_their_rule(tmp_path: Path) -> None:
+    """Experts not split over TP (expert_tensor_parallel_size=1 at TP=2) carry Megatron's split
+    marks of their own one-rank group: place(model=) takes their right rule, replicated, and
+    the checkpoint holds each expert whole; a rule splitting them over TP is refused (before:
+    the right rule was refused, and only a split one, consolidating a wrong [96, 32] tensor of
+    two copies, accepted)."""
+    MC.run_job(_experts_job, 2, str(tmp_path))
+    said = json.loads((tmp_path / "experts.json").read_text())
+    assert said["replicated"] == "(accepted)" and said["equal"] is True
+    assert "holds parameter 'decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight' whole" in said["split"]
 
 
 @pytest.mark.parametrize("variant", list(MC.VARIANTS))

@@ -193,3 +193,7 @@ def test_module_state_dict_metadata_comes_back_as_torch_load_gives_it(tmp_path):
             fresh[2].eps.fill_(1.0)
             fresh.load_state_dict(got)
             assert torch.equal(fresh[2].eps, model[2].eps) and fresh[2].eps.item() == pytest.approx(1e-3)
+    # placed by rules (a Megatron-style save): the same (before: place() rebuilt plain dicts)
+    rules = ucp_zarr.Rules(params=(ucp_zarr.rules.params.ParamRule("replicated", (r".*",)),))
+    ucp_zarr.save(ucp_zarr.place({"model": model.state_dict()}, rules), tmp_path / "placed")
+    assert ucp_zarr.read_state_dict(tmp_path / "placed")["model"]._metadata == ref["state_dict"]._metadata

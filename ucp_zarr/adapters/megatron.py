@@ -166,6 +166,6 @@ def _check_against_megatron(gpt: Any, rules: Any) -> None:
             raise RuleError(f"Rules.from_megatron does not know parameter {name!r} of this GPTModel (a layer spec or "
                             "feature it does not describe); describe it with Rules.from_dict") from None
     try:
-        check_split_marks(rules, gpt, names)
+        check_split_marks(rules, gpt, names, gpt.config.tensor_model_parallel_size)
     except RuleError as e:
         raise RuleError(f"Rules.from_megatron: {e}") from None

@@ -40,6 +40,7 @@ from ..errors import (
     DtypeMismatchError,
     FormatError,
     LayoutError,
+    NotACheckpointError,
     ShapeMismatchError,
     UnknownKeyError,
     did_you_mean,
@@ -235,8 +236,10 @@ class CheckpointReader:
         except CorruptChunkError as e:
             try:
                 now = commit_meta(self.origin)[1].save_id
-            except (CheckpointError, OSError):
+            except (NotACheckpointError, FileNotFoundError):
                 now = None
+            except (CheckpointError, OSError):  # (a record there that cannot be read: the corruption stands)
+                raise e from None
             if now == self.meta.save_id:
                 raise
             raise CheckpointReplacedError(

@@ -4,7 +4,7 @@ tensors by :class:`~ucp_zarr.Rules`."""
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -83,7 +83,7 @@ def place(
     params = {fqn: leaf.value for leaf, fqn, _, opt in located if not opt and isinstance(leaf.value, (torch.Tensor, FlatShard))}
     owners.check_names(params)
     if model is not None:
-        check_split_marks(rules, model, params)
+        check_split_marks(rules, model, params, tp_size)
     out = _copy_structure(state_dict)
     placed: list[Placed] = []
     others: list[tuple[Path, str, tuple[int, int]]] = []
@@ -111,27 +111,46 @@ def place(
 
 
 
-def check_split_marks(rules: Rules, model: torch.nn.Module, fqns: Iterable[str]) -> None:
+def check_split_marks(rules: Rules, model: torch.nn.Module, fqns: Iterable[str], tp_size: int) -> None:
     """Raise :class:`RuleError` where a parameter of ``model`` among ``fqns`` (its name, or
-    without a wrapper's ``module.``) is marked as split the way Megatron marks them
+    without wrappers' ``module.``) is marked as split the way Megatron marks them
     (``tensor_model_parallel``, ``partition_dim``, ``partition_stride``, set by Megatron-LM,
     Megatron-core and Megatron-DeepSpeed as they build their layers) and its rule does not
-    split it so: a ``split``, ``grouped`` or ``fused`` rule along ``partition_dim``, and for a
+    split it so, over its layer's ``tp_group`` where the layer has one (an expert layer's is
+    the expert tensor-parallel group): a group of one rank (experts not split) in a job of
+    ``tp_size`` > 1 holds it whole, which a rule splitting it over TP gets wrong; a group of
+    another size is not checked; a group of ``tp_size`` ranks (or none known) needs a ``split``, ``grouped`` or ``fused`` rule along ``partition_dim``, and for a
     stride above 1 a ``fused`` rule of that many sub-parameters (each rank's block of each
     one, in turn). (A stride of 1 tells nothing more: Megatron-core's SwiGLU under Kitchen
     records 1 for its fused ``[gate; up]``; and unmarked parameters tell nothing: Megatron
     leaves the mark off parameters it does not initialise.)"""
     wanted = set(fqns)
-    for name, param in model.named_parameters():
-        fqn = name if name in wanted else name.removeprefix("module.")
-        if fqn not in wanted or not getattr(param, "tensor_model_parallel", False):
+    for layer_name, layer in model.named_modules():
+        group = getattr(layer, "tp_group", None)
+        size = group.size() if group is not None and hasattr(group, "size") else tp_size
+        if size not in (1, tp_size):
             continue
-        rule, pattern = rules.match(fqn)
-        dim, stride = getattr(param, "partition_dim", 0), getattr(param, "partition_stride", 1)
-        subs = len(rule.sizes or ()) if rule.kind == "fused" else 1
-        if rule.kind not in ("split", "grouped", "fused") or rule.dim != dim or stride > 1 and subs != stride:
-            raise RuleError(f"Megatron splits parameter {fqn!r} along dim {dim} (stride {stride}), but its rule "
-                            f"({pattern or 'the default'!r}) is {rule.to_dict()}")
+        for name, param in layer.named_parameters(prefix=layer_name, recurse=False):
+            fqn = name
+            while fqn not in wanted and fqn.startswith("module."):
+                fqn = fqn.removeprefix("module.")
+            if fqn in wanted and getattr(param, "tensor_model_parallel", False):
+                _check_mark(rules, fqn, param, whole=size == 1 < tp_size)
+
+
+def _check_mark(rules: Rules, fqn: str, param: torch.nn.Parameter, whole: bool) -> None:
+    rule, pattern = rules.match(fqn)
+    if whole:
+        if rule.kind in ("split", "grouped", "fused") and rule.axis == "tp":
+            raise RuleError(f"Megatron holds parameter {fqn!r} whole on every tensor-parallel rank (its layer's "
+                            f"tensor-parallel group is one rank), but its rule ({pattern or 'the default'!r}) splits it "
+                            f"over them: {rule.to_dict()}; give it a replicated rule")
+        return
+    dim, stride = getattr(param, "partition_dim", 0), getattr(param, "partition_stride", 1)
+    subs = len(rule.sizes or ()) if rule.kind == "fused" else 1
+    if rule.kind not in ("split", "grouped", "fused") or rule.dim != dim or stride > 1 and subs != stride:
+        raise RuleError(f"Megatron splits parameter {fqn!r} along dim {dim} (stride {stride}), but its rule "
+                        f"({pattern or 'the default'!r}) is {rule.to_dict()}")
 
 
 class RulesHooks(LayoutHooks):
@@ -417,8 +436,15 @@ class _Owners:
 
 
 def _copy_structure(value: Any) -> Any:
+    """The nesting of ``value`` in new dicts and lists (a module state dict's ``_metadata`` kept)."""
     if isinstance(value, Mapping):
-        return {k: _copy_structure(v) for k, v in value.items()}
+        out = {k: _copy_structure(v) for k, v in value.items()}
+        meta = getattr(value, "_metadata", None)
+        if meta is None:
+            return out
+        marked = OrderedDict(out)
+        marked._metadata = meta  # type: ignore[attr-defined]
+        return marked
     if isinstance(value, list):
         return [_copy_structure(v) for v in value]
     return value
