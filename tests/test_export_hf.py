@@ -307,6 +307,36 @@ def test_a_llama_config_of_other_settings_than_megatron_core_trained_is_refused(
         ucp_zarr.export(megatron / "untied", tmp_path / "hf", to="hf", names="megatron_to_llama")
 
 
+def test_a_mistral_config_with_a_sliding_window_is_refused(megatron: Path, tmp_path: Path) -> None:
+    """Mistral has Llama's names: a config.json with a sliding window shorter than the
+    sequence loads the export of a Megatron-core model that attends to every earlier position
+    and gives other logits (shown unchecked); the export is refused naming the window; without
+    a window it loads and gives Megatron-core's logits."""
+    import megatron_core_models as MC
+    from transformers import MistralConfig, MistralForCausalLM
+
+    ref = torch.load(megatron / "untied.pt")
+    for window in (4, None):
+        out = tmp_path / f"w{window}"
+        MistralConfig(vocab_size=MC.VOCAB, hidden_size=MC.HIDDEN, intermediate_size=MC.FFN, num_hidden_layers=MC.NUM_LAYERS,
+                      num_attention_heads=MC.HEADS, num_key_value_heads=MC.GROUPS, head_dim=MC.KV_CHANNELS,
+                      rms_norm_eps=1e-5, max_position_embeddings=MC.MAX_SEQ, sliding_window=window,
+                      tie_word_embeddings=False).save_pretrained(out)
+        if window is not None:
+            ucp_zarr.export(megatron / "untied", tmp_path / "unchecked", to="hf", names=lambda n: hf.megatron_to_llama(n))
+            (tmp_path / "unchecked" / "config.json").write_bytes((out / "config.json").read_bytes())
+            with torch.no_grad():
+                got = _loads(MistralForCausalLM, tmp_path / "unchecked")(ref["tokens"]).logits
+            assert (got - ref["logits"]).abs().max() > 1e-4
+            with pytest.raises(ConversionError, match=r"sliding_window=4 where Megatron-core's model attends"):
+                ucp_zarr.export(megatron / "untied", out, to="hf", names="megatron_to_llama")
+        else:
+            ucp_zarr.export(megatron / "untied", out, to="hf", names="megatron_to_llama")
+            with torch.no_grad():
+                got = _loads(MistralForCausalLM, out)(ref["tokens"]).logits
+            torch.testing.assert_close(got, ref["logits"], rtol=0, atol=1e-5)
+
+
 def test_an_export_the_config_has_no_place_for_is_refused(tmp_path: Path) -> None:
     """A config.json of the same model with fewer layers (an old one left in the folder):
     from_pretrained would load it and drop layer 1 silently; the export is refused naming the

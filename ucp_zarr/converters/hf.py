@@ -420,7 +420,7 @@ def check_llama(facts: Mapping[str, Any] | None, config: Any, what: str, dst: Pa
     <ucp_zarr.Rules.from_megatron>` records it) that does not compute what Llama does
     (:data:`LLAMA_COMPUTES`; interleaved or partial rotary embeddings, another softmax
     scale), or a ``config.json`` in ``dst`` (``config``) that describes another model: its
-    sizes, epsilon, activation and biases (:data:`LLAMA_CONFIG`), and the rotary
+    sizes, epsilon, activation and biases (:data:`LLAMA_CONFIG`), a sliding window, and the rotary
     frequencies its own rotary embedding module computes (``rope_theta``, its scaling),
     against those the Megatron-core model applied. A checkpoint that records no settings (not
     saved through ``Rules.from_megatron``, or before it recorded them) is not checked."""
@@ -442,6 +442,10 @@ def check_llama(facts: Mapping[str, Any] | None, config: Any, what: str, dst: Pa
     missing = object()
     wrong = [f"{hf}={getattr(config, hf)!r} where Megatron-core's {mc}={facts[mc]!r}" for hf, mc in LLAMA_CONFIG
              if mc in facts and getattr(config, hf, missing) not in (missing, None) and getattr(config, hf) != facts[mc]]
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window is not None and facts.get("window_size") is None:
+        wrong.append(f"sliding_window={window!r} where Megatron-core's model attends to every earlier position "
+                     "(window_size=None)")
     rotary = _rotary(config)
     if freqs is not None and rotary is not None:
         theirs = rotary.inv_freq.double()
