@@ -406,13 +406,15 @@ def _moe(task: dict[str, Any], rank: int, world: int) -> None:
         return
     out = root / "z1-fp32" / "ep1"
     engine = _moe_engine(1, 1, "fp32", world)
+    fresh = [g.get("name") for g in engine.optimizer.param_groups]
     ucp_ds.load_checkpoint(engine, root / "z1-fp32" / "X")
+    loaded = [g.get("name") for g in engine.optimizer.param_groups]
     state = live_state(engine, _expert_names(engine.module))
     ucp_ds.save_checkpoint(engine, out / "X")
     losses = _moe_steps(engine, STEPS, MORE, rank, world, "fp32")
     if rank == 0:
         torch.save(state, out / "state.pt")
-        (out / "run.json").write_text(json.dumps({"losses": losses}))
+        (out / "run.json").write_text(json.dumps({"losses": losses, "group_names": {"fresh": fresh, "loaded": loaded}}))
     engine.destroy()
     dist.barrier()
 

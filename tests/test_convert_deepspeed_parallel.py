@@ -179,6 +179,10 @@ def test_moe_loads_at_another_expert_parallel_degree(moe: Path) -> None:
     after = P.run_info(src)["losses_after"]
     assert abs(after[1] - after[0]) > 1000 * REASSOCIATION_RTOL * abs(after[0])
     assert P.run_info(src / "ep1")["losses"] == pytest.approx(after, rel=REASSOCIATION_RTOL, abs=0)
+    # the groups keep the engine's own MoE names (ep_size_1): DeepSpeed finds each group's expert-parallel
+    # process group by it (before: the checkpoint's ep_size_2, and bf16's first step failed on it)
+    names = P.run_info(src / "ep1")["group_names"]
+    assert names["loaded"] == names["fresh"] and any(n == "ep_size_1" for n in names["fresh"])
 
 
 @pytest.mark.long

@@ -212,6 +212,18 @@ def test_unsupported_arguments_refused_before_any_collective() -> None:
         ucp_ds.save_checkpoint(type("Engine", (), {"optimizer": None})(), "unused")
 
 
+def test_a_loss_scale_below_one_is_restored_as_saved() -> None:
+    """fp16's dynamic loss scale may fall below 1 (min_loss_scale < 1): a saved 0.5 comes back
+    as 0.5 into a fresh engine's scaler, whose scale is the int 2**initial_scale_power (before:
+    cast to int, 0: a skipped step more and another scale path than the uninterrupted run)."""
+    from ucp_zarr.adapters import deepspeed as ucp_ds
+
+    scaler = type("DynamicLossScaler", (), {"cur_scale": 2**16, "cur_iter": 0, "dynamic": True})()
+    opt = type("Optimizer", (), {"loss_scaler": scaler})()
+    ucp_ds._restore_loss_scaler(opt, {"state": {"cur_scale": 0.5, "cur_iter": 7, "dynamic": True}})
+    assert (scaler.cur_scale, scaler.cur_iter, scaler.dynamic) == (0.5, 7, True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Worker side (runs in the subprocesses; the only place deepspeed is imported)
 # ---------------------------------------------------------------------------------------------

@@ -464,6 +464,12 @@ def _optimizer_plan(layout: _Layout, saved: Mapping[str, Any], values: Mapping[s
     return missing, after, loaded
 
 
+ENGINE_GROUP_KEYS = frozenset({"params", "param_names", "name", "moe"})
+"""Param group members that describe the loading engine's own layout, not hyper-parameters:
+kept as the engine has them (a MoE group's ``name``, ``ep_size_<n>``, is how DeepSpeed finds
+its expert-parallel process group; a checkpoint of another ``ep_size`` names another)."""
+
+
 def _restore_param_groups(layout: _Layout, groups: list[Any], strict: bool) -> None:
     current = layout.base.param_groups
     if len(groups) != len(current):
@@ -476,7 +482,7 @@ def _restore_param_groups(layout: _Layout, groups: list[Any], strict: bool) -> N
             log.warning("ucp_zarr: optimizer param group %d holds other parameters in the checkpoint (%s...) than in the "
                         "engine (%s...); restoring its hyper-parameters by position", i, names[:3], layout.group_names[i][:3])
         for k, v in saved.items():
-            if k != "params":
+            if k not in ENGINE_GROUP_KEYS:
                 live[k] = _like(live.get(k), v)
 
 
@@ -495,9 +501,9 @@ def _restore_loss_scaler(opt: Any, saved: Any) -> None:
     scaler = getattr(opt, "loss_scaler", None)
     if scaler is None or not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
         return
-    for k, v in saved["state"].items():
+    for k, v in saved["state"].items():  # (as saved: a fresh engine's int scale must not round a saved 0.5 to 0)
         if hasattr(scaler, k) and isinstance(getattr(scaler, k), (bool, int, float)) and isinstance(v, (bool, int, float)):
-            setattr(scaler, k, type(getattr(scaler, k))(v))
+            setattr(scaler, k, v)
 
 
 def _prologue(layout: _Layout) -> None:
