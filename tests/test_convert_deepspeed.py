@@ -162,6 +162,26 @@ def test_bad_input_is_named(converted: dict[str, tuple[Path, Path]], tmp_path: P
     assert not any((tmp_path / n / "zarr.json").exists() for n in "abcd")
 
 
+def test_data_efficiency_state_it_does_not_convert_is_warned_of(converted: dict[str, tuple[Path, Path]],
+                                                                 tmp_path: Path) -> None:
+    """A folder whose engine saved DeepSpeed's curriculum sampler state (``data_sampler``, as
+    engine.save_checkpoint writes it with curriculum learning on) converts with a warning that
+    it is left out (before: dropped silently); a folder without it converts quietly."""
+    import warnings
+
+    src, _ = converted["z2-fp32-w2-s3-adam"]
+    step = _copy(src, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ucp_zarr.convert(step.parent, tmp_path / "quiet")
+    model = step / "mp_rank_00_model_states.pt"
+    states = torch.load(model, weights_only=False)
+    assert states.get("data_sampler") is None
+    torch.save(states | {"data_sampler": {"consumed_samples": 8, "curriculum_step": 2}}, model)
+    with pytest.warns(UserWarning, match=r"data_sampler state \(data efficiency"):
+        ucp_zarr.convert(step.parent, tmp_path / "warned", trust=True)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_fp16_checkpoints_and_client_state_tensors(tmp_path: Path, stage: int) -> None:
     """An fp16 checkpoint (a dynamic loss scaler, which holds a dtype) converts: its fp32 masters

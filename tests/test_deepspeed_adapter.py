@@ -210,6 +210,13 @@ def test_unsupported_arguments_refused_before_any_collective() -> None:
         ucp_ds.load_checkpoint(object(), "unused", load_module_only=True)
     with pytest.raises(ucp_zarr.CheckpointError, match="no optimizer"):
         ucp_ds.save_checkpoint(type("Engine", (), {"optimizer": None})(), "unused")
+    # DeepSpeed's data-efficiency state, which engine.save_checkpoint keeps and the adapter does not
+    # (before: saved and loaded without it, and a resume started the curriculum or random-LTD over)
+    for feature in ("curriculum_learning_enabled", "random_ltd_enabled"):
+        engine = type("Engine", (), {"optimizer": object(), "training_dataloader": object(), feature: lambda self: True})()
+        for call in (lambda: ucp_ds.save_checkpoint(engine, "unused"), lambda: ucp_ds.load_checkpoint(engine, "unused")):
+            with pytest.raises(ucp_zarr.CheckpointError, match="does not save or restore"):
+                call()
 
 
 def test_a_loss_scale_below_one_is_restored_as_saved() -> None:

@@ -76,6 +76,14 @@ def _layout(engine: Any) -> _Layout:
     if _tensor_parallel_size(engine, pipeline) > 1:
         raise CheckpointError("tensor-parallel DeepSpeed engines (AutoTP, or pipeline x tensor parallelism) are not "
                               "supported by the adapter: save with engine.save_checkpoint and ucp_zarr.convert it")
+    unsaved = [what for what, on in (
+        ("the curriculum learning data sampler", getattr(engine, "training_dataloader", None) is not None
+         and _enabled(engine, "curriculum_learning_enabled")),
+        ("the random-LTD scheduler", _enabled(engine, "random_ltd_enabled"))) if on]
+    if unsaved:
+        raise CheckpointError(f"the engine's state includes {' and '.join(unsaved)} (DeepSpeed's data efficiency), which "
+                              "the adapter does not save or restore: a resume would start it over. Save and resume with "
+                              "DeepSpeed's own save_checkpoint/load_checkpoint")
     moe = bool(getattr(engine, "has_moe_layers", False))
     if moe and pipeline:
         raise CheckpointError("DeepSpeed MoE layers inside a pipeline engine are not supported")
@@ -131,6 +139,12 @@ def _layout(engine: Any) -> _Layout:
     if pipeline or moe:  # what the other stages and expert-parallel ranks hold
         _learn_others(layout)
     return layout
+
+
+def _enabled(engine: Any, feature: str) -> bool:
+    """``engine.<feature>()`` (DeepSpeed's ``random_ltd_enabled`` and the like), False where absent."""
+    check = getattr(engine, feature, None)
+    return bool(check()) if callable(check) else False
 
 
 def _is_pipeline(engine: Any) -> bool:

@@ -4,6 +4,7 @@ optimizer state streamed from the ranks' flat buffers (lazy sources, no temporar
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -228,6 +229,11 @@ def _other_state(out: Imported, model: dict[str, Any], osd: dict[str, Any], name
             for grp in groups if isinstance(grp, dict)
         ]
     out.values["lr_scheduler"] = plain(model.get("lr_scheduler"))
+    dropped = [k for k in ("data_sampler", "random_ltd") if model.get(k) is not None]
+    if dropped:
+        warnings.warn(f"ucp_zarr: {out.layout['source']['folder']}: DeepSpeed's {' and '.join(dropped)} state (data "
+                      "efficiency: curriculum sampler, random-LTD) is not converted; a resume from the conversion starts "
+                      "it over (DeepSpeed's own load_checkpoint of the folder restores it)", stacklevel=2)
     for key, v in model.items():  # (as the adapter saves client_state: a tensor as a tensor, the rest as JSON)
         if key in ENGINE_KEYS:
             continue
