@@ -138,6 +138,22 @@ def test_a_save_over_a_linked_last_checkpoint_replaces_the_link(tmp_path: Path) 
         assert torch.equal(io.load_checkpoint(best)["w"], torch.full((3,), 12.0)), name
 
 
+@pytest.mark.parametrize("kind", ["fsdp", "mp", "tp"])
+def test_sharded_strategies_save_ucp_zarr_checkpoints_and_resume_as_lightnings_own(tmp_path: Path, kind: str) -> None:
+    """ZarrFSDPStrategy (FSDP1, sharded) and ZarrModelParallelStrategy (FSDP2 dp=2; TP=2) on 2
+    gloo processes: ModelCheckpoint's top-k and last.ckpt are ucp_zarr checkpoints holding the
+    tensors of Lightning's own DCP checkpoints of the same run; a resume from last.ckpt gives
+    Lightning's resume and the uninterrupted run bit for bit (losses, every rank's shards of
+    the model and optimizer, step, lr); top-k removal leaves the same names; remove_checkpoint
+    removes one. (Before: these strategies wrote DCP's own format whatever the plug-in.)"""
+    import subprocess
+
+    job = Path(__file__).parent / "_lightning_strategies_job.py"
+    done = subprocess.run([sys.executable, str(job), kind, str(tmp_path / "run")], capture_output=True, text=True, timeout=400,
+                          cwd=tmp_path)
+    assert done.returncode == 0 and "all checks passed" in done.stdout, done.stdout[-3000:] + done.stderr[-5000:]
+
+
 def test_a_value_that_needs_pickle_is_refused_naming_its_key(tmp_path: Path) -> None:
     class WithModule(Regression):
         def __init__(self) -> None:

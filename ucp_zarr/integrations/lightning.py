@@ -21,8 +21,14 @@ function among the hyper-parameters, say) is refused at save time, naming its ke
 
 **Strategies**: Lightning calls the plug-in with the whole state on global rank 0 only
 (single device, DDP), so rank 0 saves alone, through a process group of its own; every rank
-loads. Strategies that shard the state (FSDP, ModelParallel) write sharded checkpoints with
-torch DCP, not through ``CheckpointIO``: give DCP :class:`ucp_zarr.ZarrStorageWriter` there.
+loads. Strategies that shard the state (FSDP, ModelParallel) write their sharded checkpoints
+with torch DCP themselves, never through ``CheckpointIO``: use :class:`ZarrFSDPStrategy` or
+:class:`ZarrModelParallelStrategy` instead of Lightning's, and every rank writes its shards
+through DCP with :class:`ucp_zarr.ZarrStorageWriter` (a ucp_zarr checkpoint, which loads at
+any other layout), Lightning's other state going into the checkpoint :data:`META` inside it::
+
+    trainer = Trainer(strategy=ZarrFSDPStrategy(), ...)
+    trainer = Trainer(strategy=ZarrModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), ...)
 
 **Async**: ``ZarrCheckpointIO(async_save=True)`` returns to training once the state is copied
 to host memory and writes in the background (:func:`ucp_zarr.save` with ``async_save``); the
@@ -42,6 +48,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import shutil
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -49,6 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from ..protocol.saving import async_save, save
 from ..protocol.read_state import read_state_dict
@@ -167,3 +175,148 @@ class ZarrCheckpointIO(CheckpointIO):
         if self._own is None or self._own[0] is not default:
             self._own = (default, dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True))
         return self._own[1]
+
+
+# --- sharded strategies ---------------------------------------------------------------------
+
+META = "lightning_meta"
+"""The checkpoint inside a sharded strategy's checkpoint that holds Lightning's other state (its ``meta.pt``)."""
+
+
+def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a sharded strategy's ucp_zarr checkpoint (:data:`META` inside)."""
+    return os.path.isdir(path) and os.path.isdir(os.path.join(path, META))
+
+
+class _ZarrSharded:
+    """What :class:`ZarrFSDPStrategy` and :class:`ZarrModelParallelStrategy` share: the save,
+    the other state's read and the removal of a checkpoint (mixed in before the strategy)."""
+
+    _MODEL_KEY: str
+    """Lightning's key of the model state in its distributed checkpoints."""
+
+    def _sharded(self) -> bool:
+        raise NotImplementedError
+
+    def _meta_io(self) -> ZarrCheckpointIO:
+        if getattr(self, "_zarr_meta_io", None) is None:
+            self._zarr_meta_io = ZarrCheckpointIO()
+        return self._zarr_meta_io
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Every rank: its shards of the model and optimizers through DCP with
+        :class:`~ucp_zarr.ZarrStorageWriter`; then rank 0: Lightning's other state as the
+        checkpoint :data:`META` inside, which marks the checkpoint complete (as Lightning's
+        ``meta.pt`` does; an earlier one is removed first, so a crash between the two leaves no
+        complete-looking mix). A file or symbolic link at ``filepath`` is replaced."""
+        import torch.distributed.checkpoint as dcp
+
+        from ..adapters.dcp import ZarrStorageWriter
+
+        if not self._sharded():
+            return super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (got {storage_options!r})")
+        path = os.fspath(self.broadcast(filepath))  # type: ignore[attr-defined]
+        if self.global_rank == 0:  # type: ignore[attr-defined]
+            if os.path.islink(path) or os.path.isfile(path):  # (a save_last="link" link, a .ckpt file)
+                os.unlink(path)
+            elif is_sharded_checkpoint(path):
+                self._meta_io().remove_checkpoint(os.path.join(path, META))
+        self.barrier("ucp_zarr_save_start")  # type: ignore[attr-defined]
+        state = {self._MODEL_KEY: checkpoint.pop("state_dict")}
+        state |= {f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))}
+        dcp.save(state, storage_writer=ZarrStorageWriter(path))
+        if self.global_rank == 0:  # type: ignore[attr-defined]
+            self._meta_io().save_checkpoint(checkpoint, os.path.join(path, META))
+        self.barrier("ucp_zarr_save_end")  # type: ignore[attr-defined]
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Rank 0: :data:`META` first (the completeness mark), then the checkpoint crash-safely;
+        anything else as the strategy removes it."""
+        path = os.fspath(filepath)
+        if not (self.is_global_zero and not os.path.islink(path) and is_sharded_checkpoint(path)):  # type: ignore[attr-defined]
+            return super().remove_checkpoint(filepath)  # type: ignore[misc]
+        self._meta_io().remove_checkpoint(os.path.join(path, META))
+        self._meta_io().remove_checkpoint(path)
+        shutil.rmtree(path, ignore_errors=True)  # (the folders left empty)
+
+
+class ZarrFSDPStrategy(_ZarrSharded, FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` whose sharded checkpoints (``state_dict_type="sharded"``,
+    the default here) are ucp_zarr checkpoints: ``Trainer(strategy=ZarrFSDPStrategy(...))``.
+    Resumes (``ckpt_path=``) from them and from Lightning's own checkpoints."""
+
+    _MODEL_KEY = "model"
+
+    def __init__(self, *args: Any, state_dict_type: str = "sharded", **kwargs: Any) -> None:
+        super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
+
+    def _sharded(self) -> bool:
+        return self._state_dict_type == "sharded"
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """As ``FSDPStrategy.load_checkpoint`` loads a sharded checkpoint, with
+        :class:`~ucp_zarr.ZarrStorageReader` in place of DCP's reader."""
+        import torch.distributed.checkpoint as dcp
+        from lightning.fabric.strategies.fsdp import _get_sharded_state_dict_context
+        from lightning.pytorch.trainer.states import TrainerFn
+        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        from ..adapters.dcp import ZarrStorageReader
+
+        path = os.fspath(self.broadcast(checkpoint_path))
+        if not is_sharded_checkpoint(path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        with _get_sharded_state_dict_context(self.model):
+            module_state = {"model": self.model.state_dict()}
+            dcp.load(module_state, storage_reader=ZarrStorageReader(path))
+            self.model.load_state_dict(module_state["model"], strict=self.lightning_module.strict_loading)
+            if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and self.optimizers:
+                for i, optimizer in enumerate(self.optimizers):
+                    key = f"optimizer_{i}"
+                    state = load_sharded_optimizer_state_dict(model_state_dict=module_state["model"], optimizer_key=key,
+                                                              storage_reader=ZarrStorageReader(path))
+                    optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model=self.model, optim=optimizer,
+                                                                            optim_state_dict=state[key]))
+        return self._meta_io().load_checkpoint(os.path.join(path, META))
+
+
+class ZarrModelParallelStrategy(_ZarrSharded, ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallelism) whose distributed
+    checkpoints (``save_distributed_checkpoint=True``, the default) are ucp_zarr checkpoints:
+    ``Trainer(strategy=ZarrModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=...))``."""
+
+    _MODEL_KEY = "state_dict"
+
+    def _sharded(self) -> bool:
+        return self._save_distributed_checkpoint
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """As Lightning's ``ModelParallelStrategy`` loads a distributed checkpoint
+        (``lightning.fabric.strategies.model_parallel._load_checkpoint``), with
+        :class:`~ucp_zarr.ZarrStorageReader` in place of DCP's reader."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from ..adapters.dcp import ZarrStorageReader
+
+        path = os.fspath(self.broadcast(checkpoint_path))
+        if not is_sharded_checkpoint(path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        module_state = {"state_dict": get_model_state_dict(self.model)}
+        dcp.load(module_state, storage_reader=ZarrStorageReader(path))
+        self.model.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)
+        for i, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{i}"
+            state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            dcp.load(state, storage_reader=ZarrStorageReader(path))
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[key],
+                                     options=StateDictOptions(cpu_offload=True))
+        return self._meta_io().load_checkpoint(os.path.join(path, META))
