@@ -128,8 +128,8 @@ def model_facts(gpt: Any) -> dict[str, Any]:
         if hasattr(cfg, name):
             value = getattr(cfg, name)
             facts[name] = list(value) if isinstance(value, tuple) else value
-    act = cfg.activation_func
-    facts["activation_func"] = getattr(act, "__name__", type(act).__name__)
+    act = cfg.activation_func  # (F.silu, or a module such as torch.nn.SiLU(): its name in lower case)
+    facts["activation_func"] = getattr(act, "__name__", type(act).__name__).lower()
     rotary = getattr(gpt, "rotary_pos_emb", None)
     if rotary is not None and hasattr(rotary, "inv_freq"):
         factor = getattr(rotary, "seq_len_interpolation_factor", None) or 1.0
