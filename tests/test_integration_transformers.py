@@ -109,3 +109,64 @@ def test_a_save_records_the_trainer_state_as_the_trainers_own_save_does(tmp_path
     assert saved["total_flos"] == own["total_flos"] > 0
     _, count = run("cut", None)
     assert count.count == 6  # (4 restored, then steps 5 and 6)
+
+
+RESUMES = {
+    # the Trainer steps ReduceLROnPlateau after the evaluation's callbacks (lr halves at step 4)
+    "plateau": (dict(max_steps=8, save_steps=4, eval_strategy="steps", eval_steps=2, metric_for_best_model="score",
+                     greater_is_better=False, lr_scheduler_type="reduce_lr_on_plateau",
+                     lr_scheduler_kwargs={"patience": 0, "factor": 0.5}), 4, {2: 4.0, 4: 5.0, 6: 5.0, 8: 5.0}, False),
+    # a dict of eval datasets: one on_evaluate each, the save after both
+    "two eval datasets": (dict(max_steps=8, save_steps=4, eval_strategy="steps", eval_steps=4), 4, None, True),
+    # the best metric is decided after the evaluation's callbacks; early stopping resumes from it
+    "best metric": (dict(max_steps=8, save_steps=2, eval_strategy="steps", eval_steps=1, metric_for_best_model="score",
+                         greater_is_better=False, restore_callback_states_from_checkpoint=True), 2,
+                    {1: 5.0, 2: 4.0, 3: 4.5, 4: 4.5, 5: 4.5, 6: 4.5}, False),
+    # no batch skipped: the Trainer restores its generators at the start of the epoch
+    "ignore_data_skip": (dict(max_steps=10, save_steps=4, ignore_data_skip=True), 4, None, False),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUMES))
+def test_a_resume_is_the_trainers_own_resume(tmp_path: Path, case: str) -> None:
+    """Resumes where the Trainer does more after an evaluation's callbacks than before (the
+    plateau scheduler's step, the second eval dataset, the best metric and early stopping) or
+    restores its generators early (``ignore_data_skip``): losses, learning rates, weights,
+    optimizer, scheduler, generators and where training stops are those of the Trainer's own
+    resume from its checkpoint. Before, the callback saved inside on_evaluate/on_log: the
+    lr after resume was 0.01, not 0.005; the log lacked the second evaluation and dropout
+    differed; the best metric was stale and early stopping ended at step 5, not 4; with
+    ignore_data_skip the generators were restored after the DataLoader drew its seed."""
+    from transformers import EarlyStoppingCallback
+
+    import _hf_resume as H
+
+    args, at, scores, two = RESUMES[case]
+    extra = (lambda: [EarlyStoppingCallback(early_stopping_patience=2)]) if case == "best metric" else list
+    runs = H.three_runs(tmp_path, args, at, extra=extra, scores=scores,
+                        eval_data={"a": H.data(8, 5), "b": H.data(6, 9)} if two else None)
+    own, ours = runs["own"], runs["ours"]
+    assert {k for k in own if not H.same(own[k], ours[k])} == set(), (own["stop"], ours["stop"], own["lr"], ours["lr"])
+
+
+def test_the_best_step_is_named_and_kept_by_retention(tmp_path: Path) -> None:
+    """metric_for_best_model without load_best_model_at_end: the state names the best step's
+    checkpoint (the Trainer names its checkpoint-N) and keep_last never deletes it (the
+    Trainer's rotation keeps it). Before: best_model_checkpoint stayed None and keep_last=2
+    deleted step 2, the best. save_total_limit, which applies to the Trainer's own folders,
+    is refused unless it is the callback's keep_last."""
+    import _hf_resume as H
+
+    from ucp_zarr.integrations.transformers import ZarrCheckpointCallback
+
+    args = dict(max_steps=8, save_steps=2, eval_strategy="steps", eval_steps=2, metric_for_best_model="score",
+                greater_is_better=False)
+    callback = ZarrCheckpointCallback(tmp_path / "ckpt", keep_last=2)
+    t = H.trainer(tmp_path / "out", args, seed=0, callbacks=[callback], scores={2: 1.0, 4: 2.0, 6: 3.0, 8: 4.0})
+    t.train(resume_from_checkpoint=callback.resume(t))
+    assert callback.manager.steps() == [2, 6, 8] and t.state.best_model_checkpoint == callback.manager.path(2)
+    other = ZarrCheckpointCallback(tmp_path / "ckpt2", keep_last=2)
+    t = H.trainer(tmp_path / "out2", args | {"save_total_limit": 3}, seed=0, callbacks=[other], scores={})
+    with pytest.raises(ValueError, match=r"give ZarrCheckpointCallback\(keep_last=3\)"):
+        t.train(resume_from_checkpoint=other.resume(t))
+

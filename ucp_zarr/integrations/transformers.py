@@ -16,12 +16,15 @@ the callback saves step ``global_step`` through a :class:`ucp_zarr.CheckpointMan
 * ``rng``: each rank's Python, NumPy, torch (and CUDA) generator states (:class:`ucp_zarr.PerRank`);
 * ``trainer_state``: the Trainer's ``TrainerState`` (step, epoch, log history, best metric), as JSON.
 
-It takes the save over from the Trainer, which then writes no ``checkpoint-N`` folder (no
-pickled ``optimizer.pt`` or ``rng_state.pth``). The save happens where the Trainer's own
-would: after the step's logging and evaluation (the best metric of an evaluation at a save
-step is recorded by the Trainer just after it, so that step's checkpoint holds the previous
-one). ``save_strategy="best"`` and ``load_best_model_at_end``, which read the Trainer's own
-folders, are refused.
+It saves in the Trainer's place: :meth:`ZarrCheckpointCallback.resume` (which every run
+calls, a fresh start too) replaces that Trainer's own ``_save_checkpoint``, so the Trainer
+writes no ``checkpoint-N`` folder (no pickled ``optimizer.pt`` or ``rng_state.pth``), and the
+save happens exactly where the Trainer's own would: after the step's logging, every
+evaluation (one per eval dataset), the ``ReduceLROnPlateau`` step and the best metric, with
+the state brought up to date as the Trainer does it (``store_flos``, the stateful callbacks,
+``best_model_checkpoint``, which names the manager's step and is kept by its retention).
+``save_strategy="best"`` and ``load_best_model_at_end``, which read the Trainer's own
+folders, are refused; ``save_total_limit`` is the callback's ``keep_last``.
 
 **Resuming.** :meth:`ZarrCheckpointCallback.resume` (every rank, before ``trainer.train``)
 finds the newest committed step and returns a folder for ``trainer.train(resume_from_checkpoint=...)``
@@ -31,13 +34,15 @@ Trainer's own checkpoints, and removed once training starts. The Trainer then re
 state, the weights and the data position (it skips the batches already trained on) as for
 its own checkpoints; the callback restores the optimizer and the scheduler when training
 begins, and the generators where the Trainer restores its own (at the start of the epoch,
-or before the first step when resuming within an epoch). Only single-process and DDP
+or, with ``ignore_data_skip``, at the start of the epoch; before the first step when
+resuming within an epoch and skipping its batches). Only single-process and DDP
 training are supported (a DeepSpeed or FSDP Trainer saves through its engine).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import random
@@ -84,8 +89,6 @@ class ZarrCheckpointCallback(TrainerCallback):
         self.async_save = async_save
         self._manager_options = {"keep_last": keep_last, "keep_every": keep_every, "storage_options": storage_options}
         self._manager: CheckpointManager | None = None
-        self._due: str | None = None
-        """The event ("log" or "evaluate") after which the save taken over at this step runs."""
         self._restore: dict[str, Any] | None = None
         """What :meth:`resume` read for the callback to restore (its step, optimizer, scheduler, RNG)."""
         self._rng_at: str | None = None
@@ -93,7 +96,7 @@ class ZarrCheckpointCallback(TrainerCallback):
         self._folder: str | None = None
         """The resume folder this process wrote (removed when training starts)."""
         self._trainer: weakref.ref[Any] | None = None
-        """The Trainer :meth:`resume` was given: a save brings its state up to date first."""
+        """The Trainer :meth:`resume` was given, whose saves this callback makes."""
 
     @property
     def manager(self) -> CheckpointManager:
@@ -111,11 +114,7 @@ class ZarrCheckpointCallback(TrainerCallback):
         (a fresh start) when there is none. Every rank calls it, before ``trainer.train``."""
         if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
             raise CheckpointError("ZarrCheckpointCallback supports single-process and DDP training, not DeepSpeed or FSDP")
-        self._trainer = weakref.ref(trainer)
-        callbacks = trainer.callback_handler.callbacks
-        if self in callbacks:  # (last: it saves where the Trainer's own save would, after every callback of the event)
-            callbacks.remove(self)
-            callbacks.append(self)
+        self._attach(trainer)
         comm = Comm()
         step = comm.broadcast(self.manager.latest() if comm.rank == 0 else None)
         if step is None:
@@ -131,9 +130,14 @@ class ZarrCheckpointCallback(TrainerCallback):
                 _write_resume_folder(folder, state["model"], state["trainer_state"])
                 self._folder = folder
         self._restore = {"step": step, "optimizer": state["optimizer"], "lr_scheduler": state["lr_scheduler"], "rng": rng}
-        epoch = state["trainer_state"]["epoch"]
-        self._rng_at = "epoch" if float(epoch).is_integer() else "step"
+        epoch = state["trainer_state"]["epoch"]  # (the Trainer skips no batch: it restores its own at the epoch's start)
+        self._rng_at = "epoch" if float(epoch).is_integer() or args.ignore_data_skip else "step"
         return folder
+
+    def _attach(self, trainer: Any) -> None:
+        """Make ``trainer``'s saves (its own ``_save_checkpoint``) this callback's."""
+        self._trainer = ref = weakref.ref(trainer)
+        trainer._save_checkpoint = lambda model, trial: self._save(ref(), trial)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if args.save_strategy == "best" or args.load_best_model_at_end:
@@ -141,6 +145,17 @@ class ZarrCheckpointCallback(TrainerCallback):
                 "ZarrCheckpointCallback saves at the Trainer's save steps and writes no checkpoint-N folders: "
                 "use save_strategy='steps' or 'epoch', without load_best_model_at_end"
             )
+        trainer = None if self._trainer is None else self._trainer()
+        if trainer is None or self not in trainer.callback_handler.callbacks:  # (train() without resume(): its caller)
+            trainer = _calling_trainer(self)
+            if trainer is None:
+                raise CheckpointError("ZarrCheckpointCallback saves in its Trainer's place and cannot tell which Trainer "
+                                      "runs it: call trainer.train(resume_from_checkpoint=callback.resume(trainer))")
+            self._attach(trainer)
+        keep = self._manager_options["keep_last"]
+        if args.save_total_limit is not None and args.save_total_limit != keep:
+            raise ValueError(f"save_total_limit={args.save_total_limit} limits the Trainer's own checkpoint-N folders, which "
+                             f"are not written: give ZarrCheckpointCallback(keep_last={args.save_total_limit}) instead")
         if self._restore is not None:
             if state.global_step != self._restore["step"]:
                 raise CheckpointError(
@@ -158,8 +173,6 @@ class ZarrCheckpointCallback(TrainerCallback):
             self._restore_rng()
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        if self._due is not None:
-            raise CheckpointError(f"the save of step {state.global_step} taken over from the Trainer did not run (waited for {self._due})")
         if self._rng_at is not None:
             self._restore_rng()
 
@@ -171,63 +184,53 @@ class ZarrCheckpointCallback(TrainerCallback):
 
     # --- saving ---------------------------------------------------------------------------
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        self._take_over(state, control, kwargs)
-
-    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        self._take_over(state, control, kwargs)
-
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        if self._due == "log":
-            self._save(state, kwargs)
-
-    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        if self._due == "evaluate":
-            self._save(state, kwargs)
-
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        if self._due is not None:
-            raise CheckpointError(f"the save of step {state.global_step} taken over from the Trainer did not run (waited for {self._due})")
         self.manager.wait()
 
-    def _take_over(self, state: TrainerState, control: TrainerControl, kwargs: dict[str, Any]) -> None:
-        """Save instead of the Trainer when it is about to save: after the evaluation or the
-        log of this step if one is due, else now."""
-        if not control.should_save:
-            return
-        control.should_save = False
-        if control.should_evaluate:
-            self._due = "evaluate"
-        elif control.should_log:
-            self._due = "log"
-        else:
-            self._save(state, kwargs)
-
-    def _save(self, state: TrainerState, kwargs: dict[str, Any]) -> None:
-        self._due = None
-        trainer = None if self._trainer is None else self._trainer()
-        if trainer is not None:
-            _bring_up_to_date(trainer)
+    def _save(self, trainer: Any, trial: Any) -> None:
+        """The Trainer's ``_save_checkpoint`` (every rank), through the manager: the state
+        brought up to date as the Trainer's own does it, then saved as step ``global_step``."""
+        state = trainer.state
+        if trainer.hp_search_backend is None and trial is None:
+            trainer.store_flos()  # (with DDP a collective, on every rank)
+        best = state.best_global_step
+        if best:  # (the Trainer names the best step's folder where there is one)
+            comm = Comm()
+            held = comm.broadcast((best == state.global_step or best in self.manager.steps()) if comm.rank == 0 else None)
+            if held:
+                state.best_model_checkpoint = self.manager.path(best)
+        if trainer.args.should_save:
+            _record_callbacks(trainer)
         checkpoint = {
-            "model": kwargs["model"].state_dict(),
-            "optimizer": kwargs["optimizer"].state_dict(),
-            "lr_scheduler": kwargs["lr_scheduler"].state_dict(),
+            "model": trainer.model.state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "lr_scheduler": trainer.lr_scheduler.state_dict(),
             "rng": rng_states(),
             "trainer_state": dataclasses.asdict(state),
         }
-        self.manager.save(state.global_step, checkpoint, async_save=self.async_save)
+        self.manager.save(state.global_step, checkpoint, async_save=self.async_save, protect=(best,) if best else ())
 
 
-def _bring_up_to_date(trainer: Any) -> None:
-    """What the Trainer's own ``_save_checkpoint`` does to its state before writing it:
-    ``store_flos()`` (``total_flos`` up to this step; with DDP a collective, called where
-    the Trainer's own save calls it, on every rank), and the state of every
-    ``ExportableState`` callback (``EarlyStoppingCallback``'s patience, ``TrainerControl``)
-    recorded in ``stateful_callbacks``, as it records them; resuming restores those
-    callbacks from there."""
+def _calling_trainer(callback: Any) -> Any:
+    """The Trainer whose ``on_train_begin`` event is running ``callback`` (found among the
+    calling frames: the events pass no Trainer), or None."""
+    from transformers import Trainer
+
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer) and callback in owner.callback_handler.callbacks:
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _record_callbacks(trainer: Any) -> None:
+    """The state of every ``ExportableState`` callback (``EarlyStoppingCallback``'s patience,
+    ``TrainerControl``) recorded in ``stateful_callbacks``, as the Trainer's own save records
+    them; resuming restores those callbacks from there."""
     from transformers.trainer_callback import ExportableState
 
-    trainer.store_flos()
     for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control] if isinstance(c, ExportableState)]:
         name = cb.__class__.__name__
         if isinstance(trainer.state.stateful_callbacks.get(name), list):

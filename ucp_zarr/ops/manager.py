@@ -14,7 +14,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, MutableMapping
+from typing import Any, Callable, Iterable, MutableMapping
 
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, NotACheckpointError
 from ..io.factory import open_store
@@ -182,9 +182,11 @@ class CheckpointManager:
 
     # --- saving ---------------------------------------------------------------------------
 
-    def save(self, step: int, state_dict: MutableMapping[str, Any], *, async_save: bool = False, **save_kwargs: Any) -> SaveMetrics | Future:
+    def save(self, step: int, state_dict: MutableMapping[str, Any], *, async_save: bool = False,
+             protect: Iterable[int] = (), **save_kwargs: Any) -> SaveMetrics | Future:
         """Save ``state_dict`` as ``step`` (every rank calls it); ``save_kwargs`` go to
         :func:`ucp_zarr.save`. Waits for the previous async save first and raises its error.
+        The retention after it keeps the steps of ``protect`` too (a Trainer's best step).
 
         Returns the :class:`SaveMetrics`, or with ``async_save`` (:func:`ucp_zarr.async_save`) a future of them, resolved
         after the commit and retention (its error also surfaces on the next call)."""
@@ -202,10 +204,11 @@ class CheckpointManager:
         )
         blocking = time.perf_counter() - t0
         self._saved(step, blocking)
+        kept = frozenset(protect) | {step}
         if async_save:
-            self._inflight = self._executor.submit(self._complete, step, url, out, t0, blocking, True)
+            self._inflight = self._executor.submit(self._complete, step, url, out, t0, blocking, True, kept)
             return self._inflight
-        return self._complete(step, url, out, t0, blocking, False)
+        return self._complete(step, url, out, t0, blocking, False, kept)
 
     def _clear_leftovers(self, step: int) -> None:
         """Remove an uncommitted folder of ``step`` nobody alive works on, so the save can
@@ -219,7 +222,8 @@ class CheckpointManager:
         except Exception as e:
             log.warning("ucp_zarr: could not clear the leftovers at %s: %s", self.path(step), e)
 
-    def _complete(self, step: int, url: str, out: Any, t0: float, blocking: float, is_async: bool) -> SaveMetrics:
+    def _complete(self, step: int, url: str, out: Any, t0: float, blocking: float, is_async: bool,
+                  kept: frozenset[int]) -> SaveMetrics:
         result = out.result() if is_async else out
         total = time.perf_counter() - t0
         deleted: tuple[int, ...] = ()
@@ -227,7 +231,7 @@ class CheckpointManager:
         if self._comm.rank == 0:
             t1 = time.perf_counter()
             try:
-                deleted = self._retain(step)
+                deleted = self._retain(kept)
             except Exception as e:  # the checkpoint is committed; keep training
                 error = f"{type(e).__name__}: {e}"
                 log.warning("ucp_zarr: retention under %s failed after saving step %d: %s", self.root, step, error)
@@ -245,13 +249,14 @@ class CheckpointManager:
             self.on_saved(metrics)
         return metrics
 
-    def _retain(self, saved: int) -> tuple[int, ...]:
-        """Apply the retention policy (never to the step just ``saved``; :func:`delete_step`
-        backs off from steps being read) and remove uncommitted folders nobody alive works on."""
+    def _retain(self, kept: frozenset[int]) -> tuple[int, ...]:
+        """Apply the retention policy (never to the steps ``kept``: the one just saved, and those
+        the save protects; :func:`delete_step` backs off from steps being read) and remove
+        uncommitted folders nobody alive works on."""
         numbers = step_numbers(self._store)
         committed = self._committed(numbers)
         deleted = []
-        for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protected={saved}):
+        for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protected=set(kept)):
             if delete_step(self._step(s), lease_s=self.lease_s):
                 deleted.append(s)
                 self._stores.pop(s, None)

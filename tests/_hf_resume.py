@@ -1,0 +1,120 @@
+"""A tiny Trainer setup whose resumes are compared with the Trainer's own
+(``tests/test_integration_transformers.py``): a model with dropout whose loss draws from
+Python's and NumPy's generators too (so every generator must be restored where the Trainer
+restores its own), evaluation metrics scripted by step, and three runs of one setup: the
+uninterrupted run with the Trainer's own saves, the Trainer's own resume from its
+``checkpoint-N``, and a run stopped at step N through :class:`ZarrCheckpointCallback` then
+resumed from its checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+from _transformers_job import StopAt
+from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments
+
+from ucp_zarr.integrations.transformers import ZarrCheckpointCallback
+
+
+class Config(PretrainedConfig):
+    model_type = "ucp_zarr_tiny"
+
+    def __init__(self, vocab: int = 32, dim: int = 16, **kw: Any) -> None:
+        self.vocab, self.dim = vocab, dim
+        super().__init__(**kw)
+
+
+class Tiny(PreTrainedModel):
+    config_class = Config
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.emb = nn.Embedding(config.vocab, config.dim)
+        self.hid = nn.Linear(config.dim, config.dim)
+        self.drop = nn.Dropout(0.3)
+        self.head = nn.Linear(config.dim, config.vocab, bias=False)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        pass
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(self.drop(torch.tanh(self.hid(self.emb(input_ids)))))
+        loss = nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+        if self.training:
+            loss = loss + 1e-3 * (random.random() + float(np.random.rand()))
+        return {"loss": loss, "logits": logits}
+
+
+def data(n: int = 24, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    tokens = torch.randint(0, 32, (n, 8), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": t, "labels": t} for t in tokens]
+
+
+def trainer(out: Path, args: dict[str, Any], *, seed: int, callbacks: list[Any], scores: dict[int, float] | None = None,
+            eval_data: Any = None) -> Trainer:
+    """A Trainer of a model drawn from ``seed``; ``scores``: the eval metric ``score`` by step."""
+    torch.manual_seed(seed)
+    model = Tiny(Config())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    running: list[Trainer] = []
+    compute = None if scores is None else (lambda _: {"score": float(scores.get(running[0].state.global_step, 10.0))})
+    kw = dict(per_device_train_batch_size=4, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+              learning_rate=1e-2, save_strategy="steps", save_steps=2, max_steps=10) | args
+    t = Trainer(model=model, args=TrainingArguments(str(out), log_level="error", **kw), train_dataset=data(),
+                eval_dataset=eval_data if eval_data is not None else (data(4, 5) if scores is not None else None),
+                callbacks=callbacks, compute_metrics=compute)
+    running.append(t)
+    return t
+
+
+def three_runs(root: Path, args: dict[str, Any], at: int, *, extra: Callable[[], list[Any]] = list,
+               **kw: Any) -> dict[str, dict[str, Any]]:
+    """The :func:`outcome` of the uninterrupted run, of the Trainer's own resume from its
+    step ``at``, and of ucp_zarr's (each taken as its training ends: the generators are global)."""
+    full = trainer(root / "full", args, seed=0, callbacks=extra(), **kw)
+    full.train()
+    out = {"full": outcome(full)}
+    own = trainer(root / "own", args, seed=7, callbacks=extra(), **kw)
+    own.train(resume_from_checkpoint=str(root / "full" / f"checkpoint-{at}"))
+    out["own"] = outcome(own)
+    first = ZarrCheckpointCallback(root / "ckpt")
+    t = trainer(root / "z1", args, seed=0, callbacks=[first, StopAt(at), *extra()], **kw)
+    t.train(resume_from_checkpoint=first.resume(t))
+    second = ZarrCheckpointCallback(root / "ckpt")
+    ours = trainer(root / "z2", args, seed=7, callbacks=[second, *extra()], **kw)
+    ours.train(resume_from_checkpoint=second.resume(ours))
+    return out | {"ours": outcome(ours)}
+
+
+def outcome(t: Trainer) -> dict[str, Any]:
+    """What a resume must reproduce: losses and learning rates by step, the weights, the
+    optimizer and scheduler states, the generators after training, the stop and the best."""
+    history = t.state.log_history
+    return {
+        "losses": {h["step"]: h["loss"] for h in history if "loss" in h},
+        "lr": {h["step"]: h["learning_rate"] for h in history if "learning_rate" in h},
+        "model": {k: v.clone() for k, v in t.model.state_dict().items()},
+        "optimizer": t.optimizer.state_dict()["state"],
+        "scheduler": t.lr_scheduler.state_dict(),
+        "rng": (random.random(), float(np.random.rand()), torch.rand(1).item()),
+        "stop": (t.state.global_step, t.state.best_metric, t.state.best_global_step),
+    }
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
