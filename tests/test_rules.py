@@ -1032,3 +1032,19 @@ def test_a_save_warns_of_vocabulary_padding_it_does_not_store(tmp_path: Path) ->
         ucp_zarr.save(place({"emb": padded}, whole), tmp_path / "c")
     ucp_zarr.load(place({"emb": back}, whole), tmp_path / "c")
     assert torch.equal(back, padded)
+
+
+def test_values_of_uneven_pipeline_stages_are_renamed_all_at_once(tmp_path: Path) -> None:
+    """A stage of uneven pipeline stages whose offset is below its layer count (Megatron-core's
+    num_layers_in_first_pipeline_stage=1: stage 1 holds global layers 1 and 2 as local 0 and 1)
+    renames the values under its layers (a module's ``_extra_state``, None in Megatron's state
+    dicts) 0 -> 1 and 1 -> 2: placed and saved (before: refused, 'layers.0._extra_state' is
+    renamed 'layers.1._extra_state', which the state dict holds too)."""
+    rules = Rules(params=(ParamRule("replicated", (r"layers\.",)),), pipeline=Renumber(r"layers\.(\d+)\.", offsets=(0, 1)))
+    stage = {"model": {f"layers.{i}.{name}": value for i in range(2)
+                       for name, value in (("w", torch.full((2,), float(i + 1))), ("_extra_state", i + 1))}}
+    placed = place(stage, rules, pp_rank=1, pp_size=2)
+    assert placed["model"]["layers.2._extra_state"] == 2 and placed["model"]["layers.1._extra_state"] == 1
+    ucp_zarr.save(placed, tmp_path / "ck")
+    back = ucp_zarr.read_state_dict(tmp_path / "ck")["model"]
+    assert torch.equal(back["layers.2.w"], torch.full((2,), 2.0)) and back["layers.2._extra_state"] == 2

@@ -180,13 +180,18 @@ def _rename_values(out: dict[str, Any], paths: list[tuple[Path, str, tuple[int, 
             raise RuleError(f"{'.'.join(map(str, path))!r} is not a tensor and sits below parameter {fqn!r}, renamed "
                             f"{name!r}: give its FQN as one key (as model.state_dict() does)")
         moves[path[:start], path[start]] = name
+    by_parent: dict[Path, dict[Any, str]] = defaultdict(dict)
     for (parent_path, key), name in moves.items():
-        parent = out
+        by_parent[parent_path][key] = name
+    for parent_path, renames in by_parent.items():  # (all of a parent's keys move at once: a stage of
+        parent = out                                 # uneven pipeline stages renames layer 0 to 1 and 1 to 2)
         for part in parent_path:
             parent = parent[part]
-        if name in parent:
-            raise RuleError(f"{key!r} is renamed {name!r}, which the state dict holds too")
-        parent[name] = parent.pop(key)
+        moved = {key: parent.pop(key) for key in renames}
+        for key, name in renames.items():
+            if name in parent:
+                raise RuleError(f"{key!r} is renamed {name!r}, which the state dict holds too")
+            parent[name] = moved[key]
 
 
 def check_used(rules: Rules, used_by_rank: list[frozenset[str]]) -> None:
