@@ -145,12 +145,11 @@ class ZarrCheckpointCallback(TrainerCallback):
                 "ZarrCheckpointCallback saves at the Trainer's save steps and writes no checkpoint-N folders: "
                 "use save_strategy='steps' or 'epoch', without load_best_model_at_end"
             )
-        trainer = None if self._trainer is None else self._trainer()
-        if trainer is None or self not in trainer.callback_handler.callbacks:  # (train() without resume(): its caller)
-            trainer = _calling_trainer(self)
-            if trainer is None:
-                raise CheckpointError("ZarrCheckpointCallback saves in its Trainer's place and cannot tell which Trainer "
-                                      "runs it: call trainer.train(resume_from_checkpoint=callback.resume(trainer))")
+        trainer = _calling_trainer(self) or (None if self._trainer is None else self._trainer())
+        if trainer is None:
+            raise CheckpointError("ZarrCheckpointCallback saves in its Trainer's place and cannot tell which Trainer "
+                                  "runs it: call trainer.train(resume_from_checkpoint=callback.resume(trainer))")
+        if self._trainer is None or self._trainer() is not trainer:  # (train() without resume(), or another Trainer's)
             self._attach(trainer)
         keep = self._manager_options["keep_last"]
         if args.save_total_limit is not None and args.save_total_limit != keep:
