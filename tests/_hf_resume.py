@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -107,7 +108,16 @@ def outcome(t: Trainer) -> dict[str, Any]:
         "scheduler": t.lr_scheduler.state_dict(),
         "rng": (random.random(), float(np.random.rand()), torch.rand(1).item()),
         "stop": (t.state.global_step, t.state.best_metric, t.state.best_global_step),
+        "best checkpoint": _best_checkpoint(t.state.best_model_checkpoint),
     }
+
+
+def _best_checkpoint(path: str | None) -> tuple[int, bool] | None:
+    """The step of a ``best_model_checkpoint`` (the Trainer's ``checkpoint-N`` or a manager's
+    ``step_0000000N``) and whether it is there."""
+    if path is None:
+        return None
+    return int(re.search(r"(\d+)$", path).group(1)), Path(path).is_dir()  # type: ignore[union-attr]
 
 
 def same(a: Any, b: Any) -> bool:

@@ -121,7 +121,10 @@ RESUMES = {
     # the best metric is decided after the evaluation's callbacks; early stopping resumes from it
     "best metric": (dict(max_steps=8, save_steps=2, eval_strategy="steps", eval_steps=1, metric_for_best_model="score",
                          greater_is_better=False, restore_callback_states_from_checkpoint=True), 2,
-                    {1: 5.0, 2: 4.0, 3: 4.5, 4: 4.5, 5: 4.5, 6: 4.5}, False),
+                    {1: 4.0, 2: 5.0, 3: 4.5, 4: 4.5, 5: 4.5, 6: 4.5}, False),  # (a patience count of 1 at the cut)
+    # the best step between saves: the earlier one stays named and kept
+    "best between saves": (dict(max_steps=8, save_steps=2, eval_strategy="steps", eval_steps=1, metric_for_best_model="score",
+                                greater_is_better=False), 4, {1: 5.0, 2: 4.0, 3: 3.0, 4: 4.5, 5: 4.5, 6: 4.5}, False),
     # no batch skipped: the Trainer restores its generators at the start of the epoch
     "ignore_data_skip": (dict(max_steps=10, save_steps=4, ignore_data_skip=True), 4, None, False),
 }
@@ -165,6 +168,18 @@ def test_the_best_step_is_named_and_kept_by_retention(tmp_path: Path) -> None:
     t = H.trainer(tmp_path / "out", args, seed=0, callbacks=[callback], scores={2: 1.0, 4: 2.0, 6: 3.0, 8: 4.0})
     t.train(resume_from_checkpoint=callback.resume(t))
     assert callback.manager.steps() == [2, 6, 8] and t.state.best_model_checkpoint == callback.manager.path(2)
+    # the best evaluation between saves (step 3): step 2 stays named, as the Trainer's own keeps checkpoint-2,
+    # and kept (before: step 3 was protected, which has no checkpoint, and step 2 deleted)
+    between = ZarrCheckpointCallback(tmp_path / "between", keep_last=2)
+    t = H.trainer(tmp_path / "out3", args | {"eval_steps": 1}, seed=0, callbacks=[between],
+                  scores={2: 4.0, 3: 1.0, 4: 5.0, 6: 5.0, 8: 5.0})
+    t.train(resume_from_checkpoint=between.resume(t))
+    assert between.manager.steps() == [2, 6, 8] and t.state.best_model_checkpoint == between.manager.path(2)
+    # a Trainer whose callback was removed saves its own checkpoint-N again
+    t.remove_callback(ZarrCheckpointCallback)
+    t.args.output_dir = str(tmp_path / "own")
+    t.train()
+    assert (tmp_path / "own" / "checkpoint-8").is_dir() and between.manager.steps() == [2, 6, 8]
     other = ZarrCheckpointCallback(tmp_path / "ckpt2", keep_last=2)
     t = H.trainer(tmp_path / "out2", args | {"save_total_limit": 3}, seed=0, callbacks=[other], scores={})
     with pytest.raises(ValueError, match=r"give ZarrCheckpointCallback\(keep_last=3\)"):

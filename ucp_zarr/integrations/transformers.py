@@ -137,7 +137,15 @@ class ZarrCheckpointCallback(TrainerCallback):
     def _attach(self, trainer: Any) -> None:
         """Make ``trainer``'s saves (its own ``_save_checkpoint``) this callback's."""
         self._trainer = ref = weakref.ref(trainer)
-        trainer._save_checkpoint = lambda model, trial: self._save(ref(), trial)
+
+        def save_checkpoint(model: Any, trial: Any) -> None:
+            t = ref()
+            if self._trainer is ref and self in t.callback_handler.callbacks:
+                self._save(t, trial)
+            else:  # (the callback was removed, or saves for another Trainer now: the Trainer's own save)
+                type(t)._save_checkpoint(t, model, trial)
+
+        trainer._save_checkpoint = save_checkpoint
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if args.save_strategy == "best" or args.load_best_model_at_end:
@@ -192,12 +200,12 @@ class ZarrCheckpointCallback(TrainerCallback):
         state = trainer.state
         if trainer.hp_search_backend is None and trial is None:
             trainer.store_flos()  # (with DDP a collective, on every rank)
-        best = state.best_global_step
-        if best:  # (the Trainer names the best step's folder where there is one)
+        kept = None
+        if state.best_global_step or state.best_model_checkpoint:
             comm = Comm()
-            held = comm.broadcast((best == state.global_step or best in self.manager.steps()) if comm.rank == 0 else None)
-            if held:
-                state.best_model_checkpoint = self.manager.path(best)
+            named, kept = comm.broadcast(self._best(state) if comm.rank == 0 else None)
+            if named is not None:
+                state.best_model_checkpoint = self.manager.path(named)
         if trainer.args.should_save:
             _record_callbacks(trainer)
         checkpoint = {
@@ -207,7 +215,17 @@ class ZarrCheckpointCallback(TrainerCallback):
             "rng": rng_states(),
             "trainer_state": dataclasses.asdict(state),
         }
-        self.manager.save(state.global_step, checkpoint, async_save=self.async_save, protect=(best,) if best else ())
+        self.manager.save(state.global_step, checkpoint, async_save=self.async_save, protect=() if kept is None else (kept,))
+
+    def _best(self, state: TrainerState) -> tuple[int | None, int | None]:
+        """As the Trainer's own save: the best step when it has a checkpoint (this save's, or a
+        committed one) for ``best_model_checkpoint`` to name, and the step that names then,
+        which retention keeps (a best step between saves leaves the earlier one named)."""
+        held = set(self.manager.steps()) | {state.global_step}
+        best = state.best_global_step if state.best_global_step in held else None
+        named = best if best is not None else next(
+            (s for s in sorted(held) if self.manager.path(s) == state.best_model_checkpoint), None)
+        return best, named
 
 
 def _calling_trainer(callback: Any) -> Any:
