@@ -154,6 +154,30 @@ def test_sharded_strategies_save_ucp_zarr_checkpoints_and_resume_as_lightnings_o
     assert done.returncode == 0 and "all checks passed" in done.stdout, done.stdout[-3000:] + done.stderr[-5000:]
 
 
+def test_a_sharded_save_prepares_its_path_before_it_changes_anything(tmp_path: Path) -> None:
+    """What rank 0 does before a sharded strategy's save (its verdict is broadcast, so every
+    rank raises together): a value of Lightning's other state that cannot be stored is
+    refused before anything at the path changes (before: the old lightning_meta was removed
+    and new shards written first, and the complete last.ckpt was lost); Lightning's own
+    checkpoint files at the path are removed (before: left, and Lightning's strategy resumed
+    that stale step); a folder holding both formats is refused at load (before: the ucp_zarr
+    one was read, though Lightning's own was saved over it later)."""
+    from ucp_zarr.integrations.lightning import META, ZarrModelParallelStrategy, is_sharded_checkpoint
+
+    strategy = object.__new__(ZarrModelParallelStrategy)  # (only _prepare's own members are used)
+    path = tmp_path / "last.ckpt"
+    ZarrCheckpointIO().save_checkpoint({"global_step": 3}, path / META)
+    assert is_sharded_checkpoint(path)
+    said = strategy._prepare(str(path), {"state_dict": {}, "global_step": 6, "seen": {1, 2}})
+    assert "value at key 'seen' of type set" in said and ucp_zarr.read_state_dict(path / META)["global_step"] == 3
+    for name in (".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"):
+        (path / name).write_bytes(b"Lightning's own")
+    with pytest.raises(ucp_zarr.CheckpointError, match=r"holds a ucp_zarr checkpoint \(lightning_meta\) and Lightning's own"):
+        is_sharded_checkpoint(path)
+    assert strategy._prepare(str(path), {"state_dict": {}, "global_step": 6}) is None
+    assert sorted(p.name for p in path.iterdir()) == []  # (its files, and the lightning_meta the save replaces)
+
+
 def test_a_value_that_needs_pickle_is_refused_naming_its_key(tmp_path: Path) -> None:
     class WithModule(Regression):
         def __init__(self) -> None:

@@ -138,23 +138,25 @@ class ZarrCheckpointIO(CheckpointIO):
             self._wait()
             return read_state_dict(path, device=map_location or "cpu", storage_options=self.storage_options, hmac_key=self.hmac_key)
 
-    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> bool:
         """Delete the checkpoint ``path`` crash-safely (nothing when there is none); a
-        checkpoint being read is kept, with a warning. A symbolic link (``last.ckpt`` of
+        checkpoint being read is kept, with a warning (False). A symbolic link (``last.ckpt`` of
         ``ModelCheckpoint(save_last="link")``) is removed itself, not what it names, as
         Lightning's own ``TorchCheckpointIO`` removes it."""
         with self._lock:
             self._wait()
             if os.path.islink(path):
                 os.unlink(path)
-                return
+                return True
             store = open_store(path, self.storage_options)
             if store.is_empty():
-                return
+                return True
             if not is_committed(store):
                 raise CheckpointError(f"{os.fspath(path)!r} holds no committed ucp_zarr checkpoint: not removing it")
             if not delete_step(store):
                 log.warning("ucp_zarr: not removing %s: it is being read, deleted or replaced", os.fspath(path))
+                return False
+            return True
 
     def teardown(self) -> None:
         """Wait for the background save (Lightning calls this at the end of ``fit``); raise its error."""
@@ -183,9 +185,30 @@ META = "lightning_meta"
 """The checkpoint inside a sharded strategy's checkpoint that holds Lightning's other state (its ``meta.pt``)."""
 
 
+LIGHTNING_FILES = (".metadata", "meta.pt")
+"""What marks a folder as Lightning's own sharded checkpoint (DCP's metadata, Lightning's
+``meta.pt``), beside its ``__<rank>_<n>.distcp`` shards."""
+
+
 def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a sharded strategy's ucp_zarr checkpoint (:data:`META` inside)."""
-    return os.path.isdir(path) and os.path.isdir(os.path.join(path, META))
+    """Whether ``path`` is a sharded strategy's ucp_zarr checkpoint (:data:`META` inside).
+    Raises :class:`~ucp_zarr.CheckpointError` where Lightning's own checkpoint is there too
+    (one of them is stale, and which cannot be told)."""
+    if not (os.path.isdir(path) and os.path.isdir(os.path.join(path, META))):
+        return False
+    theirs = [n for n in LIGHTNING_FILES if os.path.exists(os.path.join(path, n))]
+    if theirs:
+        raise CheckpointError(f"{os.fspath(path)!r} holds a ucp_zarr checkpoint ({META}) and Lightning's own ({theirs}): "
+                              "one was saved over the other by a strategy that does not write its format; remove the "
+                              "stale one")
+    return True
+
+
+def _lightning_files(path: str) -> list[str]:
+    """The files of Lightning's own sharded checkpoint in the folder ``path``."""
+    if not os.path.isdir(path):
+        return []
+    return [n for n in os.listdir(path) if n in LIGHTNING_FILES or n.startswith("__") and n.endswith(".distcp")]
 
 
 class _ZarrSharded:
@@ -218,28 +241,61 @@ class _ZarrSharded:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (got {storage_options!r})")
         path = os.fspath(self.broadcast(filepath))  # type: ignore[attr-defined]
-        if self.global_rank == 0:  # type: ignore[attr-defined]
-            if os.path.islink(path) or os.path.isfile(path):  # (a save_last="link" link, a .ckpt file)
-                os.unlink(path)
-            elif is_sharded_checkpoint(path):
-                self._meta_io().remove_checkpoint(os.path.join(path, META))
-        self.barrier("ucp_zarr_save_start")  # type: ignore[attr-defined]
+        refused = self._prepare(path, checkpoint) if self.global_rank == 0 else None  # type: ignore[attr-defined]
+        refused = self.broadcast(refused)  # type: ignore[attr-defined]
+        if refused is not None:  # (every rank raises, before anything at the path changed)
+            raise CheckpointError(f"not saving {path!r}: {refused}")
         state = {self._MODEL_KEY: checkpoint.pop("state_dict")}
         state |= {f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))}
         dcp.save(state, storage_writer=ZarrStorageWriter(path))
+        failed: BaseException | None = None
         if self.global_rank == 0:  # type: ignore[attr-defined]
-            self._meta_io().save_checkpoint(checkpoint, os.path.join(path, META))
-        self.barrier("ucp_zarr_save_end")  # type: ignore[attr-defined]
+            try:
+                self._meta_io().save_checkpoint(checkpoint, os.path.join(path, META))
+            except BaseException as e:
+                failed = e
+        said = self.broadcast(None if failed is None else f"{type(failed).__name__}: {failed}")  # type: ignore[attr-defined]
+        if failed is not None:
+            raise failed
+        if said is not None:
+            raise CheckpointError(f"rank 0 failed to save {path!r}'s {META}: {said}")
+
+    def _prepare(self, path: str, checkpoint: dict[str, Any]) -> str | None:
+        """Rank 0, before a save: None once ``path`` is ready for it, else why it is refused.
+        Lightning's other state must be storable (checked before anything changes); a file
+        or symbolic link there (a ``save_last="link"`` link, a ``.ckpt`` file) is removed, as
+        are the files of Lightning's own checkpoint there (it would be read instead) and
+        this format's :data:`META` (which a crash must not leave beside new shards)."""
+        from ..format.statedict import iter_leaves, to_json
+
+        try:
+            others = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            for leaf in iter_leaves(others):
+                if not isinstance(leaf.value, torch.Tensor):
+                    to_json(leaf.value, leaf.key)
+            if os.path.islink(path) or os.path.isfile(path):
+                os.unlink(path)
+                return None
+            for name in _lightning_files(path):
+                os.unlink(os.path.join(path, name))
+            if os.path.isdir(os.path.join(path, META)) and not self._meta_io().remove_checkpoint(os.path.join(path, META)):
+                return f"its {META} is being read"
+        except NotJSONableError as e:
+            return (f"{e}. ucp_zarr stores no pickles: keep it out of Lightning's checkpoint "
+                    "(self.save_hyperparameters(ignore=[...]), or drop it in on_save_checkpoint)")
+        except Exception as e:  # (every rank must hear of it: the others wait for rank 0)
+            return f"{type(e).__name__}: {e}"
+        return None
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Rank 0: :data:`META` first (the completeness mark), then the checkpoint crash-safely;
-        anything else as the strategy removes it."""
+        """Rank 0: :data:`META` first (the completeness mark), then the checkpoint crash-safely,
+        then the folders left empty; a checkpoint being read is kept (with a warning).
+        Anything else as the strategy removes it."""
         path = os.fspath(filepath)
         if not (self.is_global_zero and not os.path.islink(path) and is_sharded_checkpoint(path)):  # type: ignore[attr-defined]
             return super().remove_checkpoint(filepath)  # type: ignore[misc]
-        self._meta_io().remove_checkpoint(os.path.join(path, META))
-        self._meta_io().remove_checkpoint(path)
-        shutil.rmtree(path, ignore_errors=True)  # (the folders left empty)
+        if self._meta_io().remove_checkpoint(os.path.join(path, META)) and self._meta_io().remove_checkpoint(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class ZarrFSDPStrategy(_ZarrSharded, FSDPStrategy):
