@@ -155,7 +155,7 @@ def test_sharded_strategies_save_ucp_zarr_checkpoints_and_resume_as_lightnings_o
 
 
 def test_a_sharded_save_prepares_its_path_before_it_changes_anything(tmp_path: Path) -> None:
-    """What rank 0 does before a sharded strategy's save (its verdict is broadcast, so every
+    """What rank 0 does before a sharded strategy's save (its outcome is agreed, so every
     rank raises together): a value of Lightning's other state that cannot be stored is
     refused before anything at the path changes (before: the old lightning_meta was removed
     and new shards written first, and the complete last.ckpt was lost); Lightning's own
@@ -168,13 +168,14 @@ def test_a_sharded_save_prepares_its_path_before_it_changes_anything(tmp_path: P
     path = tmp_path / "last.ckpt"
     ZarrCheckpointIO().save_checkpoint({"global_step": 3}, path / META)
     assert is_sharded_checkpoint(path)
-    said = strategy._prepare(str(path), {"state_dict": {}, "global_step": 6, "seen": {1, 2}})
-    assert "value at key 'seen' of type set" in said and ucp_zarr.read_state_dict(path / META)["global_step"] == 3
+    with pytest.raises(ucp_zarr.NotJSONableError, match="value at key 'seen' of type set"):
+        strategy._prepare(str(path), {"state_dict": {}, "global_step": 6, "seen": {1, 2}})
+    assert ucp_zarr.read_state_dict(path / META)["global_step"] == 3
     for name in (".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"):
         (path / name).write_bytes(b"Lightning's own")
     with pytest.raises(ucp_zarr.CheckpointError, match=r"holds a ucp_zarr checkpoint \(lightning_meta\) and Lightning's own"):
         is_sharded_checkpoint(path)
-    assert strategy._prepare(str(path), {"state_dict": {}, "global_step": 6}) is None
+    strategy._prepare(str(path), {"state_dict": {}, "global_step": 6})
     assert sorted(p.name for p in path.iterdir()) == []  # (its files, and the lightning_meta the save replaces)
 
 

@@ -113,9 +113,10 @@ def write(
     if twice:
         raise ConversionError(f"several tensors of checkpoint {ck.store.url} are mapped to the names {twice[:5]}")
     config = _config(Path(dst))
+    models = [] if config is None else list(_models(config))
     if names == "megatron_to_llama" or names is megatron_to_llama:
-        check_llama(ck.meta.layout.get("rules", {}).get("model"), config, f"checkpoint {ck.store.url}", Path(dst))
-    items = fit_to_config(Path(dst), items, prefix, config)
+        check_llama(ck.meta.layout.get("rules", {}).get("model"), config, models, f"checkpoint {ck.store.url}", Path(dst))
+    items = fit_to_config(Path(dst), items, prefix, models)
     index = {"total_parameters": sum(math.prod(t.shape) for t in items)}
     with atomic_update(Path(dst), replaced=lambda n: WEIGHT_FILE.fullmatch(n) is not None, overwrite=overwrite) as tmp:
         write_shards(tmp, items, limit, {"format": "pt"}, progress, index, ck.store)
@@ -142,17 +143,17 @@ def _config_dtype(dst: Path, tmp: Path, items: list[OutTensor]) -> None:
         (tmp / "config.json").write_text(json.dumps(doc | {f: name for f in fields}, indent=2, sort_keys=True) + "\n")
 
 
-def fit_to_config(dst: Path, items: list[OutTensor], prefix: str, config: Any) -> list[OutTensor]:
-    """``items`` checked against the model ``config`` (:func:`_config` of ``dst``) describes
-    (of an architecture ``transformers`` knows; built on the meta device: nothing allocated,
-    nothing downloaded): an export that ``from_pretrained`` would load with weights left to
+def fit_to_config(dst: Path, items: list[OutTensor], prefix: str, models: list[Any]) -> list[OutTensor]:
+    """``items`` checked against the model ``dst/config.json`` describes (``models``: the
+    candidates :func:`_models` builds from it, on the meta device: nothing allocated, nothing
+    downloaded): an export that ``from_pretrained`` would load with weights left to
     random initialisation, or with weights dropped, is refused
     (:class:`~ucp_zarr.errors.ConversionError`): every parameter must be written, one name of
     each tied group, unless the model lets it be missing, and nothing the model has no
     place for. A tie is written under the name ``save_pretrained`` keeps (the embedding, not
     ``lm_head.weight``), whichever the checkpoint stored. Nothing to compare with (no
     config, no ``transformers``, an unknown architecture): ``items`` as they are."""
-    models = _model_parameters(config)
+    models = _model_parameters(models)
     if not models:
         return items
     written = {t.name for t in items}
@@ -218,14 +219,14 @@ def _models(config: Any) -> Iterator[Any]:
         yield model
 
 
-def _model_parameters(config: Any) -> list[tuple[list[list[str]], set[str], Callable[[str], bool]]]:
-    """For each model ``config`` may describe (:func:`_models`), its parameter names grouped
+def _model_parameters(models: list[Any]) -> list[tuple[list[list[str]], set[str], Callable[[str], bool]]]:
+    """For each of the ``models`` a config may describe (:func:`_models`), its parameter names grouped
     by tie (the names of one parameter), less those the model lets ``from_pretrained`` miss;
     the tied names ``save_pretrained`` leaves out; and whether ``from_pretrained`` takes a
     name (one of its state dict, or one it lets a file hold beside them); none when that
     cannot be told (no config)."""
     out = []
-    for model in _models(config) if config is not None else ():
+    for model in models:
         ignored = [re.compile(p) for p in getattr(type(model), "_keys_to_ignore_on_load_missing", None) or ()]
         groups: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
@@ -413,16 +414,17 @@ untied export under a tying config loads untied, ``transformers`` says so; a tie
 untying config leaves ``lm_head`` random, which :func:`fit_to_config` refuses.)"""
 
 
-def check_llama(facts: Mapping[str, Any] | None, config: Any, what: str, dst: Path) -> None:
+def check_llama(facts: Mapping[str, Any] | None, config: Any, models: list[Any], what: str, dst: Path) -> None:
     """Refuse (:class:`ConversionError`, naming each setting) an export with
     ``names="megatron_to_llama"`` that would load into a model computing something else:
     a Megatron-core model (``facts``: ``Rules.model`` as :meth:`Rules.from_megatron
     <ucp_zarr.Rules.from_megatron>` records it) that does not compute what Llama does
     (:data:`LLAMA_COMPUTES`; interleaved or partial rotary embeddings, another softmax
-    scale), or a ``config.json`` in ``dst`` (``config``) that describes another model: its
-    sizes, epsilon, activation and biases (:data:`LLAMA_CONFIG`), a sliding window, and the rotary
-    frequencies its own rotary embedding module computes (``rope_theta``, its scaling),
-    against those the Megatron-core model applied. A checkpoint that records no settings (not
+    scale), or a ``config.json`` in ``dst`` (``config``, and the ``models`` built from it)
+    that describes another model: its sizes, epsilon, activation and biases
+    (:data:`LLAMA_CONFIG`), a sliding window, and the rotary frequencies its own rotary
+    embedding module computes (``rope_theta``, its scaling), against those the Megatron-core
+    model applied. A checkpoint that records no settings (not
     saved through ``Rules.from_megatron``, or before it recorded them) is not checked."""
     if facts is None or facts.get("framework") != "megatron-core":
         return
@@ -446,7 +448,7 @@ def check_llama(facts: Mapping[str, Any] | None, config: Any, what: str, dst: Pa
     if window is not None and facts.get("window_size") is None:
         wrong.append(f"sliding_window={window!r} where Megatron-core's model attends to every earlier position "
                      "(window_size=None)")
-    rotary = _rotary(config)
+    rotary = _rotary(models, config)
     if freqs is not None and rotary is not None:
         theirs = rotary.inv_freq.double()
         if theirs.shape != (len(freqs),) or not torch.allclose(theirs, torch.tensor(freqs, dtype=torch.float64),
@@ -461,10 +463,11 @@ def check_llama(facts: Mapping[str, Any] | None, config: Any, what: str, dst: Pa
                               f"{'; '.join(wrong)}. Set them in config.json as the model was trained")
 
 
-def _rotary(config: Any) -> Any:
-    """The rotary embedding module of the model ``config`` describes, built on the CPU from
-    the config (its ``inv_freq`` as ``transformers`` computes it), or None."""
-    for model in _models(config):
+def _rotary(models: list[Any], config: Any) -> Any:
+    """The rotary embedding module of the first of ``models`` (:func:`_models` of ``config``)
+    that has one, built on the CPU from ``config`` (its ``inv_freq`` as ``transformers``
+    computes it), or None."""
+    for model in models:
         for module in model.modules():
             if "inv_freq" in dict(module.named_buffers(recurse=False)):
                 try:

@@ -401,13 +401,21 @@ class Structure:
             if key not in self.paths:
                 put_path(root, (key,), value, where)
         for path, meta in self.metadata:
-            root = _with_metadata(root, path, meta)
+            root = _mark_at(root, path, meta)
         return root
 
 
-def _with_metadata(root: dict[Any, Any], path: Path, meta: dict[str, Any]) -> dict[Any, Any]:
-    """``root`` with the mapping at ``path`` (where there is one) an ``OrderedDict`` whose
-    ``_metadata`` is ``meta``, as ``Module.state_dict()`` gives it."""
+def with_metadata(mapping: Mapping[Any, Any], meta: Mapping[str, Any]) -> OrderedDict[Any, Any]:
+    """``mapping`` as an ``OrderedDict`` whose ``_metadata`` is ``meta``, as a module's
+    ``state_dict()`` is."""
+    marked = OrderedDict(mapping)
+    marked._metadata = meta  # type: ignore[attr-defined]
+    return marked
+
+
+def _mark_at(root: dict[Any, Any], path: Path, meta: dict[str, Any]) -> dict[Any, Any]:
+    """``root`` with the mapping at ``path`` (where there is one) given ``meta`` as its
+    ``_metadata`` (:func:`with_metadata`)."""
     parent: Any = None
     node: Any = root
     for p in path:
@@ -417,8 +425,7 @@ def _with_metadata(root: dict[Any, Any], path: Path, meta: dict[str, Any]) -> di
         parent, node = node, node[p]
     if not isinstance(node, dict):
         return root
-    marked = OrderedDict(node)
-    marked._metadata = OrderedDict(meta)  # type: ignore[attr-defined]
+    marked = with_metadata(node, OrderedDict(meta))
     if parent is None:
         return marked
     parent[path[-1]] = marked

@@ -51,13 +51,14 @@ import os
 import shutil
 import threading
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
+from ..protocol.distributed import Comm
 from ..protocol.saving import async_save, save
 from ..protocol.read_state import read_state_dict
 from ..errors import CheckpointError, NotJSONableError
@@ -69,6 +70,11 @@ log = logging.getLogger(__name__)
 _SET_HERE = {"state_dict", "path", "process_group", "storage_options", "hmac_key", "overwrite", "async_save", "async_group"}
 SAVE_OPTIONS = frozenset(inspect.signature(save).parameters) - _SET_HERE
 """The options of :func:`ucp_zarr.save` that :class:`ZarrCheckpointIO` passes on."""
+
+
+NO_PICKLES = ("ucp_zarr stores no pickles: keep it out of Lightning's checkpoint "
+              "(self.save_hyperparameters(ignore=[...]), or drop it in on_save_checkpoint)")
+"""What to do about a value of Lightning's checkpoint that ucp_zarr refuses."""
 
 
 class ZarrCheckpointIO(CheckpointIO):
@@ -122,10 +128,7 @@ class ZarrCheckpointIO(CheckpointIO):
                     checkpoint, path, overwrite=True, process_group=self._group(), storage_options=self.storage_options,
                     hmac_key=self.hmac_key, **self.save_options)
             except NotJSONableError as e:
-                raise NotJSONableError(
-                    f"{e}. ucp_zarr stores no pickles: keep it out of Lightning's checkpoint "
-                    "(self.save_hyperparameters(ignore=[...]), or drop it in on_save_checkpoint)"
-                ) from e
+                raise NotJSONableError(f"{e}. {NO_PICKLES}") from e
             if self.async_save:
                 self._pending = out
 
@@ -241,51 +244,46 @@ class _ZarrSharded:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (got {storage_options!r})")
         path = os.fspath(self.broadcast(filepath))  # type: ignore[attr-defined]
-        refused = self._prepare(path, checkpoint) if self.global_rank == 0 else None  # type: ignore[attr-defined]
-        refused = self.broadcast(refused)  # type: ignore[attr-defined]
-        if refused is not None:  # (every rank raises, before anything at the path changed)
-            raise CheckpointError(f"not saving {path!r}: {refused}")
+        self._on_rank_0(lambda: self._prepare(path, checkpoint), f"preparing the save of {path}")
         state = {self._MODEL_KEY: checkpoint.pop("state_dict")}
         state |= {f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))}
         dcp.save(state, storage_writer=ZarrStorageWriter(path))
-        failed: BaseException | None = None
+        self._on_rank_0(lambda: self._meta_io().save_checkpoint(checkpoint, os.path.join(path, META)),
+                        f"saving {path}'s {META}")
+
+    def _on_rank_0(self, fn: Callable[[], Any], what: str) -> None:
+        """``fn()`` on rank 0, the outcome agreed on every rank (rank 0 raises its own error,
+        the others one naming it: none is left waiting for rank 0)."""
+        error: BaseException | None = None
         if self.global_rank == 0:  # type: ignore[attr-defined]
             try:
-                self._meta_io().save_checkpoint(checkpoint, os.path.join(path, META))
-            except BaseException as e:
-                failed = e
-        said = self.broadcast(None if failed is None else f"{type(failed).__name__}: {failed}")  # type: ignore[attr-defined]
-        if failed is not None:
-            raise failed
-        if said is not None:
-            raise CheckpointError(f"rank 0 failed to save {path!r}'s {META}: {said}")
+                fn()
+            except BaseException as e:  # noqa: BLE001 - every rank must learn of it
+                error = e
+        Comm().agree(error, what, own=True)
 
-    def _prepare(self, path: str, checkpoint: dict[str, Any]) -> str | None:
-        """Rank 0, before a save: None once ``path`` is ready for it, else why it is refused.
-        Lightning's other state must be storable (checked before anything changes); a file
-        or symbolic link there (a ``save_last="link"`` link, a ``.ckpt`` file) is removed, as
-        are the files of Lightning's own checkpoint there (it would be read instead) and
-        this format's :data:`META` (which a crash must not leave beside new shards)."""
+    def _prepare(self, path: str, checkpoint: dict[str, Any]) -> None:
+        """Rank 0, before a save: ``path`` made ready for it, or refused before anything there
+        changes. Lightning's other state must be storable (checked first); a file or
+        symbolic link there (a ``save_last="link"`` link, a ``.ckpt`` file) is removed, as are
+        the files of Lightning's own checkpoint there (it would be read instead) and this
+        format's :data:`META` (which a crash must not leave beside new shards)."""
         from ..format.statedict import iter_leaves, to_json
 
+        others = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         try:
-            others = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             for leaf in iter_leaves(others):
                 if not isinstance(leaf.value, torch.Tensor):
                     to_json(leaf.value, leaf.key)
-            if os.path.islink(path) or os.path.isfile(path):
-                os.unlink(path)
-                return None
-            for name in _lightning_files(path):
-                os.unlink(os.path.join(path, name))
-            if os.path.isdir(os.path.join(path, META)) and not self._meta_io().remove_checkpoint(os.path.join(path, META)):
-                return f"its {META} is being read"
         except NotJSONableError as e:
-            return (f"{e}. ucp_zarr stores no pickles: keep it out of Lightning's checkpoint "
-                    "(self.save_hyperparameters(ignore=[...]), or drop it in on_save_checkpoint)")
-        except Exception as e:  # (every rank must hear of it: the others wait for rank 0)
-            return f"{type(e).__name__}: {e}"
-        return None
+            raise NotJSONableError(f"{e}. {NO_PICKLES}") from e
+        if os.path.islink(path) or os.path.isfile(path):
+            os.unlink(path)
+            return
+        for name in _lightning_files(path):
+            os.unlink(os.path.join(path, name))
+        if os.path.isdir(os.path.join(path, META)) and not self._meta_io().remove_checkpoint(os.path.join(path, META)):
+            raise CheckpointError(f"not saving {path!r}: its {META} is being read")
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Rank 0: :data:`META` first (the completeness mark), then the checkpoint crash-safely,

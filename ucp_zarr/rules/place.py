@@ -4,7 +4,7 @@ tensors by :class:`~ucp_zarr.Rules`."""
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -17,7 +17,7 @@ from ..layout import pieces as P
 from ..format.optimizer_names import number_names
 from .language import Rules
 from .params import ParamRule, RuleError, same_meaning
-from ..format.statedict import Path, iter_leaves, set_leaf
+from ..format.statedict import Path, iter_leaves, set_leaf, with_metadata
 
 _STAGE = "\0pipeline stage "
 """Marks an entry of :attr:`Placed.used <ucp_zarr.Placed.used>` that is no pattern but this
@@ -119,9 +119,9 @@ def check_split_marks(rules: Rules, model: torch.nn.Module, fqns: Iterable[str],
     split it so, over its layer's ``tp_group`` where the layer has one (an expert layer's is
     the expert tensor-parallel group): a group of one rank (experts not split) in a job of
     ``tp_size`` > 1 holds it whole, which a rule splitting it over TP gets wrong; a group of
-    another size is not checked; a group of ``tp_size`` ranks (or none known) needs a ``split``, ``grouped`` or ``fused`` rule along ``partition_dim``, and for a
-    stride above 1 a ``fused`` rule of that many sub-parameters (each rank's block of each
-    one, in turn). (A stride of 1 tells nothing more: Megatron-core's SwiGLU under Kitchen
+    another size is not checked; a group of ``tp_size`` ranks (or none known) needs a
+    ``split``, ``grouped`` or ``fused`` rule along ``partition_dim``, and for a stride above 1
+    a ``fused`` rule of that many sub-parameters (each rank's block of each one, in turn). (A stride of 1 tells nothing more: Megatron-core's SwiGLU under Kitchen
     records 1 for its fused ``[gate; up]``; and unmarked parameters tell nothing: Megatron
     leaves the mark off parameters it does not initialise.)"""
     wanted = set(fqns)
@@ -445,11 +445,7 @@ def _copy_structure(value: Any) -> Any:
     if isinstance(value, Mapping):
         out = {k: _copy_structure(v) for k, v in value.items()}
         meta = getattr(value, "_metadata", None)
-        if meta is None:
-            return out
-        marked = OrderedDict(out)
-        marked._metadata = meta  # type: ignore[attr-defined]
-        return marked
+        return out if meta is None else with_metadata(out, meta)
     if isinstance(value, list):
         return [_copy_structure(v) for v in value]
     return value
