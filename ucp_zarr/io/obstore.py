@@ -194,9 +194,10 @@ class ObstoreStore(Store):
         self.stats.add_write(key, len(data))
 
     def create_exclusive(self, key: str, data: bytes) -> None:
-        """A conditional PUT. The first that succeeds on this store is repeated, to see the
-        server refuse it: a server that ignores the condition (some S3-compatible ones do)
-        would let two saves both claim a path, and is refused (:class:`OwnershipError`)."""
+        """A conditional PUT. On an S3-compatible server of another endpoint than AWS S3, the
+        first that succeeds on this client is repeated, to see the server refuse it
+        (:meth:`_check_exclusive`): a server that ignores the condition would let two saves
+        both claim a path, and is refused (:class:`OwnershipError`)."""
         try:
             self._put(f"creating {self.url}/{key}", key, data, mode="create")
         except FileExistsError:
