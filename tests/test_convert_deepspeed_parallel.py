@@ -19,6 +19,7 @@ against the real framework (``ds_parallel`` builds; DeepSpeed 0.19.8 on gloo CPU
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import ds_checkpoints as D
@@ -103,6 +104,26 @@ def test_pipeline_files_in_any_listing_order(pipe: Path, tmp_path: Path, monkeyp
     monkeypatch.setattr(Path, "iterdir", lambda self: iter(sorted(listing(self), reverse=True)))
     monkeypatch.setattr(Path, "glob", lambda self, pattern: iter(sorted(glob(self, pattern), reverse=True)))
     _same_tensors(_convert(pipe / "z1-fp32" / "D", tmp_path / "b"), first)
+
+
+def test_pipeline_frozen_layer_that_fits_the_tie_is_refused(pipe: Path, tmp_path: Path) -> None:
+    """A layer whose parameters are all frozen is named in no file of a pipeline checkpoint
+    (DeepSpeed records frozen parameters under ZeRO-2/3 only, which pipelines do not run). One
+    holding a ``weight`` of the tied embedding's size fits the tie as well as the tie's own layer
+    file: it was taken for the tie, the embedding got its values and the layer was lost. Its
+    file is added here as DeepSpeed's ``PipelineModule.save_state_dict`` writes a layer's."""
+    src = tmp_path / "D"
+    shutil.copytree(pipe / "z1-fp32" / "D", src)
+    step = src / "global_step3"
+    tie = torch.load(step / "layer_00-model_states.pt", weights_only=True)
+    torch.save({"weight": tie["weight"] + 1}, step / "layer_06-model_states.pt")
+    with pytest.raises(ConversionError, match=r"layer_00-model_states.pt and layer_06-model_states.pt both fit the "
+                                              r"tied module 'embed' and hold other values.*adapters.deepspeed"):
+        ucp_zarr.convert(src, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+    torch.save({"weight": tie["weight"].clone()}, step / "layer_06-model_states.pt")  # a second copy of the tie
+    ck = _convert(src, tmp_path / "ck")
+    assert torch.equal(ck.read("model.tied_modules.embed.weight"), P.reference(pipe / "z1-fp32")["tied_modules.embed.weight"]["lp"])
 
 
 # The 1-stage engine runs on 2 data-parallel ranks where the 2-stage one ran on 1: each rank's

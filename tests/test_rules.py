@@ -4,7 +4,6 @@ and :func:`place`, checked against an independent reference sharding (single pro
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
 from pathlib import Path
@@ -524,14 +523,12 @@ def autotp_params(widths: list[list[int]]) -> dict[str, tuple[torch.Tensor, tupl
     }
 
 
-def test_autotp_uneven_widths(caplog) -> None:
+def test_autotp_uneven_widths() -> None:
     """AutoTP's 0.4 dict at TP=3: uneven sub-parameter widths [2,1,1] per sub-parameter; the
-    sub-parameter shape is a list holding a tuple; unknown keys are only warned about."""
+    sub-parameter shape is a list holding a tuple."""
     widths = [[2, 1, 1], [2, 1, 1], [2, 1, 1]]
-    info = autotp_info(widths) | {"a_future_key": {"version": 1, "params": {}}}
-    with caplog.at_level(logging.WARNING):
-        rules = Rules.from_deepspeed(info)
-    assert "a_future_key" in caplog.text
+    info = autotp_info(widths)
+    rules = Rules.from_deepspeed(info)
     assert Rules.from_dict(info) == rules
     qkv, pattern = rules.match("qkv.weight")
     assert (qkv.kind, pattern, qkv.sizes, qkv.view, qkv.widths) == (
@@ -553,6 +550,17 @@ def test_autotp_uneven_widths(caplog) -> None:
     # the same rules at TP=2 (no widths for it): even shares of each sub-parameter
     params2 = autotp_params([[2, 2]] * 3)
     check_all(run_tp(params2, rules, 2), params2, {"embed_tokens.weight": 12})
+
+
+def test_deepspeed_unknown_key_refused() -> None:
+    """A key of ``universal_checkpoint_info`` this library does not know (a newer DeepSpeed's
+    placement) is refused, naming it and the way out: placing by the other keys alone could
+    split its parameters by the default rule."""
+    info = autotp_info([[2, 1, 1]] * 3) | {"parameter_with_column_parallelism_v9_patterns": [r".*qkv\.weight$"]}
+    with pytest.raises(RuleError, match=r"does not know: \['parameter_with_column_parallelism_v9_patterns'\].*pass rules"):
+        Rules.from_deepspeed(info)
+    with pytest.raises(RuleError, match="does not know"):
+        Rules.from_dict(info)
 
 
 def test_deepspeed_scalar_count() -> None:

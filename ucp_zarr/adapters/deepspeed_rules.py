@@ -25,18 +25,16 @@ row/column), except that a parameter matched by both a two-halves pattern and a
 sub-parameter pattern is an error here (DeepSpeed takes the first). Patterns are matched
 with ``re.match``, as DeepSpeed does. No map is ignored: one this library cannot place
 exactly (a newer format, a scaled piece, strides that are not a box) is refused, naming its
-pattern; so are AutoEP's expert layers and the parameters DeepSpeed marks unconvertible.
+pattern; so are AutoEP's expert layers, the parameters DeepSpeed marks unconvertible, and keys
+of the info this library does not know.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Mapping, TypeVar
 
 from ..layout.affine import AFFINE_MAP_VERSION, AffineMapError, affine_layout
 from ..rules.params import ParamRule, RuleError, as_int
-
-log = logging.getLogger(__name__)
 
 _KNOWN = {
     "universal_checkpoint_version", "original_vocab_size", "padded_vocab_size", "vocabulary_parameter_patterns",
@@ -62,8 +60,12 @@ def rules_from_deepspeed(rules_type: Callable[..., R], info: Mapping[str, Any], 
         raise RuleError(f"DeepSpeed AutoEP expert layers ({', '.join(autoep)}) are not supported: convert a checkpoint "
                         "of deepspeed.moe.layer.MoE experts, or one without AutoEP")
     unknown = sorted(set(info) - _KNOWN - set(_AUTOEP))
-    if unknown:
-        log.warning("ucp_zarr: ignoring universal_checkpoint_info keys %s", unknown)
+    if unknown:  # a newer DeepSpeed's placement key, unread, would place its parameters by the default rule
+        raise RuleError(
+            f"universal_checkpoint_info holds keys this version of ucp_zarr does not know: {unknown}; they may say "
+            "how parameters are split, and placing them by the other keys alone could be wrong. Upgrade ucp_zarr, or "
+            "pass rules (a ucp_zarr.Rules saying how every tensor is split) to place them without this info"
+        )
     unsupported = info.get("autotp_unsupported_parameter_patterns") or {}
     if unsupported:
         raise RuleError(f"DeepSpeed marks these parameters as not convertible: {dict(unsupported)}")

@@ -238,7 +238,8 @@ def _layer_weights(files: Files, trust: bool, models: dict[int, dict[str, Any]],
     """A pipeline's weights in the names its stages give them: ``layer_XX``'s ``key`` is
     ``XX.key``, except in a tied module's layer, where it is ``tied_modules.<tie>.key`` (a
     layer none of whose entries is a parameter or buffer of a stage, whose entries include
-    every parameter of one tie, in the same sizes)."""
+    every parameter of one tie, in the same sizes; every such layer must hold the same values,
+    else one of them is a frozen layer the files do not name, and the conversion is refused)."""
     known: dict[str, int] = {}
     for mp, model in models.items():
         osd = optims[mp][0].get("optimizer_state_dict") if isinstance(optims[mp][0], dict) else None
@@ -250,6 +251,7 @@ def _layer_weights(files: Files, trust: bool, models: dict[int, dict[str, Any]],
             tie, _, key = name[len("tied_modules."):].partition(".")
             ties.setdefault(tie, {})[key] = numel
     out: dict[str, torch.Tensor] = {}
+    tied: dict[str, list[tuple[Path, dict[str, torch.Tensor]]]] = {}
     for index, f in sorted(files.layers.items()):
         state = {str(k): t for k, t in _load(f, trust).items() if isinstance(t, torch.Tensor)}
         prefix = f"{index}."
@@ -259,8 +261,21 @@ def _layer_weights(files: Files, trust: bool, models: dict[int, dict[str, Any]],
             if len(match) > 1:
                 raise ConversionError(f"{f}: its entries fit the tied modules {match} alike")
             if match:
-                prefix = f"tied_modules.{match[0]}."
+                tied.setdefault(match[0], []).append((f, state))
+                continue
         out.update({prefix + k: t for k, t in state.items()})
+    for tie, held in tied.items():
+        (first, state), *others = held
+        other = next((f for f, s in others if s.keys() != state.keys() or
+                      not all(torch.equal(s[k], t) for k, t in state.items())), None)
+        if other is not None:  # copies of one tied module are equal: one of them is another layer
+            raise ConversionError(
+                f"{first.name} and {other.name} both fit the tied module {tie!r} and hold other values: one is a layer "
+                "whose parameters are all frozen, which the checkpoint does not name (a pipeline checkpoint records no frozen "
+                "parameters), so it cannot be told from the tie. Save the running engine with "
+                "ucp_zarr.adapters.deepspeed.save_checkpoint, which names every parameter"
+            )
+        out.update({f"tied_modules.{tie}.{k}": t for k, t in state.items()})
     return out
 
 
