@@ -322,6 +322,24 @@ def test_single_process_state_dict_converts_and_exports(plain: Path, tmp_path: P
     assert sorted(ucp_zarr.open(tmp_path / "ck2")) == sorted("run." + k for k in ck)
 
 
+def test_conjugate_and_negative_views_convert_as_dcp_loads_them(tmp_path: Path) -> None:
+    """``torch.save`` keeps a conjugate view's storage unconjugated (and a negative view's
+    unnegated) with a flag: the converter read the raw storage, so a conjugated tensor came
+    out with its imaginary part's sign flipped. The truth is DCP's own load of the folder."""
+    z = torch.tensor([[1 + 2j, 3 - 4j, -5 + 6j], [7 + 8j, -9 - 1j, 2 + 3j]], dtype=torch.complex64)
+    sd = {"conj": z.conj(), "conj_t": z.t().conj(), "neg": z.conj().imag, "plain": z}
+    assert sd["conj"].is_conj() and sd["neg"].is_neg()
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "dcp"))
+    want = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in sd.items()}
+    dcp.load(want, storage_reader=dcp.FileSystemReader(tmp_path / "dcp"))
+    assert torch.equal(want["conj"].imag, -z.imag)
+    ucp_zarr.convert(tmp_path / "dcp", tmp_path / "ck")
+    ck = ucp_zarr.open(tmp_path / "ck")
+    for k, t in want.items():
+        assert torch.equal(ck.read(k), t), k
+        assert torch.equal(ck[k][1:, 1:], t[1:, 1:]), k
+
+
 def test_nonoverlapping_bytes_of_a_chunk_are_not_read(plain: Path, tmp_path: Path) -> None:
     """A box reads only the byte range of the chunk's storage it covers: garbage in the
     other rows goes unseen."""

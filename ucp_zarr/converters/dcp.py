@@ -241,6 +241,10 @@ class _Chunk:
     nbytes: int = 0
     stride: tuple[int, ...] = ()
     storage_offset: int = 0
+    conj: bool = False
+    """Saved as a conjugate view: the storage holds the values before conjugation."""
+    neg: bool = False
+    """Saved as a negative view (``.conj().imag``): the storage holds the values negated."""
 
     def part(self, local: Box, dtype: torch.dtype, f: IO[bytes] | None) -> torch.Tensor:
         """``local`` (in the chunk's coordinates) of the chunk, read from the file."""
@@ -255,7 +259,8 @@ class _Chunk:
         f.seek(self.data + lo * size)
         if f.readinto(memoryview(buf.numpy())) != buf.numel():
             raise ConversionError(f"{self.stored.file}: truncated: the chunk at {self.stored.offset} ends early")
-        return buf.view(dtype).as_strided(local.shape, self.stride)
+        t = buf.view(dtype).as_strided(local.shape, self.stride)
+        return torch.conj_physical(t) if self.conj else -t if self.neg else t
 
 
 def _load_chunk(raw: bytes, stored: _Stored, box: Box, dtype: torch.dtype) -> torch.Tensor:
@@ -313,7 +318,7 @@ def _chunk(stored: _Stored, box: Box, dtype: torch.dtype, f: IO[bytes]) -> _Chun
     need = offset + sum((n - 1) * s for n, s in zip(box.shape, stride)) + 1 if box.numel else 0
     if info.file_size < need * dtype.itemsize or start + info.file_size > stored.length:
         raise ConversionError(f"{where}: its storage record is shorter than the tensor it holds, or truncated")
-    return _Chunk(box, stored, stored.offset + start, info.file_size, stride, offset)
+    return _Chunk(box, stored, stored.offset + start, info.file_size, stride, offset, meta.is_conj(), meta.is_neg())
 
 
 @dataclass(frozen=True)
