@@ -16,7 +16,9 @@ Builds (``build(name)``):
   (``losses_after``: the 2 uninterrupted steps after the save). Then, in the same processes, a
   pipeline of 1 stage on 2 data-parallel ranks (``z1-fp32`` only): ``pp1/`` holds, for ``X``
   and for ``ucp_zarr.convert(D)`` (``CV``), the state it holds after the adapter's load and the
-  losses of the same 2 steps.
+  losses of the same 2 steps. Last, ``CV`` exported to a universal folder (``XU``) is loaded
+  by a 2-stage engine with DeepSpeed's ``load_universal``: ``pp2u/state.pt`` (its state after
+  the load) and ``pp2u/run.json`` (the losses of the same 2 steps).
 ``pipe3`` (3 ranks, ``long``): a pipeline of 3 stages loads ``pipe``'s ``X`` the same way.
 ``moe`` (2 ranks, a ``deepspeed.moe.layer.MoE`` of 4 experts at ``ep_size=2``): variants
   ``z1-fp32`` and ``z2-bf16`` as above (``D``, ``X``, ``reference.pt`` with every expert under
@@ -296,14 +298,15 @@ def _pipe_train(engine: Any, step: int) -> float:
     return float(engine.train_batch(iter(data)))
 
 
-def _pipe_engine(stages: int, stage: int, dtype: str) -> Any:
+def _pipe_engine(stages: int, stage: int, dtype: str, universal: bool = False) -> Any:
     import deepspeed
     import torch.distributed as dist
 
     model = pipeline_module(stages)
     dp = dist.get_world_size() // stages
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_config(stage, dtype, MICRO // dp, ACCUM))
+    config = _config(stage, dtype, MICRO // dp, ACCUM) | ({"checkpoint": {"load_universal": True}} if universal else {})
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     return engine
 
 
@@ -343,6 +346,19 @@ def _pipe(task: dict[str, Any], rank: int) -> None:
             (out / "pp1" / f"{name}.json").write_text(json.dumps({"losses": losses, "client": client}))
         engine.destroy()
         dist.barrier()
+    if rank == 0:  # the conversion exported to a universal folder, which DeepSpeed loads into 2 stages
+        ucp_zarr.export(out / "CV", out / "XU", to="ds-universal")
+    dist.barrier()
+    engine = _pipe_engine(2, 1, "fp32", universal=True)
+    engine.load_checkpoint(str(out / "XU"))
+    state = live_state(engine)
+    losses = _losses(engine, STEPS, MORE)
+    if rank == 0:
+        (out / "pp2u").mkdir()
+        torch.save(state, out / "pp2u" / "state.pt")
+        (out / "pp2u" / "run.json").write_text(json.dumps({"losses": losses}))
+    engine.destroy()
+    dist.barrier()
 
 
 def _pipe3(task: dict[str, Any], rank: int) -> None:

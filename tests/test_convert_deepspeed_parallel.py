@@ -154,6 +154,33 @@ def test_pipeline_resumes_at_another_degree(pipe: Path) -> None:
         assert info["client"] == {"epoch": 2}
 
 
+def test_pipeline_universal_folders_in_and_out(pipe: Path, tmp_path: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` of a 2-stage pipeline holds each stage's model-states
+    file (``mp_world_size`` 2 counts the stages): it was refused as tensor-parallel, and so was
+    the export of a pipeline checkpoint. Imported, it holds the ZeRO import's tensors (no
+    buffers: the folder has no layer file); exported, DeepSpeed's ``load_universal`` loads it
+    into 2 stages with every tensor of the saved state, and trains on with the uninterrupted
+    run's losses."""
+    src = pipe / "z1-fp32"
+    with pytest.warns(UserWarning, match=r"ucp_zarr: universal: the buffers \['1.scale', '2.scale', '3.scale'\] \.\.\. of the pipeline's layer "
+                                        r"files are not in its universal folder"):
+        ck = _convert(src / "universal", tmp_path / "u")
+    zero = ucp_zarr.open(src / "CV")
+    buffers = {f"model.{i}.scale" for i in range(1, 5)}
+    assert sorted(ck.meta.tensors) == sorted(set(zero.meta.tensors) - buffers)
+    for key in ck.meta.tensors:
+        assert torch.equal(ck.read(key), zero.read(key)), key
+    assert ck.meta.values["optim.param_groups"] == zero.meta.values["optim.param_groups"]
+    assert ck.meta.layout["source"]["pp"] == 2
+    state, ref = torch.load(src / "pp2u" / "state.pt", weights_only=True), P.reference(src)
+    assert sorted(state) == sorted(ref)
+    for param, entry in ref.items():
+        for k, t in entry.items():
+            assert torch.equal(state[param][k], t), (param, k)
+    assert json.loads((src / "pp2u" / "run.json").read_text())["losses"] == P.run_info(src)["losses_after"]
+    assert (src / "XU" / "global_step3_universal" / "mp_rank_01_model_states.pt").is_file()
+
+
 @pytest.mark.long
 def test_pipeline_resumes_on_three_stages() -> None:
     out, src = P.build("pipe3"), P.build("pipe") / "z1-fp32"

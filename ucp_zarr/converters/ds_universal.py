@@ -53,8 +53,14 @@ engine's model was built with). From ``optimizer_state.pt``: ``param_groups`` an
 ``optimizer_state_dict.param_groups[0]`` (ZeRO-3, which applies group 0's hyper-parameters
 to every group), the loss scaler and its flags.
 
+A folder made from a pipeline checkpoint holds each stage's model-states file
+(``mp_rank_XX``: ``mp_world_size`` counts the stages there); the parameters are those of
+every stage, named by global layer index, in the dtype of the engine's ``ds_config`` (no
+layer file is there: buffers and frozen parameters are not in such a folder, and DeepSpeed's
+``load_universal`` does not restore them either).
+
 Not supported (refused with :class:`~ucp_zarr.errors.ConversionError`): universal folders
-made from tensor-parallel sources (``mp_world_size > 1``; pipeline-parallel ones untried). Limits of DeepSpeed
+made from tensor-parallel sources (``tp_degree > 1``). Limits of DeepSpeed
 itself that an export cannot lift: a ZeRO-3 engine loads only ``fp32``, ``exp_avg`` and
 ``exp_avg_sq`` (so SGD's ``momentum_buffer`` loads only into ZeRO-1/2 engines) and gives
 every group group 0's hyper-parameters; a per-parameter scalar other than ``step`` is
@@ -114,31 +120,76 @@ def read(src: Path, *, trust: bool = False) -> Imported:
     zero = folder / "zero"
     models, model_files = _model_states(folder, trust)
     model = models[0]
-    if int(model.get("mp_world_size", 1) or 1) > 1:
-        raise ConversionError(
-            f"{model_files[0]}: made from a tensor-parallel checkpoint (mp_world_size {model.get('mp_world_size')}), "
-            "which this converter does not read yet"
-        )
+    stages = _pipeline_stages(folder, model, model_files[0], trust)
     osd_file = zero / OPTIMIZER_STATE
     osd = _load(osd_file, trust) if osd_file.is_file() else None
     if osd is None:
         raise ConversionError(f"{osd_file}: no such file: not a DeepSpeed universal checkpoint folder (or an incomplete one)")
-    shapes = [{n: tuple(int(x) for x in s) for n, s in g.items()} for g in _get(model, "param_shapes", model_files[0])]
+    shapes: list[dict[str, tuple[int, ...]]] = []
+    for m, f in stages or [(model, model_files[0])]:  # a pipeline: each stage's parameters, the tied ones once
+        for g, group in enumerate(_get(m, "param_shapes", f)):
+            shapes += [{}] * (g + 1 - len(shapes))
+            shapes[g] |= {n: tuple(int(x) for x in s) for n, s in group.items() if n not in shapes[g]}
     stage = osd.get("zero_stage")
     out = Imported(layout={"source": {
         "format": "ds-universal", "folder": folder.name, "zero_stage": None if stage is None else int(_scalar(stage)),
         "world": model.get("dp_world_size"),
-    }})
+    } | ({"pp": len(stages)} if stages else {})})
     module = model.get("module") or {}
+    if stages:  # the stages' weights are in layer files, which a universal folder does not hold
+        module = {n: torch.empty(0, dtype=_training_dtype(model)) for g in shapes for n in g}
     group_states = _group_states(osd)
     for g, group in enumerate(shapes):
         scalars = group_states[g] if g < len(group_states) else {}
         for name, shape in group.items():
-            folder = inside(zero, name, f"{model_files[0]}: param_shapes names the parameter")
-            _add_param(out, folder, name, shape, module.get(name), scalars, trust)
+            where = inside(zero, name, f"{model_files[0]}: param_shapes names the parameter")
+            _add_param(out, where, name, shape, module.get(name), scalars, trust)
     _frozen_zero3(out, models, model_files)
+    if stages:
+        buffers = [str(b) for m, _ in stages for b in m.get("buffer_names") or []]
+        if buffers:
+            warnings.warn(f"ucp_zarr: {folder.name}: the buffers {buffers[:3]}{' ...' * (len(buffers) > 3)} of the "
+                          "pipeline's layer files are not in its universal folder, nor in the conversion (DeepSpeed's "
+                          "load_universal keeps the model's own too); convert the pipeline checkpoint itself to keep "
+                          "them", stacklevel=2)
+        model = dict(model, buffer_names=[])
     _other_state(out, model, _as_zero_osd(osd), shapes)
     return out
+
+
+def _pipeline_stages(folder: Path, model: dict[str, Any], f: Path, trust: bool) -> list[tuple[dict[str, Any], Path]]:
+    """The model-states file of each pipeline stage (``mp_rank_XX``, as ``ds_to_universal``
+    copies them from a pipeline checkpoint, whose ``mp_world_size`` counts its stages), or
+    ``[]`` when the source was no pipeline; tensor-parallel sources are refused."""
+    dims = model.get("checkpoint_parallel_dimensions")
+    dims = dims if isinstance(dims, dict) else {}
+    try:
+        pp, tp = int(dims.get("pp_degree") or 1), int(dims.get("tp_degree") or 1)
+        mp = int(model.get("mp_world_size", 1) or 1)
+    except (TypeError, ValueError):
+        raise ConversionError(f"{f}: checkpoint_parallel_dimensions {dims!r} or mp_world_size are not integers") from None
+    if tp > 1 or mp != pp * tp:
+        raise ConversionError(f"{f}: made from a tensor-parallel checkpoint (mp_world_size {mp}, "
+                              f"checkpoint_parallel_dimensions {dims}), which this converter does not read yet")
+    if pp == 1:
+        return []
+    files = [folder / f"mp_rank_{s:02d}_model_states.pt" for s in range(pp)]
+    missing = [p.name for p in files if not p.is_file()]
+    if missing:
+        raise ConversionError(f"{folder}: made from a pipeline of {pp} stages, but {missing} are missing: each stage's "
+                              "model-states file names its parameters")
+    return [(model, files[0])] + [(_load(p, trust), p) for p in files[1:]]
+
+
+def _training_dtype(model: dict[str, Any]) -> torch.dtype:
+    """The dtype the engine trained in, by its ``ds_config`` (``bf16``/``fp16`` enabled)."""
+    config = model.get("ds_config")
+    config = config if isinstance(config, dict) else {}
+    for key, dtype in (("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16), ("fp16", torch.float16)):
+        section = config.get(key)
+        if isinstance(section, dict) and section.get("enabled") is True:
+            return dtype
+    return torch.float32
 
 
 def universal_folder(src: Path) -> Path:
@@ -318,11 +369,18 @@ def write(
     """Export ``ck`` (keys as the ZeRO importer names them) into the folder ``dst``:
     ``dst/latest_universal`` naming ``<tag>_universal`` (``tag`` defaults to
     ``global_step<deepspeed.global_steps>``), which DeepSpeed's ``load_checkpoint(dst)``
-    reads with ``load_universal`` on any world size and ZeRO stage."""
+    reads with ``load_universal`` on any world size and ZeRO stage. A pipeline engine's stage
+    ``s`` reads ``mp_rank_<s>_model_states.pt``: the folder holds one (a link to the first)
+    for each stage of a pipeline source, as ``ds_to_universal`` copies the source's, with
+    ``mp_world_size`` their count (DeepSpeed checks it)."""
     values = ck.metadata["values"]
     tensors = ck.meta.tensors
-    if int(values.get("deepspeed.mp_world_size", 1) or 1) > 1:
-        raise ConversionError("a tensor-parallel DeepSpeed checkpoint (mp_world_size > 1) cannot be exported yet")
+    dims = values.get("deepspeed.checkpoint_parallel_dimensions")
+    dims = dims if isinstance(dims, dict) else {}
+    pp, tp = int(dims.get("pp_degree") or 1), int(dims.get("tp_degree") or 1)
+    if tp > 1 or int(values.get("deepspeed.mp_world_size", 1) or 1) != pp * tp:
+        raise ConversionError(f"a tensor-parallel DeepSpeed checkpoint (mp_world_size "
+                              f"{values.get('deepspeed.mp_world_size')}, {dims}) cannot be exported yet")
     groups = values.get("optim.param_groups")
     if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
         raise ConversionError(
@@ -372,10 +430,12 @@ def write(
                 if group_steps[i] is None:
                     group_steps[i] = step
         _save(_optimizer_state(values, groups, group_steps), zero / OPTIMIZER_STATE)
-        model = _model_state(ck, values, shapes, dtypes, progress)
+        model = _model_state(ck, values, shapes, dtypes, pp, progress)
         _save(model, folder / MODEL_FILES[0])
         lean = dict(model) | {"module": OrderedDict((n, torch.empty(0, dtype=t.dtype)) for n, t in model["module"].items())}
         _save(lean, folder / MODEL_FILES[1])
+        for stage in range(1, pp):  # a pipeline engine's stage s reads mp_rank_<s>: as many as the source had
+            (folder / f"mp_rank_{stage:02d}_model_states.pt").hardlink_to(folder / MODEL_FILES[0])
         (tmp / LATEST).write_text(folder_name)
     return Path(dst)
 
@@ -469,7 +529,7 @@ def _optimizer_state(values: dict[str, Any], groups: list[dict[str, Any]], steps
 
 
 def _model_state(ck: Any, values: dict[str, Any], shapes: list[OrderedDict[str, torch.Size]],
-                 dtypes: dict[str, torch.dtype], progress: Callable[[int], None] | None) -> dict[str, Any]:
+                 dtypes: dict[str, torch.dtype], pp: int, progress: Callable[[int], None] | None) -> dict[str, Any]:
     """The model-states file: the engine's bookkeeping and the client state; the module
     holds every non-trainable tensor whole (buffers, frozen parameters, tied copies, as
     ZeRO-1/2 files do) and each trainable parameter as an empty tensor of its training
@@ -509,9 +569,8 @@ def _model_state(ck: Any, values: dict[str, Any], shapes: list[OrderedDict[str, 
         "global_steps": values.get("deepspeed.global_steps", values.get("step", 0)),
         "global_samples": values.get("deepspeed.global_samples", 0),
         "dp_world_size": values.get("deepspeed.dp_world_size", 1),
-        "mp_world_size": 1,
-        "checkpoint_parallel_dimensions": values.get("deepspeed.checkpoint_parallel_dimensions",
-                                                     {"pp_degree": 1, "tp_degree": 1}),
+        "mp_world_size": pp,  # (DeepSpeed's loader checks it against the count of mp_rank files)
+        "checkpoint_parallel_dimensions": {"pp_degree": pp, "tp_degree": 1},
         "ds_config": values.get("deepspeed.ds_config"),
         "ds_version": values.get("deepspeed.ds_version") or _ds_version(),
     }
