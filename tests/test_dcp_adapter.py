@@ -453,3 +453,49 @@ def test_dcp_async_save_single_process(tmp_path):
     ck = ucp_zarr.open(tmp_path / "ck")
     assert ck.metadata["values"]["extra.step"] == 9
     assert all(_bits_equal(ck[k][...], v) for k, v in _flat(sd).items() if isinstance(v, torch.Tensor))
+
+
+def test_writer_obeys_a_planner_that_resolves_values_itself(tmp_path):
+    """DCP's writer saves what the planner's ``resolve_data`` gives. ``ZarrStorageWriter`` took
+    non-tensor values from the state dict, so a planner that redacts or migrates them (its
+    ``resolve_data`` or ``transform_object`` overridden) was bypassed, and the secret it meant
+    to leave out was stored. A planner that saves values as they are (Megatron's
+    ``MCoreSavePlanner``: its values are ``torch.save`` streams already) loads back as
+    ``dcp.load`` gives them: unpickled, not as the stream."""
+    import io
+
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class Redacting(DefaultSavePlanner):
+        def resolve_data(self, write_item):
+            data = super().resolve_data(write_item)
+            if write_item.type == WriteItemType.BYTE_IO and write_item.index.fqn == "cfg.token":
+                data = io.BytesIO()
+                torch.save("<redacted>", data)
+            return data
+
+    class Migrating(DefaultSavePlanner):
+        def transform_object(self, write_item, object):
+            return super().transform_object(write_item, object + 1000 if write_item.index.fqn == "cfg.step" else object)
+
+    class AsIs(DefaultSavePlanner):  # as megatron.core's MCoreSavePlanner
+        def transform_object(self, write_item, object):
+            return object
+
+    for planner in (Redacting, Migrating, AsIs):
+        got = {}
+        for name, writer, reader in (("fs", dcp.FileSystemWriter, dcp.FileSystemReader),
+                                     ("z", ucp_zarr.ZarrStorageWriter, ucp_zarr.ZarrStorageReader)):
+            blob = io.BytesIO()
+            torch.save([{"layer": 3, "scale": 0.5}], blob)
+            cfg = {"blob": blob} if planner is AsIs else {"step": 7, "token": "secret"}
+            sd = {"w": torch.arange(3.0), "cfg": cfg}
+            dcp.save(sd, storage_writer=writer(tmp_path / planner.__name__ / name), planner=planner())
+            back = {"w": torch.zeros(3), "cfg": {k: (io.BytesIO() if k == "blob" else 0) for k in sd["cfg"]}}
+            dcp.load(back, storage_reader=reader(tmp_path / planner.__name__ / name))
+            got[name] = back["cfg"]
+        assert got["z"] == got["fs"], planner.__name__
+    assert got["z"]["blob"] == [{"layer": 3, "scale": 0.5}]  # (dcp.load unpickles the stream it saved)
+    stored = ucp_zarr.open(tmp_path / "Redacting" / "z").metadata["values"]
+    assert stored["cfg.token"] == "<redacted>" and "secret" not in json.dumps(stored)

@@ -118,23 +118,34 @@ def _plan_to_state(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str, Frag
     return fragments, values, blobs
 
 
-def _original_value(planner: SavePlanner, item: WriteItem) -> Any:
-    """The object behind a ``BYTE_IO`` item, before DCP would pickle it."""
-    sd = getattr(planner, "state_dict", None)
-    if isinstance(sd, dict) and item.index.fqn in sd:
-        return sd[item.index.fqn]
-    lookup = getattr(planner, "lookup_object", None)
-    if lookup is not None:
-        return lookup(item.index)
-    # a planner without the default planner's extensions: read back the bytes it made in
-    # this very process (never bytes from storage), allowing plain data only
-    buf = planner.resolve_data(item)
-    assert isinstance(buf, io.BytesIO)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
 _MISSING = object()
+_RESOLVING = ("resolve_data", "transform_object", "lookup_object")
+"""The methods by which DCP's default planner turns a state-dict object into the bytes it saves."""
+
+
+def _original_value(planner: SavePlanner, item: WriteItem) -> Any:
+    """The object a ``BYTE_IO`` item saves, which ``dcp.load`` gives back: the state dict's
+    own, where the planner resolves objects as DCP's default planner does (pickling them
+    unchanged); else the ``torch.save`` stream the planner resolved, read back in this very
+    process (never bytes from storage), allowing plain data only. A planner that transforms
+    or redacts values is obeyed, as DCP's own writer obeys it."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    sd, lookup = getattr(planner, "state_dict", None), getattr(planner, "lookup_object", None)
+    original = (sd[item.index.fqn] if isinstance(sd, dict) and item.index.fqn in sd
+                else lookup(item.index) if lookup is not None else _MISSING)
+    if original is not _MISSING and all(getattr(type(planner), m, None) is getattr(DefaultSavePlanner, m)
+                                        for m in _RESOLVING):
+        return original
+    buf = planner.resolve_data(item)  # (Megatron's planner resolves its own torch.save streams as they are)
+    if not isinstance(buf, io.BytesIO):
+        raise TypeError(f"value {item.index.fqn!r}: the planner resolved a {type(buf).__name__}, expected the BytesIO "
+                        "of a torch.save")
+    try:
+        return torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as e:
+        raise TypeError(f"value {item.index.fqn!r}: the bytes the planner made of it are not plain data (a weights-only "
+                        f"load refused them: {str(e).splitlines()[0]}); ucp_zarr stores values as JSON") from None
 
 
 def _saved_value(ck: CheckpointReader, fqn: str, rank: int) -> Any:
