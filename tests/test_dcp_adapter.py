@@ -499,3 +499,25 @@ def test_writer_obeys_a_planner_that_resolves_values_itself(tmp_path):
     assert got["z"]["blob"] == [{"layer": 3, "scale": 0.5}]  # (dcp.load unpickles the stream it saved)
     stored = ucp_zarr.open(tmp_path / "Redacting" / "z").metadata["values"]
     assert stored["cfg.token"] == "<redacted>" and "secret" not in json.dumps(stored)
+
+
+def test_dcp_rebuilds_the_nesting_of_a_ucp_zarr_save(tmp_path):
+    """DCP's metadata-only loader (``_load_state_dict_from_keys``, what ``dcp_to_torch_save``
+    runs) rebuilds the nested state dict from ``planner_data``: a ``ucp_zarr.save`` checkpoint gave
+    none, so they returned flat keys (``'model.w'``) where DCP's own checkpoint of the same
+    state dict gives ``{'model': {'w': ...}}``; ``_load_state_dict_from_keys(keys=...)`` failed."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    def state():
+        return {"model": {"w": torch.arange(6.0).reshape(2, 3), "layers": [{"b": torch.ones(2)}, {"b": torch.zeros(2)}]},
+                "meta": {"epoch": 3, "name": "run"}}
+
+    dcp.save(state(), storage_writer=dcp.FileSystemWriter(tmp_path / "dcp"))
+    ucp_zarr.save(state(), tmp_path / "ck")
+    want = _load_state_dict_from_keys(storage_reader=dcp.FileSystemReader(tmp_path / "dcp"))
+    got = _load_state_dict_from_keys(storage_reader=ucp_zarr.ZarrStorageReader(tmp_path / "ck"))
+    assert list(got) == list(want) == ["model", "meta"]
+    assert got["meta"] == want["meta"] and list(got["model"]) == list(want["model"])
+    assert all(torch.equal(a["b"], b["b"]) for a, b in zip(got["model"]["layers"], want["model"]["layers"]))
+    part = _load_state_dict_from_keys(keys={"model.w"}, storage_reader=ucp_zarr.ZarrStorageReader(tmp_path / "ck"))
+    assert list(part) == ["model"] and torch.equal(part["model"]["w"], state()["model"]["w"])

@@ -51,8 +51,9 @@ So the checkpoint is complete and committed when ``write_data`` returns on every
 
 Load: ``read_metadata`` describes every tensor as a ``TensorStorageMetadata`` whose chunks
 are the shards of its array, every JSON value as ``BytesStorageMetadata``, and returns the
-stored ``planner_data`` (None for a checkpoint written by ``ucp_zarr.save``, whose nesting is
-not recorded). ``read_data`` reads each requested box with :meth:`Checkpoint.read` (only the
+stored ``planner_data``, or for a checkpoint written by ``ucp_zarr.save`` the one its recorded
+nesting gives (as ``DefaultSavePlanner`` would have made it: DCP's ``_load_state_dict_from_keys``
+rebuilds the nested state dict from it). ``read_data`` reads each requested box with :meth:`Checkpoint.read` (only the
 chunks overlapping it) into the planner's destination; JSON values are handed to
 ``planner.load_bytes`` as a ``torch.save`` of the decoded value (bytes made here from JSON,
 so nothing read from storage is ever unpickled).
@@ -118,6 +119,7 @@ from .dcp_plans import (
     _chunk,
     dcp_layout,
     merged_planner_data,
+    planner_data_of,
     _plan_to_state,
     _read_dcp_layout,
     _read_into,
@@ -425,7 +427,8 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's view of the checkpoint, from its JSON index and its arrays' zarr.json, with
-        the ``planner_data`` stored by :class:`ZarrStorageWriter` (None if none was).
+        the ``planner_data`` stored by :class:`ZarrStorageWriter`, or made from the nesting a
+        ``ucp_zarr.save`` recorded.
 
         Every load starts here, so the checkpoint is (re)opened here: a reader may be reused."""
         self._ck = None
@@ -451,6 +454,8 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
             md[alias] = described[canonical]
         for key in list(ck.meta.values) + list(ck.meta.rank_values):
             md.setdefault(key, BytesStorageMetadata())
+        if planner_data is None and ck.meta.structure is not None:  # (a ucp_zarr.save: its recorded nesting)
+            planner_data = planner_data_of(ck.meta, list(md), f"{ck.store.url}/zarr.json")
         if planner_data:  # the saved state dict's order, as DCP's metadata keeps it
             position = {k: i for i, k in enumerate(planner_data)}
             md = dict(sorted(md.items(), key=lambda kv: position.get(kv[0], len(position))))

@@ -19,7 +19,8 @@ from ..errors import FormatError
 from ..format.commit_record import CheckpointMeta
 from ..protocol.fragments import Fragment
 from ..layout import Box
-from ..format.statedict import check_exact, from_json, to_json
+from ..format.statedict import ListIndex, check_exact, from_json, to_json
+from ..protocol.read_state import dcp_structure
 
 
 DCP_LAYOUT_FORMAT = "ucp_zarr.dcp/1"
@@ -173,6 +174,19 @@ MAX_EXTRA_LIST_SLOTS = 1 << 16
 """How many list slots ``planner_data`` may make DCP allocate beyond one per key (lists of
 a state dict are descended only when they hold tensors or mappings, so each slot but those
 of empty mappings holds at least one key)."""
+
+
+def planner_data_of(meta: CheckpointMeta, keys: list[str], where: str) -> dict[str, tuple[str | int, ...]]:
+    """``planner_data`` as ``DefaultSavePlanner`` records it for the state dict the checkpoint
+    was saved from (its structure, or the DCP nesting it kept): list positions as integers,
+    mapping keys as strings (DCP's own flattening spells an integer key ``"0"``); a key whose
+    nesting is not recorded stays flat."""
+    structure = meta.structure or dcp_structure(meta, where)
+    paths = {} if structure is None else structure.paths
+    wanted = set(keys)
+    ordered = [k for k in paths if k in wanted] + [k for k in keys if k not in paths]  # (as saved)
+    return {k: tuple(int(p) if isinstance(p, ListIndex) else str(p) for p in paths[k]) if k in paths else (k,)
+            for k in ordered}
 
 
 def _read_dcp_layout(meta: CheckpointMeta, url: str) -> tuple[dict[str, tuple[str | int, ...]] | None, frozenset[str]]:

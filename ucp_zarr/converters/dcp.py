@@ -50,9 +50,9 @@ from ..protocol.reader import CheckpointReader
 from ..errors import ConversionError, Keyword, NotJSONableError, UntrustedInputError
 from ..layout import Box
 from ..format.safe_paths import inside_relative
-from ..format.statedict import ListIndex, from_json, to_json
-from ..protocol.read_state import dcp_blobs, dcp_structure
-from ..adapters.dcp_plans import dcp_layout, merged_planner_data
+from ..format.statedict import from_json, to_json
+from ..protocol.read_state import dcp_blobs
+from ..adapters.dcp_plans import dcp_layout, merged_planner_data, planner_data_of
 from .base import Imported, atomic_folder, prefix_key, read_ahead
 
 METADATA_FILE = ".metadata"
@@ -589,7 +589,7 @@ def write(
             sdm[k] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), chunks)
         f.flush()
         os.fsync(f.fileno())
-        planner_data = _planner_data(ck, list(sdm))
+        planner_data = planner_data_of(ck.meta, list(sdm), f"{ck.store.url}/zarr.json")
         md = Metadata(
             state_dict_metadata={k: sdm[k] for k in planner_data},
             planner_data=planner_data,
@@ -600,19 +600,6 @@ def write(
         with open(tmp / METADATA_FILE, "wb") as mf:
             pickle.dump(md, mf)
     return Path(dst)
-
-
-def _planner_data(ck: CheckpointReader, keys: list[str]) -> dict[str, tuple[str | int, ...]]:
-    """``planner_data`` as ``DefaultSavePlanner`` records it for the state dict the checkpoint
-    was saved from (its structure, or the DCP nesting it kept): list positions as integers,
-    mapping keys as strings (DCP's own flattening spells an integer key ``"0"``); a key whose
-    nesting is not recorded stays flat."""
-    structure = ck.meta.structure or dcp_structure(ck.meta, f"{ck.store.url}/zarr.json")
-    paths = {} if structure is None else structure.paths
-    wanted = set(keys)
-    ordered = [k for k in paths if k in wanted] + [k for k in keys if k not in paths]  # (as saved)
-    return {k: tuple(int(p) if isinstance(p, ListIndex) else str(p) for p in paths[k]) if k in paths else (k,)
-            for k in ordered}
 
 
 def _shape(ck: CheckpointReader, key: str) -> tuple[int, ...]:
