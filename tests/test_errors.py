@@ -25,6 +25,18 @@ def test_not_jsonable_value_is_named(tmp_path):
     assert ucp_zarr.read_state_dict(tmp_path / "ck4")["n"] == -(10**4299)
 
 
+def test_tensor_inside_a_json_value_is_named_with_the_way_out(tmp_path):
+    """A tuple is one value (as in torch DCP), and so is what one PerRank wraps: a tensor in
+    either was refused as 'of type Tensor is neither a tensor nor JSON-able'."""
+    with pytest.raises(ucp_zarr.NotJSONableError, match=r"'rng\.np\.1' is a tensor inside a value stored as JSON.*"
+                                                        r"make the tuple a list, or wrap each tensor in a PerRank"):
+        ucp_zarr.save({"rng": {"np": ("MT19937", torch.arange(3))}}, tmp_path / "ck")
+    with pytest.raises(ucp_zarr.NotJSONableError, match=r"'rng\.torch' is a tensor inside"):
+        ucp_zarr.save({"w": torch.ones(2), "rng": ucp_zarr.PerRank({"torch": torch.ones(2), "seen": 3})}, tmp_path / "ck2")
+    ucp_zarr.save({"rng": {"np": ["MT19937", torch.arange(3)]}}, tmp_path / "ck3")
+    assert torch.equal(ucp_zarr.read_state_dict(tmp_path / "ck3")["rng"]["np"][1], torch.arange(3))
+
+
 def test_incomplete_checkpoint_is_refused(tmp_path):
     ucp_zarr.save({"w": torch.ones(3)}, tmp_path / "ck")
     os.remove(tmp_path / "ck" / "zarr.json")
