@@ -53,6 +53,8 @@ from ..format.safe_paths import inside_relative
 from ..format.statedict import from_json, to_json
 from ..protocol.read_state import dcp_blobs
 from ..adapters.dcp_plans import dcp_layout, merged_planner_data, planner_data_of
+from ..protocol.writer import InMemory
+from . import megatron_dist
 from .base import Imported, atomic_folder, prefix_key, read_ahead
 
 METADATA_FILE = ".metadata"
@@ -78,8 +80,9 @@ def _layout(name: Any) -> torch.layout:
 
 def _allowed() -> dict[tuple[str, str], Any]:
     """(module, name) -> what ``find_class`` returns: the classes a DCP ``Metadata`` is made
-    of (this torch's, and the names older ones pickled), and nothing that runs code."""
-    from torch.distributed.checkpoint import filesystem, metadata
+    of (this torch's, and the names older ones pickled), DCP's own plan records, and nothing
+    that runs code."""
+    from torch.distributed.checkpoint import filesystem, metadata, planner
 
     md = "torch.distributed.checkpoint.metadata"
     allowed: dict[tuple[str, str], Any] = {
@@ -89,6 +92,10 @@ def _allowed() -> dict[tuple[str, str], Any]:
         if hasattr(metadata, name)
     }
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
+    # the plans a planner may keep in Metadata (Megatron's keeps every rank's: all_local_plans)
+    allowed |= {("torch.distributed.checkpoint.planner", name): getattr(planner, name)
+                for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem",
+                             "LoadItemType") if hasattr(planner, name)}
     try:  # torch <= 2.1 pickled TensorProperties from its sharded-tensor home
         from torch.distributed._shard.sharded_tensor import metadata as st
 
@@ -365,8 +372,10 @@ def read(src: Path, *, trust: bool = False, prefix: str = "") -> Imported:
     mfile = src / METADATA_FILE
     md = read_metadata(mfile, trust=trust)
     stored = _storage(md, src, mfile)
-    out = Imported(layout={"source": {"format": "dcp"}})
+    megatron = megatron_dist.is_torch_dist(src)
+    out = Imported(layout={"source": {"format": "dcp"} | ({"megatron": "torch_dist"} if megatron else {})})
     blobs: list[str] = []
+    left_out: list[str] = []
     with ExitStack() as files:
         handles: dict[Path, IO[bytes]] = {}
 
@@ -386,7 +395,10 @@ def read(src: Path, *, trust: bool = False, prefix: str = "") -> Imported:
                 s = stored.get((fqn, None))
                 if s is None:
                     raise ConversionError(f"{mfile}: names no storage for the value {fqn!r}")
-                out.values[key], blob = _value(s, fqn, key, trust)
+                if megatron and megatron_dist.left_out(fqn):
+                    left_out.append(fqn)
+                    continue
+                out.values[key], blob = _value(s, fqn, key, trust, megatron_dist.refusal(fqn) if megatron else None)
                 if blob:
                     blobs.append(key)
             elif isinstance(entry, TensorStorageMetadata):
@@ -400,6 +412,20 @@ def read(src: Path, *, trust: bool = False, prefix: str = "") -> Imported:
                 out.tensors[key] = _Tensor(key, shape, dtype, tuple(chunks))
             else:
                 raise ConversionError(f"{mfile}: the entry {fqn!r} is a {type(entry).__name__}, which DCP does not write")
+    if megatron:
+        megatron_dist.warn_left_out(src, left_out)
+        for k, v in megatron_dist.common_values(src, trust).items():
+            key = prefix + k
+            if key in out.tensors or key in out.values:
+                raise ConversionError(f"{src / megatron_dist.COMMON_FILE}: its {k!r} is also a key of the DCP folder")
+            if isinstance(v, torch.Tensor):
+                out.tensors[key] = InMemory(v)
+            else:
+                try:
+                    to_json(v, key)
+                except NotJSONableError as e:
+                    raise ConversionError(f"{src / megatron_dist.COMMON_FILE}: {e}") from None
+                out.values[key] = v
     # the nesting DCP's planner recorded, and which values were BytesIO, kept as the DCP adapter keeps
     # them (layout.dcp), so that read_state_dict and the DCP reader give them back as dcp.load does;
     # under the prefix's key (see prefix_key)
@@ -478,9 +504,10 @@ def _overlap(boxes: list[Box]) -> bool:
     return False
 
 
-def _value(s: _Stored, fqn: str, key: str, trust: bool) -> tuple[Any, bool]:
+def _value(s: _Stored, fqn: str, key: str, trust: bool, refusal: str | None = None) -> tuple[Any, bool]:
     """A byte entry (``torch.save`` of a non-tensor leaf) as a JSON-able value, and whether
-    it was an ``io.BytesIO`` (stored as its bytes)."""
+    it was an ``io.BytesIO`` (stored as its bytes); ``refusal``: what the value is, said
+    when it cannot be stored."""
     raw = s.read_all()
     where = f"{s.file}: the value {fqn!r} (at offset {s.offset})"
     try:
@@ -504,7 +531,7 @@ def _value(s: _Stored, fqn: str, key: str, trust: bool) -> tuple[Any, bool]:
     try:
         to_json(v, key)
     except NotJSONableError as e:
-        raise ConversionError(f"{where}: {e}") from None
+        raise ConversionError(f"{where}: {refusal or e}") from None
     return v, blob
 
 
