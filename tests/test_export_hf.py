@@ -372,6 +372,45 @@ def test_the_config_records_the_dtype_the_weights_were_written_in(tmp_path: Path
     assert _loads(LlamaForCausalLM, tmp_path / "hf").dtype == torch.float16
 
 
+def test_a_tied_hugging_face_model_converted_as_it_is_exports_under_its_names(tmp_path: Path) -> None:
+    """save_pretrained of a tied Llama writes only model.* names (lm_head.weight is the tie):
+    converted without a prefix and exported into a folder with its config.json, the export
+    took model. for a training prefix and was refused as leaving 20 weights random. The
+    config tells: the names stay, as save_pretrained wrote them."""
+    llama = _llama(tied=True)
+    llama.save_pretrained(tmp_path / "src")
+    assert all(n.startswith("model.") for n in _names(tmp_path / "src"))
+    ucp_zarr.convert(tmp_path / "src", tmp_path / "ck")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_bytes((tmp_path / "src" / "config.json").read_bytes())
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf")
+    assert _names(tmp_path / "hf") == _names(tmp_path / "src")
+    loaded = _loads(LlamaForCausalLM, tmp_path / "hf")
+    ids = torch.tensor([[1, 5, 9, 3]])
+    assert torch.equal(loaded(ids).logits, llama(ids).logits)
+
+
+def test_masters_of_a_model_with_frozen_weights_load_unrounded(tmp_path: Path) -> None:
+    """A frozen weight has no fp32 master (no optimizer keeps one): masters=True wrote it in
+    bf16 beside fp32 masters, the config kept bfloat16 and from_pretrained rounded every
+    master to it. The frozen weight is written in fp32 too (exactly), so the folder loads in
+    fp32 with the masters bit-exact."""
+    llama = _llama()
+    masters = {k: v.clone() for k, v in llama.state_dict().items()}
+    low = {k: v.to(torch.bfloat16) for k, v in masters.items()}
+    frozen = "model.embed_tokens.weight"
+    state = {k: {"fp32": v} for k, v in masters.items() if k != frozen}
+    ucp_zarr.save({"model": low, "optim": {"state": state}}, tmp_path / "ck")
+    llama.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_bytes((tmp_path / "bf16" / "config.json").read_bytes())
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf", masters=True)
+    loaded = _loads(LlamaForCausalLM, tmp_path / "hf")
+    assert loaded.dtype == torch.float32
+    for k, v in masters.items():
+        assert torch.equal(loaded.state_dict()[k], low[k].float() if k == frozen else v), k
+
+
 def test_a_sequence_to_sequence_model_without_architectures_exports(tmp_path: Path) -> None:
     """A tied BART whose config.json names no architectures (config.save_pretrained): the
     export is checked against BartForConditionalGeneration, as from_pretrained of that class

@@ -10,7 +10,9 @@ canonical tensor is written is left out, as ``save_pretrained`` leaves out
 ``lm_head.weight`` of a model with tied embeddings. ``dtype`` casts floating tensors
 (``"bf16"``, ``"fp16"``, ``"fp32"``; default: as stored); ``masters=True`` writes each
 weight's fp32 master (``optim.state.<name>.fp32``, as the DeepSpeed converter and adapter
-store it) where the checkpoint holds one.
+store it) where the checkpoint holds one, and the other floating weights (frozen ones: no
+optimizer keeps their master) in fp32 too, exactly, unless ``dtype`` is given: a folder of
+several floating dtypes loads in its config's, which would round the masters.
 
 ``names`` renames (a dict, a callable, or ``"megatron_to_llama"``): each weight's name (prefix
 removed) maps to its Hugging Face name, or to None to leave it out. A tensor whose rule has
@@ -94,7 +96,9 @@ def write(
         raise ConversionError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     limit = shard_size(max_shard_size)
     keys = [k for k, e in ck.meta.tensors.items() if e.ranks is None] + list(ck.meta.ties)
-    prefix = detect_prefix(keys) if prefix is None else prefix
+    config = _config(Path(dst))
+    models = [] if config is None else list(_models(config))
+    prefix = detect_prefix(keys, models if names is None else []) if prefix is None else prefix
     weights = [k for k in keys if k.startswith(prefix) and (prefix or k.split(".", 1)[0] not in NOT_MODEL)]
     if not weights:
         raise ConversionError(f"checkpoint {ck.store.url} holds no tensor under the prefix {prefix!r}")
@@ -108,12 +112,12 @@ def write(
     items: list[OutTensor] = []
     for key, source in sources.items():
         cast = DTYPES[dtype] if dtype is not None else ck[source].dtype
+        if masters and dtype is None and cast.is_floating_point:  # a weight without master (frozen): upcast,
+            cast = torch.float32  # exactly, else the config's dtype would round the masters to it
         items += _items(ck, key, key[len(prefix):], source, cast, lookup)
     twice = sorted(n for n, c in Counter(t.name for t in items).items() if c > 1)
     if twice:
         raise ConversionError(f"several tensors of checkpoint {ck.store.url} are mapped to the names {twice[:5]}")
-    config = _config(Path(dst))
-    models = [] if config is None else list(_models(config))
     if names == "megatron_to_llama" or names is megatron_to_llama:
         check_llama(ck.meta.layout.get("rules", {}).get("model"), config, models, f"checkpoint {ck.store.url}", Path(dst))
     items = fit_to_config(Path(dst), items, prefix, models)
@@ -242,16 +246,26 @@ def _model_parameters(models: list[Any]) -> list[tuple[list[list[str]], set[str]
     return out
 
 
-def detect_prefix(keys: list[str]) -> str:
+def detect_prefix(keys: list[str], models: list[Any] = ()) -> str:  # type: ignore[assignment]
     """The training prefix of the model's weights among ``keys``: the first of
     :data:`PREFIXES` such that every key outside it belongs to a trainer's other state
-    (:data:`NOT_MODEL`) and some key inside it does not."""
+    (:data:`NOT_MODEL`) and some key inside it does not. With the ``models`` a config
+    describes (:func:`_models`), the first such prefix that leaves the names of one of them,
+    every parameter written: a tied Hugging Face model's weights all start with its own
+    ``model.`` (``lm_head.weight`` is not written), which is no training prefix."""
+    fits = []
     for p in PREFIXES:
         inside = [k for k in keys if k.startswith(p) and (p or k.split(".", 1)[0] not in NOT_MODEL)]
         if inside and all(k.split(".", 1)[0] in NOT_MODEL for k in keys if k not in inside):
-            return p
-    tops = sorted({k.split(".", 1)[0] for k in keys} - NOT_MODEL)
-    raise ConversionError(f"cannot tell which keys are the model's weights (top-level keys {tops[:10]}); give prefix=")
+            fits.append((p, {k[len(p):] for k in inside}))
+    if not fits:
+        tops = sorted({k.split(".", 1)[0] for k in keys} - NOT_MODEL)
+        raise ConversionError(f"cannot tell which keys are the model's weights (top-level keys {tops[:10]}); give prefix=")
+    for groups, _, known in _model_parameters(list(models)):
+        for p, names in fits:
+            if all(known(n) for n in names) and all(names.intersection(g) for g in groups):
+                return p
+    return fits[0][0]
 
 
 def shard_size(size: int | str) -> int:
