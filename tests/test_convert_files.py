@@ -244,6 +244,15 @@ def test_a_safetensors_header_survives_a_round_trip(tmp_path: Path) -> None:
     ucp_zarr.export(tmp_path / "plain", tmp_path / "plain.safetensors", to="safetensors")
     with safe_open(tmp_path / "plain.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt", "ucp_zarr.values": '{"step": 3}'}
+    # converted again, the values are values (a second export kept only {"format": "pt"})
+    ucp_zarr.save({"w": torch.ones(2), "step": 3, "sched": {"betas": (0.9, 0.99)}}, tmp_path / "plain2")
+    ucp_zarr.export(tmp_path / "plain2", tmp_path / "p2.safetensors", to="safetensors")
+    ucp_zarr.convert(tmp_path / "p2.safetensors", tmp_path / "again", prefix="m.")
+    back = ucp_zarr.read_state_dict(tmp_path / "again")
+    assert back["m.step"] == 3 and back["m.sched.betas"] == (0.9, 0.99)
+    ucp_zarr.export(tmp_path / "again", tmp_path / "p3.safetensors", to="safetensors")
+    with safe_open(tmp_path / "p3.safetensors", "pt") as f:
+        assert json.loads(f.metadata()["ucp_zarr.values"]) == {"m.step": 3, "m.sched.betas": {"$tuple": [0.9, 0.99]}}
 
 
 def _same_tree(a: object, b: object, where: str = "") -> None:
@@ -288,3 +297,38 @@ def test_a_torch_file_holding_lazy_views_converts(tmp_path: Path) -> None:
     ucp_zarr.convert(tmp_path / "v.pt", tmp_path / "ck")
     got = ucp_zarr.read_state_dict(tmp_path / "ck")
     assert same_bits(got["z"], z.conj().resolve_conj()) and same_bits(got["n"], -x)
+
+
+def test_a_folder_with_a_single_file_beside_an_index_is_refused(tmp_path: Path) -> None:
+    """A folder holding model.safetensors and an index with its shards (a re-sharded model with
+    the old file left behind): from_pretrained reads model.safetensors, the conversion read the
+    index's shards, other weights, without a word. Which is meant cannot be known: refused,
+    naming the file; given explicitly, either converts."""
+    save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
+    save_file({"w": torch.ones(2)}, tmp_path / "model-00001-of-00001.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+    with pytest.raises(ConversionError, match=r"holds \['model.safetensors'\] beside the index"):
+        ucp_zarr.convert(tmp_path, tmp_path / "ck")
+    ucp_zarr.convert(tmp_path / "model.safetensors", tmp_path / "a")
+    ucp_zarr.convert(tmp_path / "model.safetensors.index.json", tmp_path / "b")
+    assert torch.equal(ucp_zarr.open(tmp_path / "a")["w"][:], torch.zeros(2))
+    assert torch.equal(ucp_zarr.open(tmp_path / "b")["w"][:], torch.ones(2))
+
+
+def test_tied_tensors_of_a_torch_file_are_stored_once(tmp_path: Path) -> None:
+    """torch.save of a tied model's state dict holds its embedding and output layer as one
+    storage (torch.load gives them back so): the conversion stored both, and an export to
+    Hugging Face wrote lm_head.weight beside the embedding, as ucp_zarr.save does not. Other
+    views of the storage (a transpose, a row) are other tensors."""
+    emb = torch.randn(6, 4)
+    sd = {"model": {"wte.weight": emb, "lm_head.weight": emb, "t": emb.t(), "row": emb[1], "other": emb.clone()}}
+    torch.save(sd, tmp_path / "m.pt")
+    ucp_zarr.convert(tmp_path / "m.pt", tmp_path / "ck")
+    ucp_zarr.save(sd, tmp_path / "saved")
+    ck = ucp_zarr.open(tmp_path / "ck")
+    assert ck.ties == ucp_zarr.open(tmp_path / "saved").ties == {"model.lm_head.weight": "model.wte.weight"}
+    assert "model.lm_head.weight" not in ck.meta.tensors
+    back = ucp_zarr.read_state_dict(tmp_path / "ck")["model"]
+    for k, t in sd["model"].items():
+        assert torch.equal(back[k], t), k

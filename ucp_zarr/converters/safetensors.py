@@ -2,7 +2,8 @@
 
 In: every tensor under its own name (with ``prefix`` prepended), read lazily box by box
 through ``safe_open`` (memory-mapped); the header's ``__metadata__`` (str -> str) becomes
-the value ``__metadata__`` (ties an export recorded there become ties again). Out: a
+the value ``__metadata__`` (ties and values an export recorded there become ties and values
+again). Out: a
 streaming writer of the format (an 8-byte header length, the JSON header, the raw
 little-endian bytes), one tensor block at a time, into one file (a destination named
 ``*.safetensors``) or shards of at most ``max_shard_bytes`` with a Hugging Face style index;
@@ -38,6 +39,8 @@ _EXPORTED = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors
 """The files an export to a folder writes (an earlier one is replaced with ``overwrite``)."""
 TIES_METADATA = "ucp_zarr.ties"
 """The ``__metadata__`` entry where an export records tied names (JSON: alias -> the name it reads)."""
+VALUES_METADATA = "ucp_zarr.values"
+"""The ``__metadata__`` entry where an export records the checkpoint's other values (JSON), which an import reads back."""
 BLOCK_BYTES = 64 << 20
 """Tensors are copied out in row blocks of about this size."""
 
@@ -87,7 +90,27 @@ def read(src: Path, *, prefix: str = "") -> Imported:
                 raise ConversionError(f"{file}: tensor {name!r} is also in another shard")
             out.tensors[key] = _Entry(file, name, tuple(info["shape"]), dtype)
     out.ties = _ties(out, prefix, files)
+    for k, v in _values(out, files).items():
+        if prefix + k in out.tensors or prefix + k in out.values:
+            raise ConversionError(f"{files[0]}: __metadata__[{VALUES_METADATA!r}] names {k!r}, which is also a tensor")
+        out.values[prefix + k] = v
     return out
+
+
+def _values(out: Imported, files: list[Path]) -> dict[str, Any]:
+    """The values an export of this module recorded (``__metadata__["ucp_zarr.values"]``),
+    taken out of the value ``__metadata__``."""
+    raw = out.values.get("__metadata__", {}).pop(VALUES_METADATA, None)
+    if raw is None:
+        return {}
+    try:
+        stored = json.loads(raw)
+        if not isinstance(stored, dict):
+            raise ValueError("not an object")
+        return {k: from_json(v, k) for k, v in stored.items()}
+    except Exception as e:
+        raise ConversionError(f"{files[0]}: __metadata__[{VALUES_METADATA!r}] is not the values an export "
+                              f"recorded ({e})") from None
 
 
 def _ties(out: Imported, prefix: str, files: list[Path]) -> dict[str, str]:
@@ -105,7 +128,8 @@ def _ties(out: Imported, prefix: str, files: list[Path]) -> dict[str, str]:
 
 
 def _files(src: Path) -> list[Path]:
-    if src.is_dir():
+    folder = src if src.is_dir() else None
+    if folder is not None:
         found = sorted(src.glob("*" + INDEX_SUFFIX)) or sorted(src.glob("*.safetensors"))
         if len(found) != 1:
             raise ConversionError(
@@ -124,6 +148,10 @@ def _files(src: Path) -> list[Path]:
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ConversionError(f"{src}: names shard files that do not exist: {missing}")
+        others = sorted(f.name for f in folder.glob("*.safetensors") if f not in files) if folder is not None else []
+        if others:  # (from_pretrained reads model.safetensors before an index: which is meant cannot be known)
+            raise ConversionError(f"{folder}: holds {others} beside the index {src.name}, which does not name "
+                                  f"{'them' if len(others) > 1 else 'it'}: give the file or the index to convert")
         return files
     if not src.is_file():
         raise ConversionError(f"{src}: no such file")
@@ -196,7 +224,7 @@ def _metadata(ck: CheckpointReader) -> dict[str, str]:
         header = {}
     out = {"format": "pt"} | header
     if values:
-        out["ucp_zarr.values"] = json.dumps({k: ck.meta.values[k] for k in values}, sort_keys=True)
+        out[VALUES_METADATA] = json.dumps({k: ck.meta.values[k] for k in values}, sort_keys=True)
     return out
 
 
