@@ -298,3 +298,15 @@ def test_codegen_block_gather_map_from_deepspeeds_own_partition(autotp: Path) ->
                 out[p.dst.slices()] = shard[p.src.slices()]
         assert torch.equal(out, weight), tp
         assert not torch.equal(torch.cat(data["shards"][tp]), weight)
+
+
+def test_pipeline_export_on_a_file_system_without_links(pipe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each stage's model-states file is a link to the first, or a copy where links fail."""
+    def no_links(self: Path, target: Path) -> None:
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(Path, "hardlink_to", no_links)
+    ucp_zarr.export(pipe / "z1-fp32" / "CV", tmp_path / "u", to="ds-universal")
+    folder = tmp_path / "u" / "global_step3_universal"
+    first, second = (folder / f"mp_rank_0{s}_model_states.pt" for s in (0, 1))
+    assert second.read_bytes() == first.read_bytes() and second.stat().st_nlink == 1

@@ -74,6 +74,7 @@ import copyreg
 import math
 import pickle
 import re
+import shutil
 import types
 import warnings
 from collections import OrderedDict
@@ -435,7 +436,11 @@ def write(
         lean = dict(model) | {"module": OrderedDict((n, torch.empty(0, dtype=t.dtype)) for n, t in model["module"].items())}
         _save(lean, folder / MODEL_FILES[1])
         for stage in range(1, pp):  # a pipeline engine's stage s reads mp_rank_<s>: as many as the source had
-            (folder / f"mp_rank_{stage:02d}_model_states.pt").hardlink_to(folder / MODEL_FILES[0])
+            copy = folder / f"mp_rank_{stage:02d}_model_states.pt"
+            try:
+                copy.hardlink_to(folder / MODEL_FILES[0])
+            except OSError:  # (a file system without links)
+                shutil.copyfile(folder / MODEL_FILES[0], copy)
         (tmp / LATEST).write_text(folder_name)
     return Path(dst)
 
