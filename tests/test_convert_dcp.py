@@ -552,3 +552,14 @@ def test_the_nesting_and_bytes_io_of_a_dcp_folder_survive_convert_and_export(tmp
         ucp_zarr.export(tmp_path / "saved", tmp_path / "out", to="dcp")
         dcp_to_torch_save(tmp_path / "out", tmp_path / "out.pt")
         _tree_equal(torch.load(tmp_path / "out.pt", weights_only=False), {k: v for k, v in want.items() if k != "blob"})
+
+
+def test_a_foreign_metadata_json_beside_a_dcp_folder_is_no_megatron_folder(plain: Path, tmp_path: Path) -> None:
+    """Only Megatron's metadata.json (sharded_backend torch_dist) makes a DCP folder Megatron's:
+    another tool's file, even unreadable, leaves it a plain DCP folder."""
+    src = tmp_path / "dcp"
+    shutil.copytree(plain, src)
+    for text in ("", '{"sharded_backend": "zarr"}'):
+        (src / "metadata.json").write_text(text)
+        ucp_zarr.convert(src, tmp_path / "ck", overwrite=True)
+        assert ucp_zarr.open(tmp_path / "ck").meta.layout["source"] == {"format": "dcp"}

@@ -303,17 +303,22 @@ def test_a_folder_with_a_single_file_beside_an_index_is_refused(tmp_path: Path) 
     """A folder holding model.safetensors and an index with its shards (a re-sharded model with
     the old file left behind): from_pretrained reads model.safetensors, the conversion read the
     index's shards, other weights, without a word. Which is meant cannot be known: refused,
-    naming the file; given explicitly, either converts."""
+    naming the file; given explicitly, either converts. Other files beside an index
+    from_pretrained ignores, and so does the conversion."""
     save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
     save_file({"w": torch.ones(2)}, tmp_path / "model-00001-of-00001.safetensors")
     (tmp_path / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}))
-    with pytest.raises(ConversionError, match=r"holds \['model.safetensors'\] beside the index"):
+    with pytest.raises(ConversionError, match=r"holds model.safetensors, which from_pretrained reads before the index"):
         ucp_zarr.convert(tmp_path, tmp_path / "ck")
     ucp_zarr.convert(tmp_path / "model.safetensors", tmp_path / "a")
     ucp_zarr.convert(tmp_path / "model.safetensors.index.json", tmp_path / "b")
     assert torch.equal(ucp_zarr.open(tmp_path / "a")["w"][:], torch.zeros(2))
     assert torch.equal(ucp_zarr.open(tmp_path / "b")["w"][:], torch.ones(2))
+    # another file beside the index (Mistral's consolidated.safetensors, an adapter): from_pretrained reads the index
+    (tmp_path / "model.safetensors").rename(tmp_path / "consolidated.safetensors")
+    ucp_zarr.convert(tmp_path, tmp_path / "c")
+    assert torch.equal(ucp_zarr.open(tmp_path / "c")["w"][:], torch.ones(2))
 
 
 def test_tied_tensors_of_a_torch_file_are_stored_once(tmp_path: Path) -> None:

@@ -28,8 +28,6 @@ import ucp_zarr
 from ucp_zarr.errors import ConversionError, UntrustedInputError
 from ucp_zarr.format.statedict import from_json
 
-pytest.importorskip("megatron.core")
-
 VARIANT = MC.VARIANTS["gqa"]
 SEED = 3
 VOCAB = 256

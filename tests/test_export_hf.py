@@ -409,6 +409,15 @@ def test_masters_of_a_model_with_frozen_weights_load_unrounded(tmp_path: Path) -
     assert loaded.dtype == torch.float32
     for k, v in masters.items():
         assert torch.equal(loaded.state_dict()[k], low[k].float() if k == frozen else v), k
+    from safetensors.torch import load_file
+
+    wide = torch.tensor([1e-300, 3.0], dtype=torch.float64)  # (no master, and wider than fp32: kept as it is)
+    ucp_zarr.save({"model": {"w": low[frozen], "f64": wide, "n": torch.arange(3)},
+                   "optim": {"state": {"w": {"fp32": masters[frozen]}}}}, tmp_path / "ck2")
+    ucp_zarr.export(tmp_path / "ck2", tmp_path / "hf2", to="hf", masters=True)
+    written = load_file(tmp_path / "hf2" / "model.safetensors")
+    assert torch.equal(written["f64"], wide) and torch.equal(written["n"], torch.arange(3))
+    assert torch.equal(written["w"], masters[frozen])
 
 
 def test_a_sequence_to_sequence_model_without_architectures_exports(tmp_path: Path) -> None:

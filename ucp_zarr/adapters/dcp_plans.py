@@ -143,7 +143,8 @@ def _original_value(planner: SavePlanner, item: WriteItem) -> Any:
         raise TypeError(f"value {item.index.fqn!r}: the planner resolved a {type(buf).__name__}, expected the BytesIO "
                         "of a torch.save")
     try:
-        return torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+        with torch.serialization.safe_globals([io.BytesIO]):  # (a BytesIO value, pickled as DCP's default does)
+            return torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     except Exception as e:
         raise TypeError(f"value {item.index.fqn!r}: the bytes the planner made of it are not plain data (a weights-only "
                         f"load refused them: {str(e).splitlines()[0]}); ucp_zarr stores values as JSON") from None

@@ -373,7 +373,7 @@ def write(
     reads with ``load_universal`` on any world size and ZeRO stage. A pipeline engine's stage
     ``s`` reads ``mp_rank_<s>_model_states.pt``: the folder holds one (a link to the first)
     for each stage of a pipeline source, as ``ds_to_universal`` copies the source's, with
-    ``mp_world_size`` their count (DeepSpeed checks it)."""
+    ``mp_world_size`` their count (DeepSpeed checks it, for ZeRO-3's names too)."""
     values = ck.metadata["values"]
     tensors = ck.meta.tensors
     dims = values.get("deepspeed.checkpoint_parallel_dimensions")
@@ -436,11 +436,12 @@ def write(
         lean = dict(model) | {"module": OrderedDict((n, torch.empty(0, dtype=t.dtype)) for n, t in model["module"].items())}
         _save(lean, folder / MODEL_FILES[1])
         for stage in range(1, pp):  # a pipeline engine's stage s reads mp_rank_<s>: as many as the source had
-            copy = folder / f"mp_rank_{stage:02d}_model_states.pt"
-            try:
-                copy.hardlink_to(folder / MODEL_FILES[0])
-            except OSError:  # (a file system without links)
-                shutil.copyfile(folder / MODEL_FILES[0], copy)
+            for name in MODEL_FILES:
+                copy = folder / name.replace("mp_rank_00", f"mp_rank_{stage:02d}")
+                try:
+                    copy.hardlink_to(folder / name)
+                except OSError:  # (a file system without links)
+                    shutil.copyfile(folder / name, copy)
         (tmp / LATEST).write_text(folder_name)
     return Path(dst)
 

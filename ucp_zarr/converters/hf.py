@@ -10,8 +10,8 @@ canonical tensor is written is left out, as ``save_pretrained`` leaves out
 ``lm_head.weight`` of a model with tied embeddings. ``dtype`` casts floating tensors
 (``"bf16"``, ``"fp16"``, ``"fp32"``; default: as stored); ``masters=True`` writes each
 weight's fp32 master (``optim.state.<name>.fp32``, as the DeepSpeed converter and adapter
-store it) where the checkpoint holds one, and the other floating weights (frozen ones: no
-optimizer keeps their master) in fp32 too, exactly, unless ``dtype`` is given: a folder of
+store it) where the checkpoint holds one, and the other floating weights of lower precision
+(frozen ones: no optimizer keeps their master) in fp32 too, exactly, unless ``dtype`` is given: a folder of
 several floating dtypes loads in its config's, which would round the masters.
 
 ``names`` renames (a dict, a callable, or ``"megatron_to_llama"``): each weight's name (prefix
@@ -112,8 +112,8 @@ def write(
     items: list[OutTensor] = []
     for key, source in sources.items():
         cast = DTYPES[dtype] if dtype is not None else ck[source].dtype
-        if masters and dtype is None and cast.is_floating_point:  # a weight without master (frozen): upcast,
-            cast = torch.float32  # exactly, else the config's dtype would round the masters to it
+        if masters and dtype is None and cast.is_floating_point and cast.itemsize < 4:  # a weight without master
+            cast = torch.float32  # (frozen): upcast exactly, else the config's dtype would round the masters to it
         items += _items(ck, key, key[len(prefix):], source, cast, lookup)
     twice = sorted(n for n, c in Counter(t.name for t in items).items() if c > 1)
     if twice:

@@ -52,7 +52,7 @@ def is_torch_dist(src: Path) -> bool:
     try:
         info = json.loads(f.read_text())
     except (OSError, ValueError):
-        raise ConversionError(f"{f}: not readable JSON (Megatron's dist_checkpointing metadata)") from None
+        return False  # (another tool's file)
     return isinstance(info, dict) and info.get("sharded_backend") == "torch_dist"
 
 

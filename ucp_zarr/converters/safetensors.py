@@ -34,6 +34,8 @@ from ..io.store import Store
 from .base import Imported, atomic_file, atomic_folder, read_ahead
 
 INDEX_SUFFIX = ".safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+"""The file ``from_pretrained`` reads first, before an index (``SAFE_WEIGHTS_NAME``)."""
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
 _EXPORTED = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 """The files an export to a folder writes (an earlier one is replaced with ``overwrite``)."""
@@ -148,10 +150,10 @@ def _files(src: Path) -> list[Path]:
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ConversionError(f"{src}: names shard files that do not exist: {missing}")
-        others = sorted(f.name for f in folder.glob("*.safetensors") if f not in files) if folder is not None else []
-        if others:  # (from_pretrained reads model.safetensors before an index: which is meant cannot be known)
-            raise ConversionError(f"{folder}: holds {others} beside the index {src.name}, which does not name "
-                                  f"{'them' if len(others) > 1 else 'it'}: give the file or the index to convert")
+        single = folder / SINGLE_FILE if folder is not None else None
+        if single is not None and single.is_file() and single not in files:  # (which is meant cannot be known)
+            raise ConversionError(f"{folder}: holds {SINGLE_FILE}, which from_pretrained reads before the index "
+                                  f"{src.name} (which does not name it): give the file or the index to convert")
         return files
     if not src.is_file():
         raise ConversionError(f"{src}: no such file")

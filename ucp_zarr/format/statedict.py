@@ -212,7 +212,7 @@ def _to_json(value: Any, key: str, depth: int) -> Any:
         raise NotJSONableError(
             f"value at key {key!r} is a tensor inside a value stored as JSON (a tuple, or what one PerRank wraps): "
             "tensors are leaves of the state dict's dicts and lists only (a tuple is one value, as in torch DCP); "
-            "make the tuple a list, or wrap each tensor in a PerRank of its own"
+            "in a state dict to save, make the tuple a list, or wrap each tensor in a PerRank of its own"
         )
     raise NotJSONableError(
         f"value at key {key!r} of type {type(value).__name__} is neither a tensor nor JSON-able "
