@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import ucp_zarr
+from ucp_zarr.adapters.megatron_sharded import sharded_state
 from ucp_zarr.errors import ConversionError, UntrustedInputError
 from ucp_zarr.format.statedict import from_json
 
@@ -67,6 +68,14 @@ def _save_job(rank: int, world: int, path: str) -> None:
         dist_checkpointing.save(sd, path, sharded_strategy=("torch_dist", 1))
     for child in multiprocessing.active_children():  # (the writer's worker, which would outlive the job)
         child.terminate()
+    ucp_zarr.save(sharded_state({"model": model.sharded_state_dict(), "iteration": 7}), path + "_ucp")
+
+
+def _load_job(rank: int, world: int, src: str, out: str) -> None:
+    """A fresh TP=1 model (other values) loaded from ``src`` through :func:`sharded_state`."""
+    model = MC.build(VARIANT, world, 1, SEED + 1, vocab=VOCAB)
+    ucp_zarr.load(sharded_state(model.sharded_state_dict()), src, strict=False)
+    torch.save({n: t.detach().clone() for n, t in model.state_dict().items() if t is not None}, out)
 
 
 def _reference_job(rank: int, world: int, path: str, out: str) -> None:
@@ -82,6 +91,7 @@ def _reference_job(rank: int, world: int, path: str, out: str) -> None:
         loaded = dist_checkpointing.load({"model": sharded}, path)
     common = dist_checkpointing.load_common_state_dict(path)
     torch.save({"tensors": {n: (where[n], t.detach().clone()) for n, t in loaded["model"].items() if n in where},
+                "loaded": {n: t.detach().clone() for n, t in loaded["model"].items() if isinstance(t, torch.Tensor)},
                 "iteration": common["iteration"], "param_groups": common["optimizer"]["param_groups"]}, out)
 
 
@@ -91,6 +101,10 @@ def megatron_dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "ck").mkdir()  # (Megatron saves into an empty folder that exists)
     MC.run_job(_save_job, 2, str(root / "ck"))
     MC.run_job(_reference_job, 1, str(root / "ck"), str(root / "reference.pt"))
+    with pytest.warns(UserWarning, match="rng_state"):
+        ucp_zarr.convert(root / "ck", root / "converted")
+    for name in ("ck_ucp", "converted"):
+        MC.run_job(_load_job, 1, str(root / name), str(root / f"{name}.pt"))
     return root
 
 
@@ -113,6 +127,24 @@ def test_megatron_torch_dist_folder_converts_with_its_common_state(megatron_dist
                                                                        "lr": 0.01}
     assert not [k for k in values if k.startswith("rng_state")]
     assert ck.meta.layout["source"] == {"format": "dcp", "megatron": "torch_dist"}
+
+
+def test_megatron_sharded_state_saves_and_loads_at_another_tp(megatron_dist: Path) -> None:
+    """Megatron's own sharded_state_dict through ucp_zarr: saved at TP=2 by every rank, and
+    loaded into a TP=1 model (in place, its own part) from that save and from the conversion
+    of Megatron's torch_dist folder of the same model; every parameter equals what Megatron's
+    own load of its folder gives. The save holds the keys and global shapes of the folder."""
+    ref = torch.load(megatron_dist / "reference.pt", weights_only=True)["loaded"]
+    assert any(".linear_fc1.weight" in n for n in ref)  # (a factory's: [gate; up] as two boxes of one key)
+    saved, converted = ucp_zarr.open(megatron_dist / "ck_ucp"), ucp_zarr.open(megatron_dist / "converted")
+    assert sorted(saved.meta.tensors) == sorted(converted.meta.tensors)
+    for key in saved.meta.tensors:
+        assert torch.equal(saved.read(key), converted.read(key)), key
+    for name in ("ck_ucp", "converted"):
+        got = torch.load(megatron_dist / f"{name}.pt", weights_only=True)
+        assert sorted(got) == sorted(ref)
+        for param, want in ref.items():
+            assert torch.equal(got[param], want), (name, param)
 
 
 def test_megatron_folder_refusals_name_the_file(megatron_dist: Path, tmp_path: Path) -> None:
