@@ -450,6 +450,22 @@ def test_a_per_rank_checkpoint_has_one_size_everywhere(tmp_path: Path) -> None:
     assert ck.nbytes() == stored and I.checkpoint_info(ck)["nbytes"] == stored
     assert [s.nbytes for s in list_steps(tmp_path)] == [stored]
     assert "40 B" in repr(ck)
+    # the listing and the summary too (they counted one copy: 24 B)
+    assert sum(r.nbytes for r in I.list_tensors(ck)) == stored
+    assert I.checkpoint_summary(ck).total.nbytes == stored
+
+
+def test_summary_puts_numbered_optimizer_state_under_its_number(tmp_path: Path) -> None:
+    """Optimizer state saved without parameter names counts under its number (as
+    docs/notebooks.md says), not at the top level with the top-level buffers."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    ucp_zarr.save({"m": model.state_dict(), "opt": opt.state_dict(), "scale": torch.ones(2)}, tmp_path / "ck")
+    rows = {r.name: r for r in I.checkpoint_summary(ucp_zarr.open(tmp_path / "ck")).modules}
+    assert rows["0"].optimizer == 2 * 6 + 1 and rows["1"].optimizer == 2 * 2 + 1
+    assert rows[""].optimizer == 0 and rows[""].tensors == 1
 
 
 def test_diff_of_large_integers_is_exact(tmp_path: Path) -> None:

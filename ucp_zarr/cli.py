@@ -60,7 +60,7 @@ SHOW_LIMIT = 1_000_000
 """The most elements ``show`` reads unless ``--limit`` says otherwise."""
 FIND_DEPTH = 3
 """How many folder levels below a path ``info``/``ls`` look for checkpoints when the path is none."""
-KEYWORD_OPTIONS = {"hmac_key": "key_file", "to": "target"}
+KEYWORD_OPTIONS = {"hmac_key": "key_file", "to": "target", "max_shard_bytes": "max_shard_size"}
 """Keyword arguments of the Python API whose option here has another ``dest``."""
 
 

@@ -4,6 +4,7 @@ values over steps."""
 from __future__ import annotations
 
 import math
+import statistics
 from typing import TYPE_CHECKING
 from .notebook import MAX_DIFF_ROWS, _STYLE, _e, _n, _num, _shape, _short, human_bytes
 
@@ -71,8 +72,8 @@ def _everything_differs(diff: "CheckpointDiff") -> str | None:
 
     rels = [r.rel_update for r in compared if r.rel_update is not None]
     model = [r.rel_update for r in compared if r.rel_update is not None and tensor_kind(r.key) == "model"]
-    rels = sorted(model or rels)  # (optimizer moments change by more than themselves early on)
-    median = rels[len(rels) // 2] if rels else None
+    rels = model or rels  # (optimizer moments change by more than themselves early on)
+    median = statistics.median(rels) if rels else None
     text = f"every one of the {_n(len(compared), 'tensor')} in common differs"
     if median is not None:
         of = "the model's " if model else ""

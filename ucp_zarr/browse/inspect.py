@@ -34,6 +34,7 @@ class TensorRow:
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
+    """The bytes stored: every saving rank's copy of per-rank state."""
     chunks: tuple[int, ...]
     """The chunk shape (the unit of reading)."""
     shard_shape: tuple[int, ...]
@@ -96,7 +97,7 @@ def list_tensors(ck: CheckpointReader, pattern: str | None = None) -> list[Tenso
         e = ck.meta.tensors[key]
         grid = ck.array_meta(key).grid
         return TensorRow(
-            key=key, path=e.path, shape=tuple(e.shape), dtype=e.dtype, nbytes=e.nbytes, chunks=grid.chunk_shape,
+            key=key, path=e.path, shape=tuple(e.shape), dtype=e.dtype, nbytes=e.nbytes * e.copies, chunks=grid.chunk_shape,
             shard_shape=grid.shard_shape, shards=math.prod(grid.shard_counts), group=e.path.partition("/")[0],
             ranks=None if e.ranks is None else tuple(sorted(e.ranks)),
         )
@@ -119,6 +120,7 @@ def checkpoint_info(ck: CheckpointReader) -> dict[str, Any]:
         "layout": meta.layout,
         "values": meta.values,
         "rank_values": meta.rank_values,
+        "ties": meta.ties,
         "index": {k: {"path": e.path, "shape": list(e.shape), "dtype": e.dtype, "nbytes": e.nbytes}
                   for k, e in meta.tensors.items()},
     }
@@ -144,7 +146,10 @@ def tensor_kind(key: str, ranks: Any = None) -> str:
 def module_of(group: str, depth: int) -> str:
     """The module of a parameter group (its FQN) cut to ``depth`` names, never the parameter's
     own name: ``("blocks.0.attn.qkv.weight", 2)`` -> ``"blocks.0"``, ``("head.weight", 2)`` ->
-    ``"head"``; ``""`` for a top-level name."""
+    ``"head"``; ``""`` for a top-level name; a parameter's number (the optimizer state of a
+    save that did not know the names) is its own module."""
+    if group.isdigit():
+        return group
     parts = group.split(".")
     return ".".join(parts[: min(depth, len(parts) - 1)])
 
@@ -228,7 +233,7 @@ def checkpoint_summary(
     total = SummaryRow("total")
     for key, e in ck.meta.tensors.items():
         name = module_of(group_of(e.path), depth)
-        args = (tensor_kind(key, e.ranks), math.prod(e.shape), e.nbytes, e.dtype)
+        args = (tensor_kind(key, e.ranks), math.prod(e.shape) * e.copies, e.nbytes * e.copies, e.dtype)
         for row in (modules.setdefault(name, SummaryRow(name)), dtypes.setdefault(e.dtype, SummaryRow(e.dtype)), total):
             row.add(*args)
     return CheckpointSummary(ck.store.url, depth, list(modules.values()),

@@ -166,8 +166,17 @@ def _taken(fn: Callable[..., Any], what: str, options: dict[str, Any], harmless:
                      if k not in params and k not in harmless and v is not None and v is not False and v != "")
     if ignored:
         takes = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY and k not in ("overwrite", "progress"))
-        raise ConversionError(f"{what} takes no option {', '.join(ignored)} (it takes: {', '.join(takes) or 'none'})")
+        raise ConversionError(f"{what} takes no option ", *_listed(ignored), " (it takes: ", *(_listed(takes) or ["none"]),
+                              ")")
     return {k: v for k, v in options.items() if k in params}
+
+
+def _listed(names: list[str]) -> list[Any]:
+    """``names`` as message parts: keywords (each face spells them its way), comma-separated."""
+    parts: list[Any] = []
+    for i, name in enumerate(names):
+        parts += [", "] * (i > 0) + [Keyword(name)]
+    return parts
 
 
 def _running_total(progress: Callable[[int, int], None] | None, total: int) -> Callable[[int], None] | None:

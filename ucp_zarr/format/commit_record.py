@@ -67,7 +67,13 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
+        """The bytes of one copy."""
         return math.prod(self.shape) * stored_dtype_by_name(self.dtype).itemsize
+
+    @property
+    def copies(self) -> int:
+        """How many copies are stored: one per saving rank of per-rank state, else one."""
+        return len(self.ranks) if self.ranks else 1
 
     def array(self, rank: int | None) -> ArrayRef:
         """The array of rank ``rank``'s copy (per-rank state), else the tensor's array."""
@@ -146,7 +152,7 @@ class CheckpointMeta:
     def nbytes(self) -> int:
         """The bytes of every tensor's data, each saving rank's copy of per-rank state counted
         (what is stored)."""
-        return sum(t.nbytes * (len(t.ranks) if t.ranks else 1) for t in self.tensors.values())
+        return sum(t.nbytes * t.copies for t in self.tensors.values())
 
     def attributes(self) -> dict[str, Any]:
         """``attributes.ucp_zarr`` of the root document."""
