@@ -434,3 +434,38 @@ def test_on_loopback_s3(seaweed):
     _save(resumed, 4)
     assert resumed.steps() == [4]
     assert all(k.startswith(step_name(4) + "/") for k in store.list())  # no lease, claim or record left behind
+
+
+def test_a_wait_interrupted_by_a_signal_keeps_the_failed_saves_error(tmp_path, monkeypatch) -> None:
+    """A preemption handler raising from a signal while wait() waits (or save() waits for the
+    save before) dropped the save in flight: its failure was never raised by any later call,
+    close() included ('its error ... never vanishes')."""
+    from ucp_zarr.io.local import LocalStore
+
+    real = LocalStore.write
+
+    def failing(self, key, buffers, guard=None):
+        if "step_00000001" in self.url and "/c/" in key:
+            time.sleep(1.0)
+            raise OSError(5, "Input/output error (injected)")
+        return real(self, key, buffers, guard)
+
+    class Preempted(Exception):
+        pass
+
+    def preempt(signum, frame):
+        raise Preempted()
+
+    monkeypatch.setattr(LocalStore, "write", failing)
+    m = CheckpointManager(tmp_path / "run", keep_last=2)
+    m.save(1, {"w": torch.ones(64)}, async_save=True, writer="thread")
+    old = signal.signal(signal.SIGALRM, preempt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(Preempted):
+            m.wait()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    with pytest.raises(Exception, match="injected"):
+        m.close()

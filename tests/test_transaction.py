@@ -254,3 +254,33 @@ def test_an_overwrite_keeps_the_other_files_of_the_directory(tmp_path) -> None:
     assert {n: (ck / n).read_text() for n in others} == others
     assert torch.equal(ucp_zarr.open(ck).read("w"), torch.zeros(3)) and "b.x" not in ucp_zarr.open(ck)
     assert not (ck / "b").exists() or not any((ck / "b").rglob("*.json"))
+
+
+def test_a_commit_whose_acknowledgement_is_lost_stays_whole(tmp_path, monkeypatch):
+    """The commit record's create lands, then fails (a response lost after the server stored
+    it, an EIO from the fsync after the link). The save aborted and deleted its shards under
+    the record in place: latest() named a step whose data was gone. Now the save reads the
+    record back: in place, it is committed; unreadable, nothing of it is deleted."""
+    import torch
+
+    import ucp_zarr
+
+    real = LocalStore.create_exclusive
+
+    def landed_then_failed(self, key, data):
+        real(self, key, data)
+        if key == "zarr.json":
+            raise OSError(5, "Input/output error (injected after the create landed)")
+
+    monkeypatch.setattr(LocalStore, "create_exclusive", landed_then_failed)
+    ucp_zarr.save({"w": torch.arange(4.0)}, tmp_path / "ck")  # committed: its record is in place
+    assert torch.equal(ucp_zarr.open(tmp_path / "ck")["w"][:], torch.arange(4.0))
+
+    def unreadable(self, key, data):
+        raise OSError(5, "Input/output error (injected)")
+
+    monkeypatch.setattr(LocalStore, "holds", unreadable)
+    with pytest.raises(Exception, match="injected after the create landed"):
+        ucp_zarr.save({"w": torch.ones(3)}, tmp_path / "ck2")
+    monkeypatch.undo()
+    assert torch.equal(ucp_zarr.open(tmp_path / "ck2")["w"][:], torch.ones(3))  # (whole: nothing was deleted)

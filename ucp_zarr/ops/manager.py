@@ -271,8 +271,17 @@ class CheckpointManager:
     def wait(self) -> SaveMetrics | None:
         """Wait for the async save in flight (and its retention); raise its error. Returns
         its metrics, or None when none was in flight."""
-        fut, self._inflight = self._inflight, None
-        return None if fut is None else fut.result()
+        fut = self._inflight
+        if fut is None:
+            return None
+        try:
+            metrics = fut.result()
+        except BaseException as e:  # (a wait interrupted by a signal's exception keeps the save, and its error)
+            if fut.done() and not fut.cancelled() and fut.exception() is e:
+                self._inflight = None
+            raise
+        self._inflight = None
+        return metrics
 
     def _raise_failed(self) -> None:
         """Raise the error of a finished async save (once), without waiting for a running one."""

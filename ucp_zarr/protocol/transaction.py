@@ -503,6 +503,9 @@ class Transaction:
             self.target.create_exclusive(METADATA_FILE, root)
         except FileExistsError:
             raise OwnershipError(f"{self.target.url} was committed by another save meanwhile") from None
+        except BaseException as e:
+            if not self._landed(root, e):
+                raise
         self.claimed = False
         if self.staged is not None:
             try:
@@ -516,6 +519,22 @@ class Transaction:
         except Exception as e:  # committed: the save succeeded
             try_mark_aborted(self.target, self.save_id, "the records of a committed save")
             _left_behind(self.target, e)
+
+    def _landed(self, root: bytes, error: BaseException) -> bool:
+        """After the commit record's create failed with ``error``: whether the record is in
+        place all the same (its acknowledgement was lost: a response that never came, an
+        fsync after the link that failed), which makes the save committed. Where that cannot
+        be read, nothing of the save may be deleted (an abort would leave a commit record
+        over missing shards): the claim is dropped, so the abort leaves it all for the next
+        save here, and ``error`` stands."""
+        if isinstance(error, Exception):
+            try:
+                return self.target.holds(METADATA_FILE, root)
+            except Exception as e:
+                log.warning("ucp_zarr: %s: the commit record's create failed (%s) and whether it landed cannot be read "
+                            "(%s): nothing of the save is deleted", self.target.url, error, e)
+        self.claimed = False
+        return False
 
     def abort(self, *, wrote: bool = True) -> None:
         """Give up the claim: mark this save aborted (so the next save may take over at
