@@ -469,3 +469,16 @@ def test_a_wait_interrupted_by_a_signal_keeps_the_failed_saves_error(tmp_path, m
         signal.signal(signal.SIGALRM, old)
     with pytest.raises(Exception, match="injected"):
         m.close()
+
+
+def test_a_save_older_than_the_newest_step_warns(tmp_path) -> None:
+    """After a rollback to step 20 of a root holding 30, the new run's steps are older than
+    30: latest() and load_latest() name 30 and retention keeps it over them (documented);
+    the save now says so, instead of a crash resuming the abandoned run without a word."""
+    m = CheckpointManager(tmp_path / "run", keep_last=2)
+    for step in (10, 20, 30):
+        m.save(step, {"w": torch.full((2,), float(step))})
+    with pytest.warns(UserWarning, match=r"saved step 22 under .* newer steps \[30\]: .* latest\(\)"):
+        m.save(22, {"w": torch.ones(2)})
+    assert m.latest() == 30
+    m.close()

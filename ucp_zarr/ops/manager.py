@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, MutableMapping
@@ -231,7 +232,7 @@ class CheckpointManager:
         if self._comm.rank == 0:
             t1 = time.perf_counter()
             try:
-                deleted = self._retain(kept)
+                deleted = self._retain(step, kept)
             except Exception as e:  # the checkpoint is committed; keep training
                 error = f"{type(e).__name__}: {e}"
                 log.warning("ucp_zarr: retention under %s failed after saving step %d: %s", self.root, step, error)
@@ -249,12 +250,19 @@ class CheckpointManager:
             self.on_saved(metrics)
         return metrics
 
-    def _retain(self, kept: frozenset[int]) -> tuple[int, ...]:
+    def _retain(self, step: int, kept: frozenset[int]) -> tuple[int, ...]:
         """Apply the retention policy (never to the steps ``kept``: the one just saved, and those
         the save protects; :func:`delete_step` backs off from steps being read) and remove
-        uncommitted folders nobody alive works on."""
+        uncommitted folders nobody alive works on. Warns when ``step``, just saved, is not the
+        newest: a run rolled back to an older step resumes from the newer ones."""
         numbers = step_numbers(self._store)
         committed = self._committed(numbers)
+        newer = [s for s in committed if s > step]
+        if newer:
+            warnings.warn(f"ucp_zarr: saved step {step} under {self.root}, which holds newer steps {newer[:3]}"
+                          f"{' ...' * (len(newer) > 3)}: steps are ordered by number, so latest() and load_latest() "
+                          "name those (a crash resumes the run that was rolled back), and retention keeps them over "
+                          "this run's steps; remove them to go on from this run", stacklevel=2)
         deleted = []
         for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protected=set(kept)):
             if delete_step(self._step(s), lease_s=self.lease_s):
