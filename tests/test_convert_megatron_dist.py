@@ -68,7 +68,18 @@ def _save_job(rank: int, world: int, path: str) -> None:
         dist_checkpointing.save(sd, path, sharded_strategy=("torch_dist", 1))
     for child in multiprocessing.active_children():  # (the writer's worker, which would outlive the job)
         child.terminate()
-    ucp_zarr.save(sharded_state({"model": model.sharded_state_dict(), "iteration": 7}), path + "_ucp")
+    groups = {"param_groups": [{"lr": 0.01, "betas": (0.9, 0.999), "step": 1}]}
+    ucp_zarr.save(sharded_state({"model": model.sharded_state_dict(), "iteration": 7, "optimizer": groups}), path + "_ucp")
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from ucp_zarr.errors import LayoutError
+
+    try:  # an optimizer's state (a load would fill buffers only Megatron's load_state_dict copies in) is refused
+        sharded_state({"optimizer": {"state": ShardedTensor.from_rank_offsets("optimizer.state.exp_avg.w", torch.zeros(2))}})
+    except LayoutError as e:
+        assert "is Megatron optimizer state" in str(e), e
+    else:
+        raise AssertionError("the optimizer's sharded state was taken")
 
 
 def _load_job(rank: int, world: int, src: str, out: str) -> None:
@@ -121,7 +132,9 @@ def test_megatron_torch_dist_folder_converts_with_its_common_state(megatron_dist
         assert torch.equal(ck.read(key)[tuple(offset)], want), name
     values = {k: from_json(v) for k, v in ck.meta.values.items()}
     assert values["iteration"] == ref["iteration"] == 7
-    assert values["optimizer.param_groups"] == [{"lr": 0.01, "betas": (0.9, 0.999), "step": 1}] == ref["param_groups"]
+    assert ref["param_groups"] == [{"lr": 0.01, "betas": (0.9, 0.999), "step": 1}]  # (flattened as a save flattens)
+    assert {k: v for k, v in values.items() if k.startswith("optimizer.")} == {
+        "optimizer.param_groups.0.lr": 0.01, "optimizer.param_groups.0.betas": (0.9, 0.999), "optimizer.param_groups.0.step": 1}
     args = values["args"]
     assert args["class"] == "argparse.Namespace" and args["state"] == {"tensor_model_parallel_size": 2, "seq_length": 16,
                                                                        "lr": 0.01}
@@ -140,6 +153,7 @@ def test_megatron_sharded_state_saves_and_loads_at_another_tp(megatron_dist: Pat
     assert sorted(saved.meta.tensors) == sorted(converted.meta.tensors)
     for key in saved.meta.tensors:
         assert torch.equal(saved.read(key), converted.read(key)), key
+    assert saved.meta.values == {k: v for k, v in converted.meta.values.items() if k != "args"}  # (the same keys)
     for name in ("ck_ucp", "converted"):
         got = torch.load(megatron_dist / f"{name}.pt", weights_only=True)
         assert sorted(got) == sorted(ref)

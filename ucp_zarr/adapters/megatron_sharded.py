@@ -13,6 +13,13 @@ viewed with the prepended axes, at its global offset), so that
 * ``ucp_zarr.load(sharded_state(model.sharded_state_dict()), path, strict=False)`` fills the
   model's parameters in place with its own part, at any TP/PP of the same model.
 
+Model state only: an optimizer's ``sharded_state_dict`` is refused (its keys start with
+``optimizer.``). Megatron's ``load_state_dict`` copies an optimizer's state in from the
+buffers its ``sharded_state_dict(is_loading=True)`` makes, which an in-place load would fill
+and drop; load a Megatron optimizer with the rules (``Rules.from_megatron``, ``place`` and
+``FlatShard`` of the DistributedOptimizer's ranges, ``docs/rules.md``) or with Megatron's own
+``dist_checkpointing``.
+
 ``ShardedTensorFactory`` (SwiGLU's ``[gate; up]``) is built first: its tensors are views of
 the parameter, so a load fills the parameter. Other leaves are values under their dotted
 path, as ``common.pt`` is converted. ``ShardedObject`` holding ``None`` (the local layer
@@ -32,11 +39,14 @@ from ..layout import Box
 from ..layout.pieces import Piece
 from ..protocol.fragments import Placed
 
+OPTIMIZER_PREFIX = "optimizer."
+"""The checkpoint keys of Megatron's optimizer state (``optimizer.state.exp_avg.<key>``...)."""
+
 
 def sharded_state(sharded_state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """Megatron-core's ``sharded_state_dict`` (of a model, an optimizer, nested with other
-    state) as a state dict for :func:`ucp_zarr.save` and :func:`ucp_zarr.load` (see the
-    module docstring). Factories are built in place, as Megatron's own save does."""
+    """Megatron-core's ``sharded_state_dict`` of a model (nested with other state) as a
+    state dict for :func:`ucp_zarr.save` and :func:`ucp_zarr.load` (see the module
+    docstring). Factories are built in place, as Megatron's own save does."""
     from megatron.core.dist_checkpointing.mapping import (
         LocalNonpersistentObject,
         ShardedObject,
@@ -46,8 +56,20 @@ def sharded_state(sharded_state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     count: dict[str, int] = {}
+    sharded = (ShardedTensor, ShardedTensorFactory, ShardedObject, LocalNonpersistentObject)
+
+    def holds_sharded(v: Any) -> bool:
+        if isinstance(v, sharded):
+            return True
+        if isinstance(v, Mapping):
+            return any(holds_sharded(x) for x in v.values())
+        return isinstance(v, list) and any(holds_sharded(x) for x in v)
 
     def walk(v: Any, path: tuple[str, ...]) -> None:
+        if isinstance(v, (ShardedTensor, ShardedTensorFactory)) and v.key.startswith(OPTIMIZER_PREFIX):
+            raise LayoutError(f"{'.'.join(path)}: {v.key!r} is Megatron optimizer state, which a load would fill into "
+                              "buffers only Megatron's load_state_dict copies in: not supported; sharded_state takes "
+                              "the model's sharded_state_dict (see the module docstring for the optimizer)")
         if isinstance(v, ShardedTensorFactory):
             walk(v.build(), path)
         elif isinstance(v, ShardedTensor):
@@ -62,7 +84,7 @@ def sharded_state(sharded_state_dict: Mapping[str, Any]) -> dict[str, Any]:
         elif isinstance(v, Mapping):
             for k, x in v.items():
                 walk(x, path + (str(k),))
-        elif isinstance(v, list) and any(isinstance(x, (Mapping, list, ShardedTensor, ShardedTensorFactory)) for x in v):
+        elif isinstance(v, list) and holds_sharded(v):  # (other lists are values, as common.pt's are converted)
             for i, x in enumerate(v):
                 walk(x, path + (str(i),))
         else:

@@ -398,7 +398,10 @@ def read(src: Path, *, trust: bool = False, prefix: str = "") -> Imported:
                 if megatron and megatron_dist.left_out(fqn):
                     left_out.append(fqn)
                     continue
-                out.values[key], blob = _value(s, fqn, key, trust, megatron_dist.refusal(fqn) if megatron else None)
+                value, blob = _value(s, fqn, key, trust, megatron_dist.refusal(fqn) if megatron else None)
+                if megatron and megatron_dist.empty(fqn, value):
+                    continue
+                out.values[key] = value
                 if blob:
                     blobs.append(key)
             elif isinstance(entry, TensorStorageMetadata):

@@ -16,7 +16,8 @@ Such a folder (``megatron.core.dist_checkpointing.save(sharded_state_dict, dir)`
 Read here: ``common.pt``'s leaves become values under their dotted keys (weights-only,
 ``argparse.Namespace`` and Megatron's enums as inert records; anything else needs
 ``trust``). Megatron-LM's ``rng_state`` objects (each rank's generators, of the saving
-layout) are left out with a warning; optimizer state that Megatron pickles into objects per
+layout) are left out with a warning, objects holding nothing (``[None]``) without one;
+optimizer state that Megatron pickles into objects per
 data-parallel rank (the DistributedOptimizer's ``dp_reshardable`` and
 ``dp_zero_gather_scatter`` formats) is refused, naming the format that converts.
 """
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from ..errors import ConversionError
+from ..format.statedict import iter_leaves
 from .base import plain, torch_load
 
 COMMON_FILE = "common.pt"
@@ -69,6 +71,13 @@ def warn_left_out(src: Path, keys: list[str]) -> None:
                       "them anew (Megatron's own load of the folder restores them at the same layout)", stacklevel=3)
 
 
+def empty(fqn: str, value: Any) -> bool:
+    """Whether the value ``fqn`` is a ``ShardedObject`` that holds nothing (``[None]``: the
+    ``_extra_state`` of a layer without one), which the conversion leaves out, as
+    :func:`ucp_zarr.adapters.megatron_sharded.sharded_state` does."""
+    return value == [None] and _SHARDED_OBJECT.fullmatch(fqn) is not None
+
+
 def refusal(fqn: str) -> str | None:
     """Why the value ``fqn`` that cannot be stored is a Megatron record this converter
     does not take, and the way out; None for another value."""
@@ -81,7 +90,7 @@ def refusal(fqn: str) -> str | None:
 
 
 def common_values(src: Path, trust: bool) -> dict[str, Any]:
-    """``common.pt``'s leaves (nested dicts flattened, keys joined with ``.``) as JSON-able
+    """``common.pt``'s leaves (flattened as a save flattens a state dict) as JSON-able
     values, or tensors."""
     f = src / COMMON_FILE
     if not f.is_file():
@@ -89,15 +98,5 @@ def common_values(src: Path, trust: bool) -> dict[str, Any]:
     common = torch_load(f, trust=trust, opaque=COMMON_OPAQUE, mmap=False)
     if not isinstance(common, dict):
         raise ConversionError(f"{f}: holds a {type(common).__name__}, not the dict Megatron saves")
-    out: dict[str, Any] = {}
-
-    def walk(d: dict[Any, Any], above: str) -> None:
-        for k, v in d.items():
-            key = f"{above}{k}"
-            if isinstance(v, dict) and v and all(isinstance(x, str) for x in v):
-                walk(v, key + ".")
-            else:
-                out[key] = v.detach().clone() if isinstance(v, torch.Tensor) else plain(v)
-
-    walk(common, "")
-    return out
+    return {leaf.key: leaf.value.detach().clone() if isinstance(leaf.value, torch.Tensor) else plain(leaf.value)
+            for leaf in iter_leaves(common)}
