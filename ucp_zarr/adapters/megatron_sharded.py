@@ -74,7 +74,10 @@ def sharded_state(sharded_state_dict: Mapping[str, Any]) -> dict[str, Any]:
             walk(v.build(), path)
         elif isinstance(v, ShardedTensor):
             n = count[v.key] = count.get(v.key, -1) + 1  # (a factory gives one key several boxes)
-            out[v.key if n == 0 else f"{v.key}#{n}"] = _placed(v)
+            name = v.key if n == 0 else f"{v.key}#{n}"
+            if name in out:
+                raise LayoutError(f"{name!r} is both a value and a Megatron ShardedTensor key")
+            out[name] = _placed(v)
         elif isinstance(v, ShardedObject):
             if v.data is not None:
                 raise LayoutError(f"{'.'.join(path)}: Megatron ShardedObject {v.unique_key!r} is pickled per rank, "
