@@ -620,6 +620,11 @@ def test_stats_of_overflowing_values_and_of_a_tied_alias(tmp_path, capsys) -> No
     assert rc == 0 and out[0]["std"] == "inf" and out[0]["norm"] == "inf" and out[0]["max"] == 1e200
     rc, out = run_json(capsys, "stats", tmp_path / "ck", "lm_head")
     assert rc == 0 and out[0]["key"] == "lm_head" and out[0]["mean"] == 1.0
+    # ls of the alias lists the tensor it reads under its name (before: "no tensor ... matches"), info --json the ties
+    rc, out = run_json(capsys, "ls", tmp_path / "ck", "lm_head")
+    assert rc == 0 and [(r["key"], r["shape"], r["nbytes"]) for r in out] == [("lm_head", [3], 12)]
+    rc, out = run_json(capsys, "info", tmp_path / "ck")
+    assert rc == 0 and out["ties"] == {"lm_head": "wte"}
 
 
 def test_a_key_holding_glob_characters_selects_itself(capsys, tmp_path) -> None:

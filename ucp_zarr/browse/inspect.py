@@ -89,12 +89,15 @@ def select_keys(ck: CheckpointReader, patterns: Iterable[str] | None, *, ties: b
 
 
 def list_tensors(ck: CheckpointReader, pattern: str | None = None) -> list[TensorRow]:
-    """The tensors of ``ck`` selected by ``pattern`` (see :func:`selector`; None: all), with
-    their chunking (each array's document is read once, checked against its digest)."""
+    """The tensors of ``ck`` selected by ``pattern`` (see :func:`selector`; None: all; the key
+    of a tied alias: the tensor it reads, under that key), with their chunking (each array's
+    document is read once, checked against its digest)."""
     keys = select_keys(ck, None if pattern is None else [pattern])
+    if pattern in ck.meta.ties:  # (a tied alias spelled out: the tensor it reads, under that name)
+        keys.append(pattern)
 
     def row(key: str) -> TensorRow:
-        e = ck.meta.tensors[key]
+        e = ck.meta.tensors[ck.meta.canonical(key)]
         grid = ck.array_meta(key).grid
         return TensorRow(
             key=key, path=e.path, shape=tuple(e.shape), dtype=e.dtype, nbytes=e.nbytes * e.copies, chunks=grid.chunk_shape,
