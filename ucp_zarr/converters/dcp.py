@@ -417,18 +417,12 @@ def read(src: Path, *, trust: bool = False, prefix: str = "") -> Imported:
                 raise ConversionError(f"{mfile}: the entry {fqn!r} is a {type(entry).__name__}, which DCP does not write")
     if megatron:
         megatron_dist.warn_left_out(src, left_out)
-        for k, v in megatron_dist.common_values(src, trust).items():
-            key = prefix + k
-            if key in out.tensors or key in out.values:
+        tensors, values = megatron_dist.common_state(src, trust)
+        for k in [*tensors, *values]:
+            if prefix + k in out.tensors or prefix + k in out.values:
                 raise ConversionError(f"{src / megatron_dist.COMMON_FILE}: its {k!r} is also a key of the DCP folder")
-            if isinstance(v, torch.Tensor):
-                out.tensors[key] = InMemory(v)
-            else:
-                try:
-                    to_json(v, key)
-                except NotJSONableError as e:
-                    raise ConversionError(f"{src / megatron_dist.COMMON_FILE}: {e}") from None
-                out.values[key] = v
+        out.tensors |= {prefix + k: InMemory(t) for k, t in tensors.items()}
+        out.values |= {prefix + k: v for k, v in values.items()}
     # the nesting DCP's planner recorded, and which values were BytesIO, kept as the DCP adapter keeps
     # them (layout.dcp), so that read_state_dict and the DCP reader give them back as dcp.load does;
     # under the prefix's key (see prefix_key)

@@ -62,6 +62,7 @@ from .deepspeed_files import (
     _scalar,
     _world,
     catalogue,
+    parallel_degrees,
     step_folder,
 )
 from .deepspeed_zero import Consolidated, Mapped, _other_state, _zero12, _zero3
@@ -116,12 +117,7 @@ def _no_optimizer_files(f: Path, model: dict[str, Any]) -> str:
 def _topology(files: Files, first: dict[str, Any]) -> bool:
     """Whether the folder holds pipeline stages (one ``mp_rank`` per stage, the weights in
     layer files); refuses the combinations this converter does not support."""
-    dims = first.get("checkpoint_parallel_dimensions")
-    dims = dims if isinstance(dims, dict) else {}
-    try:
-        pp, tp = int(dims.get("pp_degree") or 1), int(dims.get("tp_degree") or 1)
-    except (TypeError, ValueError):
-        raise ConversionError(f"{files.model_file(0)}: checkpoint_parallel_dimensions {dims!r} are not integers") from None
+    pp, tp = parallel_degrees(first.get("checkpoint_parallel_dimensions"), str(files.model_file(0)))
     pipeline = bool(files.layers) or pp > 1
     moe = bool(files.experts or first.get("num_experts"))
     where = files.folder

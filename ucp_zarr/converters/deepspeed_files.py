@@ -226,6 +226,16 @@ def _scalar(v: Any) -> Any:
     return int(v) if hasattr(v, "value") else v
 
 
+def parallel_degrees(dims: Any, where: str) -> tuple[int, int]:
+    """The pipeline and tensor-parallel degrees a model-states file (``where``) records in
+    ``checkpoint_parallel_dimensions`` (1 and 1 where it records none)."""
+    dims = dims if isinstance(dims, dict) else {}
+    try:
+        return int(dims.get("pp_degree") or 1), int(dims.get("tp_degree") or 1)
+    except (TypeError, ValueError):
+        raise ConversionError(f"{where}: checkpoint_parallel_dimensions {dims!r} are not integers") from None
+
+
 def _world(osd: dict[str, Any], f: Path) -> int:
     count = _get(osd, "partition_count", f)
     return max(count) if isinstance(count, (list, tuple)) else int(count)

@@ -92,7 +92,7 @@ from ..format.safe_paths import check_name, inside
 from ..io.store import at_once
 from ..protocol.writer import InMemory
 from .base import Imported, Opaque, atomic_folder, plain, read_ahead, release_pages, torch_load, torch_load_mapped
-from .deepspeed_files import OPAQUE, _check_rank_numbers, _get, _load, _rank, _scalar
+from .deepspeed_files import OPAQUE, _check_rank_numbers, _get, _load, _rank, _scalar, parallel_degrees
 from .deepspeed_zero import FlatParam, Mapped, _other_state, _rows
 
 UNIVERSAL_OPAQUE = OPAQUE + ("deepspeed.checkpoint.universal_checkpoint.SubparamShape",)
@@ -162,16 +162,15 @@ def _pipeline_stages(folder: Path, model: dict[str, Any], f: Path, trust: bool) 
     """The model-states file of each pipeline stage (``mp_rank_XX``, as ``ds_to_universal``
     copies them from a pipeline checkpoint, whose ``mp_world_size`` counts its stages), or
     ``[]`` when the source was no pipeline; tensor-parallel sources are refused."""
-    dims = model.get("checkpoint_parallel_dimensions")
-    dims = dims if isinstance(dims, dict) else {}
+    pp, tp = parallel_degrees(model.get("checkpoint_parallel_dimensions"), str(f))
     try:
-        pp, tp = int(dims.get("pp_degree") or 1), int(dims.get("tp_degree") or 1)
         mp = int(model.get("mp_world_size", 1) or 1)
     except (TypeError, ValueError):
-        raise ConversionError(f"{f}: checkpoint_parallel_dimensions {dims!r} or mp_world_size are not integers") from None
+        raise ConversionError(f"{f}: mp_world_size {model.get('mp_world_size')!r} is not an integer") from None
     if tp > 1 or mp != pp * tp:
         raise ConversionError(f"{f}: made from a tensor-parallel checkpoint (mp_world_size {mp}, "
-                              f"checkpoint_parallel_dimensions {dims}), which this converter does not read yet")
+                              f"checkpoint_parallel_dimensions {model.get('checkpoint_parallel_dimensions')}), which this "
+                              "converter does not read yet")
     if pp == 1:
         return []
     files = [folder / f"mp_rank_{s:02d}_model_states.pt" for s in range(pp)]
@@ -377,8 +376,7 @@ def write(
     values = ck.metadata["values"]
     tensors = ck.meta.tensors
     dims = values.get("deepspeed.checkpoint_parallel_dimensions")
-    dims = dims if isinstance(dims, dict) else {}
-    pp, tp = int(dims.get("pp_degree") or 1), int(dims.get("tp_degree") or 1)
+    pp, tp = parallel_degrees(dims, f"checkpoint {ck.store.url}")
     if tp > 1 or int(values.get("deepspeed.mp_world_size", 1) or 1) != pp * tp:
         raise ConversionError(f"a tensor-parallel DeepSpeed checkpoint (mp_world_size "
                               f"{values.get('deepspeed.mp_world_size')}, {dims}) cannot be exported yet")

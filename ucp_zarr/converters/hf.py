@@ -44,7 +44,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -223,7 +223,7 @@ def _models(config: Any) -> Iterator[Any]:
         yield model
 
 
-def _model_parameters(models: list[Any]) -> list[tuple[list[list[str]], set[str], Callable[[str], bool]]]:
+def _model_parameters(models: Sequence[Any]) -> list[tuple[list[list[str]], set[str], Callable[[str], bool]]]:
     """For each of the ``models`` a config may describe (:func:`_models`), its parameter names grouped
     by tie (the names of one parameter), less those the model lets ``from_pretrained`` miss;
     the tied names ``save_pretrained`` leaves out; and whether ``from_pretrained`` takes a
@@ -246,7 +246,7 @@ def _model_parameters(models: list[Any]) -> list[tuple[list[list[str]], set[str]
     return out
 
 
-def detect_prefix(keys: list[str], models: list[Any] = ()) -> str:  # type: ignore[assignment]
+def detect_prefix(keys: list[str], models: Sequence[Any] = ()) -> str:
     """The training prefix of the model's weights among ``keys``: the first of
     :data:`PREFIXES` such that every key outside it belongs to a trainer's other state
     (:data:`NOT_MODEL`) and some key inside it does not. With the ``models`` a config
@@ -261,7 +261,7 @@ def detect_prefix(keys: list[str], models: list[Any] = ()) -> str:  # type: igno
     if not fits:
         tops = sorted({k.split(".", 1)[0] for k in keys} - NOT_MODEL)
         raise ConversionError(f"cannot tell which keys are the model's weights (top-level keys {tops[:10]}); give prefix=")
-    for groups, _, known in _model_parameters(list(models)):
+    for groups, _, known in _model_parameters(models):
         for p, names in fits:
             if all(known(n) for n in names) and all(names.intersection(g) for g in groups):
                 return p

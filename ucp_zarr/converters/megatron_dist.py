@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConversionError
-from ..format.statedict import iter_leaves
+from ..errors import ConversionError, NotJSONableError
+from ..format.statedict import iter_leaves, to_json
 from .base import plain, torch_load
 
 COMMON_FILE = "common.pt"
@@ -65,6 +65,7 @@ def left_out(fqn: str) -> bool:
 
 
 def warn_left_out(src: Path, keys: list[str]) -> None:
+    """Warn of the ``rng_state`` objects ``keys`` that the conversion of ``src`` left out."""
     if keys:
         warnings.warn(f"ucp_zarr: {src}: Megatron's rng_state objects {keys[:2]}{' ...' * (len(keys) > 2)} (each rank's "
                       "random generators, of the saving layout) are not converted; a resume from the conversion seeds "
@@ -89,14 +90,24 @@ def refusal(fqn: str) -> str | None:
             "distrib_optim_sharding_type='fully_reshardable', whose state is one tensor per parameter")
 
 
-def common_values(src: Path, trust: bool) -> dict[str, Any]:
-    """``common.pt``'s leaves (flattened as a save flattens a state dict) as JSON-able
-    values, or tensors."""
+def common_state(src: Path, trust: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``common.pt``'s leaves, flattened as a save flattens a state dict: its tensors, and its
+    other leaves as JSON-able values (one that is not is refused, naming the file)."""
     f = src / COMMON_FILE
     if not f.is_file():
         raise ConversionError(f"{f}: missing: a Megatron torch_dist folder keeps its non-sharded state there")
     common = torch_load(f, trust=trust, opaque=COMMON_OPAQUE, mmap=False)
     if not isinstance(common, dict):
         raise ConversionError(f"{f}: holds a {type(common).__name__}, not the dict Megatron saves")
-    return {leaf.key: leaf.value.detach().clone() if isinstance(leaf.value, torch.Tensor) else plain(leaf.value)
-            for leaf in iter_leaves(common)}
+    tensors: dict[str, torch.Tensor] = {}
+    values: dict[str, Any] = {}
+    for leaf in iter_leaves(common):
+        if isinstance(leaf.value, torch.Tensor):
+            tensors[leaf.key] = leaf.value.detach()
+            continue
+        values[leaf.key] = plain(leaf.value)
+        try:
+            to_json(values[leaf.key], leaf.key)
+        except NotJSONableError as e:
+            raise ConversionError(f"{f}: {e}") from None
+    return tensors, values

@@ -94,7 +94,7 @@ def read(src: Path, *, prefix: str = "") -> Imported:
     out.ties = _ties(out, prefix, files)
     for k, v in _values(out, files).items():
         if prefix + k in out.tensors or prefix + k in out.values:
-            raise ConversionError(f"{files[0]}: __metadata__[{VALUES_METADATA!r}] names {k!r}, which is also a tensor")
+            raise ConversionError(f"{files[0]}: __metadata__[{VALUES_METADATA!r}] names {k!r}, which is also a tensor or value")
         out.values[prefix + k] = v
     return out
 
@@ -150,8 +150,7 @@ def _files(src: Path) -> list[Path]:
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ConversionError(f"{src}: names shard files that do not exist: {missing}")
-        single = folder / SINGLE_FILE if folder is not None else None
-        if single is not None and single.is_file() and single not in files:  # (which is meant cannot be known)
+        if folder is not None and (folder / SINGLE_FILE).is_file() and folder / SINGLE_FILE not in files:  # (which one is meant?)
             raise ConversionError(f"{folder}: holds {SINGLE_FILE}, which from_pretrained reads before the index "
                                   f"{src.name} (which does not name it): give the file or the index to convert")
         return files
