@@ -601,16 +601,25 @@ def test_deepspeed_malformed(info: dict[str, Any], match: str) -> None:
 
 
 def test_precedence() -> None:
-    """Replicated beats row-parallel (DeepSpeed's order), average beats fused; two patterns of
-    one kind are an error naming both; unmatched names take the default."""
+    """Replicated beats row-parallel (DeepSpeed's order) and fused a split along its dim; an
+    average over a split or fused tensor, or a fused dim other than the split's, is an error
+    (stored silently wrong otherwise); two patterns of one kind are an error naming both;
+    unmatched names take the default."""
     ds = Rules.from_deepspeed({"universal_checkpoint_version": 0.2,
                                "tp_replicated_parameter_patterns": [r"\d+.input_layernorm.weight"],
                                "parameter_with_row_parallelism_patterns": [r"\d+.input_layernorm"]})
     rule, pattern = ds.match("3.input_layernorm.weight")
     assert (rule.kind, pattern) == ("replicated", r"\d+.input_layernorm.weight")
     assert ds.match("3.input_layernorm.bias")[0].dim == 1
-    rules = Rules((ParamRule("fused", ("w",), sizes=(-1, -1)), ParamRule("average", ("w",)), ParamRule("split", ("w",), dim=1)))
-    assert rules.match("w")[0].kind == "average"
+    rules = Rules((ParamRule("fused", ("w",), sizes=(-1, -1)), ParamRule("replicated", ("w",)), ParamRule("split", ("w",), dim=1)))
+    assert rules.match("w")[0].kind == "replicated"  # (a save checks the copies equal)
+    row_fused = Rules((ParamRule("fused", ("w",), dim=1, sizes=(-1, -1)), ParamRule("split", ("w",), dim=1)))
+    assert row_fused.match("w")[0].kind == "fused"  # (DeepSpeed AutoTP lists such a weight in both)
+    for other in (ParamRule("split", ("qkv",)), ParamRule("fused", ("qkv",), sizes=(-1, -1))):
+        with pytest.raises(RuleError, match=r"'qkv\.bias' is matched by average pattern '\.\*bias\$' and (split|fused) pattern 'qkv'"):
+            Rules((ParamRule("average", (r".*bias$",)), other)).match("qkv.bias")  # (the mean of its parts)
+    with pytest.raises(RuleError, match="store it differently"):  # sub-parameters along another dim than the split
+        Rules((ParamRule("fused", ("w",), dim=0, sizes=(-1, -1)), ParamRule("split", ("w",), dim=1))).match("w")
     aw, any_a = r"a\.w", r"a\..*"
     rules = Rules((ParamRule("split", (aw, any_a)),))
     with pytest.raises(RuleError, match=re.escape(f"{aw!r} and {any_a!r}")):

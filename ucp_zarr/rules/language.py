@@ -9,7 +9,10 @@ AutoTP, in-house 3-D parallel code) describes its conventions once, as :class:`R
 Matching (as DeepSpeed does it): each pattern is a regular expression applied with
 ``re.match`` to the parameter's FQN as the model's ``state_dict()`` names it on its rank.
 A parameter takes the rule of the first matching kind in :data:`PRECEDENCE`; two matching
-patterns of one kind are an error naming both; a parameter nothing matches takes the
+patterns of one kind are an error naming both, and so are patterns of two kinds that would
+store it silently wrong (an ``average`` over a ``split`` tensor's parts, sub-parameters along
+another dim than a ``split``); taken are ``pieces`` and ``replicated`` over anything (a save
+checks replicas equal) and a ``split`` with ``fused`` or ``grouped`` along the same dim; a parameter nothing matches takes the
 ``default`` rule (DeepSpeed's: split along dim 0). With ``strict`` (default), a pattern
 that matches no parameter of any rank is an error.
 
@@ -52,6 +55,19 @@ from typing import Any, Iterable, Mapping
 
 from .params import PRECEDENCE, RULES_FORMAT, ParamRule, Renumber, RuleError, _compile, _first, _patterns
 from .schema import check_rules
+
+
+def _agree(chosen: ParamRule, other: ParamRule) -> bool:
+    """Whether a parameter matched by rules of two kinds may take ``chosen`` (the first in
+    :data:`PRECEDENCE`): explicit pieces (DeepSpeed prefers its affine maps to every
+    category), replicated (a save checks the copies equal, so a split tensor taken for
+    replicated is refused), a split with sub-parameters along the same dim (DeepSpeed
+    AutoTP lists a row-parallel fused weight in both). Any other overlap stores it
+    silently wrong: the mean of a split tensor's parts, sub-parameters along another dim."""
+    if chosen.kind in ("pieces", "replicated"):
+        return True
+    kinds = {chosen.kind, other.kind}
+    return "split" in kinds and kinds <= {"split", "fused", "grouped"} and (chosen.dim, chosen.axis) == (other.dim, other.axis)
 
 
 @dataclass(frozen=True)
@@ -168,14 +184,22 @@ class Rules:
 
     def match(self, fqn: str) -> tuple[ParamRule, str | None]:
         """The rule of parameter ``fqn`` and the pattern that chose it (None: the default)."""
+        chosen: tuple[ParamRule, str] | None = None
         for kind in PRECEDENCE:
             hits = [(r, p) for r in self.params if r.kind == kind for p in r.patterns if _compile(p).match(fqn)]
             if len(hits) > 1:
                 raise RuleError(
                     f"parameter {fqn!r} is matched by two {kind} patterns: {hits[0][1]!r} and {hits[1][1]!r}"
                 )
-            if hits:
-                return hits[0]
+            if hits and chosen is None:
+                chosen = hits[0]
+            elif hits and chosen is not None and not _agree(chosen[0], hits[0][0]):
+                raise RuleError(
+                    f"parameter {fqn!r} is matched by {chosen[0].kind} pattern {chosen[1]!r} and {kind} pattern "
+                    f"{hits[0][1]!r}, which store it differently: make the patterns exclusive (anchor them with '$')"
+                )
+        if chosen is not None:
+            return chosen
         if self.default == "error":
             raise RuleError(f"no rule matches parameter {fqn!r} (and the rules' default is 'error')")
         return ParamRule(self.default, (".*",)), None
