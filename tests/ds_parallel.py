@@ -24,7 +24,9 @@ Builds (``build(name)``):
   ``z1-fp32`` and ``z2-bf16`` as above (``D``, ``X``, ``reference.pt`` with every expert under
   its global id, ``run.json``, ``universal_error.txt``: DeepSpeed's converter fails on these);
   then an ``ep_size=1`` engine loads ``z1-fp32``'s ``X``: ``ep1/state.pt`` (its state after the
-  load), ``ep1/X`` (its adapter save, right after the load), ``ep1/run.json``.
+  load), ``ep1/X`` (its adapter save, right after the load), ``ep1/run.json``; and one
+  loads ``z1-fp32``'s conversion (``CV``) exported to a universal folder (``XU``, with
+  ``ep_size=1``) with DeepSpeed's own ``load_universal``: ``ep1u/state.pt``, ``ep1u/run.json``.
 ``moe4`` (4 ranks, ``long``): ``ep_size=2`` x 2 expert-data-parallel ranks, ZeRO-2 fp32.
 ``autotp`` (2 ranks, AutoTP over a GPTBigCode model with multi-query attention): ``D0`` saved
   right after ``deepspeed.initialize``, with ``original.pt`` (the model's weights before AutoTP
@@ -376,14 +378,15 @@ def _pipe3(task: dict[str, Any], rank: int) -> None:
     engine.destroy()
 
 
-def _moe_engine(ep: int, stage: int, dtype: str, world: int) -> Any:
+def _moe_engine(ep: int, stage: int, dtype: str, world: int, universal: bool = False) -> Any:
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     model = MoEModel(ep)
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
     opt = torch.optim.AdamW(groups, lr=1e-2)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_config(stage, dtype, MOE_BATCH // world, 1))
+    config = _config(stage, dtype, MOE_BATCH // world, 1) | ({"checkpoint": {"load_universal": True}} if universal else {})
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     return engine
 
 
@@ -405,6 +408,7 @@ def _moe_steps(engine: Any, first: int, count: int, rank: int, world: int, dtype
 def _moe(task: dict[str, Any], rank: int, world: int) -> None:
     import torch.distributed as dist
 
+    import ucp_zarr
     from ucp_zarr.adapters import deepspeed as ucp_ds
 
     root = Path(task["out"])
@@ -431,6 +435,21 @@ def _moe(task: dict[str, Any], rank: int, world: int) -> None:
     if rank == 0:
         torch.save(state, out / "state.pt")
         (out / "run.json").write_text(json.dumps({"losses": losses, "group_names": {"fresh": fresh, "loaded": loaded}}))
+    engine.destroy()
+    dist.barrier()
+    src, out = root / "z1-fp32", root / "z1-fp32" / "ep1u"
+    if rank == 0:  # the conversion exported to a universal folder (ep_size=1: see ds_universal.write)
+        ucp_zarr.convert(src / "D", src / "CV")
+        ucp_zarr.export(src / "CV", src / "XU", to="ds-universal", ep_size=1)
+    dist.barrier()
+    engine = _moe_engine(1, 1, "fp32", world, universal=True)
+    engine.load_checkpoint(str(src / "XU"))
+    state = live_state(engine, _expert_names(engine.module))
+    losses = _moe_steps(engine, STEPS, MORE, rank, world, "fp32")
+    if rank == 0:
+        out.mkdir()
+        torch.save(state, out / "state.pt")
+        (out / "run.json").write_text(json.dumps({"losses": losses}))
     engine.destroy()
     dist.barrier()
 

@@ -235,6 +235,25 @@ def test_moe_loads_at_another_expert_parallel_degree(moe: Path) -> None:
     assert names["loaded"] == names["fresh"] and any(n == "ep_size_1" for n in names["fresh"])
 
 
+def test_moe_universal_export_for_ep_size_1(moe: Path, tmp_path: Path) -> None:
+    """An MoE checkpoint exported to a universal folder: refused without ``ep_size=1``
+    (``load_universal`` finds each expert's folder by the engine's local index: an
+    ``ep_size=2`` engine's rank 1 took global experts 0 and 1 for its 2 and 3, silently);
+    with it, DeepSpeed's own ``load_universal`` into an ``ep_size=1`` engine holds the saved
+    state bit for bit and trains on with the uninterrupted run's losses."""
+    src = moe / "z1-fp32"
+    for given in ({}, {"ep_size": 2}):
+        with pytest.raises(ConversionError, match="ep_size 1") as e:
+            ucp_zarr.export(src / "CV", tmp_path / "xu", to="ds-universal", **given)
+        assert "deepspeed_experts" in str(e.value) and not (tmp_path / "xu").exists()
+    state, ref = torch.load(src / "ep1u" / "state.pt", weights_only=True), P.reference(src)
+    assert sorted(state) == sorted(ref)
+    for param, entry in ref.items():
+        for k, t in entry.items():
+            assert torch.equal(state[param][k], t), (param, k)
+    assert P.run_info(src / "ep1u")["losses"] == pytest.approx(P.run_info(src)["losses_after"], rel=REASSOCIATION_RTOL, abs=0)
+
+
 @pytest.mark.long
 def test_moe_over_expert_data_parallel_groups(tmp_path: Path) -> None:
     src = P.build("moe4") / "z2-fp32"

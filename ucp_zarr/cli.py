@@ -177,6 +177,9 @@ def build_parser() -> _Parser:
                    help="the largest shard (default: hf 5GB, safetensors 4GiB)")
     h.add_argument("--names", default=None, metavar="MAPPING",
                    help="Hugging Face names for the weights, fused ones split: megatron_to_llama")
+    u = e.add_argument_group("ds-universal (a folder DeepSpeed's load_universal reads)")
+    u.add_argument("--ep-size", type=int, default=None, metavar="N",
+                   help="the expert-parallel size of the loading engines: 1 (needed for a checkpoint with MoE experts)")
     progress(e)
     return p
 
@@ -580,7 +583,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                     overwrite=args.overwrite, max_workers=args.max_workers, progress=bar)
         else:
             given = {"prefix": args.prefix, "dtype": args.dtype, "masters": args.masters,
-                     "max_shard_size": args.max_shard_size, "names": args.names}
+                     "max_shard_size": args.max_shard_size, "names": args.names, "ep_size": args.ep_size}
             if args.target == "safetensors" and args.max_shard_size is not None:  # (its option counts bytes)
                 from .converters.hf import shard_size
                 given["max_shard_bytes"] = shard_size(given.pop("max_shard_size"))

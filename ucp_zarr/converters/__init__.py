@@ -136,7 +136,8 @@ def export(
       the folder (``config.json``, the tokenizer) are kept;
     * ``safetensors``: every tensor under its key, into one file when ``dst`` ends in
       ``.safetensors``, else a folder (``max_shard_bytes``, ``keys``);
-    * ``dcp``: ``block_bytes``, ``keys``; ``ds-universal``: ``tag``."""
+    * ``dcp``: ``block_bytes``, ``keys``; ``ds-universal``: ``tag``, ``ep_size`` (``1``: needed
+      for MoE experts, which ``load_universal`` finds by local index)."""
     if to not in TARGETS:
         raise ConversionError(f"unknown export format {to!r} (known: {sorted(TARGETS)})")
     ck = open_reader(src, storage_options=storage_options)

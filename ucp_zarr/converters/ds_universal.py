@@ -85,14 +85,14 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import ConversionError
+from ..errors import ConversionError, Keyword
 from ..layout import Box
 from ..layout.zero import FlatPiece
 from ..format.safe_paths import check_name, inside
 from ..io.store import at_once
 from ..protocol.writer import InMemory
 from .base import Imported, Opaque, atomic_folder, plain, read_ahead, release_pages, torch_load, torch_load_mapped
-from .deepspeed_files import OPAQUE, _check_rank_numbers, _get, _load, _rank, _scalar, parallel_degrees
+from .deepspeed_files import _EXPERT, OPAQUE, _check_rank_numbers, _get, _load, _rank, _scalar, parallel_degrees
 from .deepspeed_zero import FlatParam, Mapped, _other_state, _rows
 
 UNIVERSAL_OPAQUE = OPAQUE + ("deepspeed.checkpoint.universal_checkpoint.SubparamShape",)
@@ -364,6 +364,7 @@ def write(
     *,
     overwrite: bool = False,
     tag: str | None = None,
+    ep_size: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> Path:
     """Export ``ck`` (keys as the ZeRO importer names them) into the folder ``dst``:
@@ -372,7 +373,13 @@ def write(
     reads with ``load_universal`` on any world size and ZeRO stage. A pipeline engine's stage
     ``s`` reads ``mp_rank_<s>_model_states.pt``: the folder holds one (a link to the first)
     for each stage of a pipeline source, as ``ds_to_universal`` copies the source's, with
-    ``mp_world_size`` their count (DeepSpeed checks it, for ZeRO-3's names too)."""
+    ``mp_world_size`` their count (DeepSpeed checks it, for ZeRO-3's names too).
+
+    MoE experts (``...deepspeed_experts.<E>...``) are written under their global index, and
+    ``load_universal`` opens ``zero/<name>`` by each engine's *local* names: expert-parallel
+    rank 1 of an ``ep_size=2`` engine would take global experts 0 and 1 for its own (2 and
+    3). A checkpoint with experts is exported only with ``ep_size=1``, the engines such a
+    folder loads right (as DeepSpeed's ``ds_to_universal`` makes none for ``ep_size > 1``)."""
     values = ck.metadata["values"]
     tensors = ck.meta.tensors
     dims = values.get("deepspeed.checkpoint_parallel_dimensions")
@@ -390,6 +397,14 @@ def write(
     names = [n for g in groups for n in g["params"]]
     if len(set(names)) != len(names) or not all(isinstance(n, str) for n in names):
         raise ConversionError(f"'optim.param_groups' lists a parameter twice, or not by name: {names}")
+    experts = [n for n in names if _EXPERT.fullmatch(n)]
+    if experts and ep_size != 1:
+        raise ConversionError(
+            f"checkpoint {ck.store.url} holds MoE experts ({experts[0]!r}, ...): DeepSpeed's load_universal finds each "
+            "expert's folder by the engine's local expert index, so a universal folder loads right only into engines "
+            f"with ep_size 1{'' if ep_size is None else f' (not {ep_size})'}; for those, pass ", Keyword("ep_size", 1))
+    if ep_size is not None and ep_size != 1:
+        raise ConversionError(f"ep_size {ep_size!r}: a universal folder loads right only into engines with ep_size 1")
     models = {k[len("model."):] for k in tensors if k.startswith("model.")}
     state_keys = _state_keys(list(tensors) + list(values), set(names) | models)
     unlisted = [n for n in state_keys if n not in set(names)]
