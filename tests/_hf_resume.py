@@ -26,8 +26,8 @@ from ucp_zarr.integrations.transformers import ZarrCheckpointCallback
 class Config(PretrainedConfig):
     model_type = "ucp_zarr_tiny"
 
-    def __init__(self, vocab: int = 32, dim: int = 16, **kw: Any) -> None:
-        self.vocab, self.dim = vocab, dim
+    def __init__(self, vocab: int = 32, dim: int = 16, loss_factor: float = 1.0, **kw: Any) -> None:
+        self.vocab, self.dim, self.loss_factor = vocab, dim, loss_factor
         super().__init__(**kw)
 
 
@@ -47,7 +47,7 @@ class Tiny(PreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = self.head(self.drop(torch.tanh(self.hid(self.emb(input_ids)))))
-        loss = nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
+        loss = self.config.loss_factor * nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1))
         if self.training:
             loss = loss + 1e-3 * (random.random() + float(np.random.rand()))
         return {"loss": loss, "logits": logits}
@@ -59,10 +59,12 @@ def data(n: int = 24, seed: int = 1) -> list[dict[str, torch.Tensor]]:
 
 
 def trainer(out: Path, args: dict[str, Any], *, seed: int, callbacks: list[Any], scores: dict[int, float] | None = None,
-            eval_data: Any = None) -> Trainer:
-    """A Trainer of a model drawn from ``seed``; ``scores``: the eval metric ``score`` by step."""
+            eval_data: Any = None, scaler: bool = False) -> Trainer:
+    """A Trainer of a model drawn from ``seed``; ``scores``: the eval metric ``score`` by step;
+    ``scaler``: with a loss scaler where accelerate keeps fp16's on a GPU (none runs here),
+    one that overflows every few steps and backs off."""
     torch.manual_seed(seed)
-    model = Tiny(Config())
+    model = Tiny(Config(loss_factor=1e4 if scaler else 1.0))  # (gradients that overflow a scale of 2**112)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
@@ -74,6 +76,8 @@ def trainer(out: Path, args: dict[str, Any], *, seed: int, callbacks: list[Any],
                 eval_dataset=eval_data if eval_data is not None else (data(4, 5) if scores is not None else None),
                 callbacks=callbacks, compute_metrics=compute)
     running.append(t)
+    if scaler:  # (Accelerator.__init__'s get_grad_scaler for fp16 on a GPU; prepared in train())
+        t.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**112, growth_interval=1)
     return t
 
 
@@ -109,6 +113,7 @@ def outcome(t: Trainer) -> dict[str, Any]:
         "rng": (random.random(), float(np.random.rand()), torch.rand(1).item()),
         "stop": (t.state.global_step, t.state.best_metric, t.state.best_global_step),
         "best checkpoint": _best_checkpoint(t.state.best_model_checkpoint),
+        "scaler": None if t.accelerator.scaler is None else t.accelerator.scaler.state_dict(),
     }
 
 

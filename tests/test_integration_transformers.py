@@ -152,6 +152,19 @@ def test_a_resume_is_the_trainers_own_resume(tmp_path: Path, case: str) -> None:
     assert {k for k in own if not H.same(own[k], ours[k])} == set(), (own["stop"], ours["stop"], own["lr"], ours["lr"])
 
 
+def test_a_resume_restores_the_loss_scaler(tmp_path: Path) -> None:
+    """fp16's loss scaler (the Trainer saves ``scaler.pt``): a resume continues with the saved
+    scale, so the same steps are skipped for overflow as in the Trainer's own resume (before,
+    the scale restarted at its initial value: other skipped steps, other losses)."""
+    import _hf_resume as H
+
+    runs = H.three_runs(tmp_path, dict(max_steps=10, save_steps=4, max_grad_norm=0), 4, scaler=True)
+    full, own, ours = runs["full"], runs["own"], runs["ours"]
+    assert full["scaler"]["scale"] < 2.0**(112 + 10)  # (it overflowed and backed off)
+    assert (tmp_path / "full" / "checkpoint-4" / "scaler.pt").is_file()
+    assert {k for k in own if not H.same(own[k], ours[k])} == set(), (own["losses"], ours["losses"], own["scaler"], ours["scaler"])
+
+
 def test_the_best_step_is_named_and_kept_by_retention(tmp_path: Path) -> None:
     """metric_for_best_model without load_best_model_at_end: the state names the best step's
     checkpoint (the Trainer names its checkpoint-N) and keep_last never deletes it (the

@@ -14,6 +14,8 @@ the callback saves step ``global_step`` through a :class:`ucp_zarr.CheckpointMan
 
 * ``model``, ``optimizer``, ``lr_scheduler``: their state dicts (DDP replicas are written once);
 * ``rng``: each rank's Python, NumPy, torch (and CUDA) generator states (:class:`ucp_zarr.PerRank`);
+* ``scaler``: the mixed-precision loss scaler's state (fp16 on a GPU), as the Trainer saves
+  ``scaler.pt``, when the Trainer's accelerator has one;
 * ``trainer_state``: the Trainer's ``TrainerState`` (step, epoch, log history, best metric), as JSON.
 
 It saves in the Trainer's place: :meth:`ZarrCheckpointCallback.resume` (which every run
@@ -32,8 +34,8 @@ holding what the Trainer reads itself: ``trainer_state.json`` and the weights
 (``model.safetensors``), written under ``args.output_dir`` by the process that writes the
 Trainer's own checkpoints, and removed once training starts. The Trainer then restores its
 state, the weights and the data position (it skips the batches already trained on) as for
-its own checkpoints; the callback restores the optimizer and the scheduler when training
-begins, and the generators where the Trainer restores its own (at the start of the epoch,
+its own checkpoints; the callback restores the optimizer, the scheduler and the loss scaler
+when training begins, and the generators where the Trainer restores its own (at the start of the epoch,
 or, with ``ignore_data_skip``, at the start of the epoch; before the first step when
 resuming within an epoch and skipping its batches). Only single-process and DDP
 training are supported (a DeepSpeed or FSDP Trainer saves through its engine).
@@ -123,13 +125,18 @@ class ZarrCheckpointCallback(TrainerCallback):
         args = trainer.args
         state = read_state_dict(path, keys=["trainer_state", "optimizer", "lr_scheduler"] + (["model"] if args.should_save else []))
         rng = rng_states()  # this rank's copy, filled in place
-        load({"rng": rng}, path, strict=False, return_incompatible_keys=True)
+        scaler = _scaler(trainer)
+        extra = {"rng": rng} | ({} if scaler is None else {"scaler": scaler.state_dict()})
+        _, skipped = load(extra, path, strict=False, return_incompatible_keys=True)
+        if scaler is not None and any(k.startswith("scaler.") for k in skipped.missing_keys):
+            del extra["scaler"]  # (saved without one: the scaler starts afresh, as the Trainer's without scaler.pt)
         folder = os.path.join(args.output_dir, RESUME_FOLDER, step_name(step))
         with args.main_process_first(local=args.save_on_each_node, desc="ucp_zarr resume folder"):
             if args.should_save:
                 _write_resume_folder(folder, state["model"], state["trainer_state"])
                 self._folder = folder
-        self._restore = {"step": step, "optimizer": state["optimizer"], "lr_scheduler": state["lr_scheduler"], "rng": rng}
+        self._restore = {"step": step, "optimizer": state["optimizer"], "lr_scheduler": state["lr_scheduler"], "rng": rng,
+                         "scaler": extra.get("scaler")}
         epoch = state["trainer_state"]["epoch"]  # (the Trainer skips no batch: it restores its own at the epoch's start)
         self._rng_at = "epoch" if float(epoch).is_integer() or args.ignore_data_skip else "step"
         return folder
@@ -171,6 +178,9 @@ class ZarrCheckpointCallback(TrainerCallback):
                 )
             kwargs["optimizer"].load_state_dict(self._restore["optimizer"])
             kwargs["lr_scheduler"].load_state_dict(self._restore["lr_scheduler"])
+            scaler = _scaler(trainer)
+            if scaler is not None and self._restore["scaler"] is not None:  # (where the Trainer's _load_scaler is)
+                scaler.load_state_dict(self._restore["scaler"])
         if self._folder is not None:  # (every rank has read it: the Trainer set up DDP since)
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
@@ -215,6 +225,9 @@ class ZarrCheckpointCallback(TrainerCallback):
             "rng": rng_states(),
             "trainer_state": dataclasses.asdict(state),
         }
+        scaler = _scaler(trainer)
+        if scaler is not None:
+            checkpoint["scaler"] = scaler.state_dict()
         self.manager.save(state.global_step, checkpoint, async_save=self.async_save, protect=() if kept is None else (kept,))
 
     def _best(self, state: TrainerState) -> tuple[int | None, int | None]:
@@ -226,6 +239,12 @@ class ZarrCheckpointCallback(TrainerCallback):
         named = best if best is not None else next(
             (s for s in sorted(held) if self.manager.path(s) == state.best_model_checkpoint), None)
         return best, named
+
+
+def _scaler(trainer: Any) -> Any:
+    """The Trainer's mixed-precision loss scaler (``torch.amp.GradScaler``), or None: the
+    one its own ``_save_scaler`` saves."""
+    return getattr(getattr(trainer, "accelerator", None), "scaler", None)
 
 
 def _calling_trainer(callback: Any) -> Any:
