@@ -1065,3 +1065,30 @@ def test_values_of_uneven_pipeline_stages_are_renamed_all_at_once(tmp_path: Path
     ucp_zarr.save(placed, tmp_path / "ck")
     back = ucp_zarr.read_state_dict(tmp_path / "ck")["model"]
     assert torch.equal(back["layers.2.w"], torch.full((2,), 2.0)) and back["layers.2._extra_state"] == 2
+
+
+def test_a_load_refuses_rules_whose_model_computes_something_else(tmp_path) -> None:
+    """The rules' ``model`` (what the weights compute that names and shapes do not tell:
+    Megatron's rotary interleaving, activation) is checked at load: a member both rules record
+    and that differs is refused, naming it, unless ``allow_other_rules`` (before, the weights
+    loaded into a model with interleaved rotary or gelu in place of silu without a word).
+    Members only one side records are not compared (another framework version's facts)."""
+    facts = {"framework": "megatron-core", "rotary_interleaved": False, "activation_func": "silu"}
+    weight = torch.arange(8.0).reshape(4, 2)
+
+    def placed(model: dict[str, Any] | None, fill: torch.Tensor) -> dict[str, Any]:
+        return place({"w": fill.clone()}, Rules((ParamRule("split", ("w",)),), model=model), tp_rank=0, tp_size=1)
+
+    ucp_zarr.save(placed(facts, weight), tmp_path / "ck")
+    for other in ({"rotary_interleaved": True}, {"activation_func": "gelu", "rotary_interleaved": True}):
+        target = placed(facts | other, torch.zeros(4, 2))
+        with pytest.raises(ucp_zarr.LayoutError, match="allow_other_rules") as e:
+            ucp_zarr.load(target, tmp_path / "ck")
+        assert all(f"{k}: {facts[k]!r} saved, {v!r} loading" in str(e.value) for k, v in other.items()), e.value
+        assert not target["w"].local.any()  # (nothing read)
+        ucp_zarr.load(target, tmp_path / "ck", allow_other_rules=True)
+        assert torch.equal(target["w"].local, weight)
+    for model in (None, {"framework": "megatron-core"}, facts | {"window_size": None}):  # nothing both record differs
+        target = placed(model, torch.zeros(4, 2))
+        ucp_zarr.load(target, tmp_path / "ck")
+        assert torch.equal(target["w"].local, weight)

@@ -24,6 +24,12 @@ class LayoutHooks:
         ``Placed.used`` (a save calls it on the coordinator; a strict load on every rank):
         raise a :class:`~ucp_zarr.LayoutError` to refuse."""
 
+    def other_layout(self, saved: Mapping[str, Any], loading: Mapping[str, Any]) -> str | None:
+        """What makes a checkpoint saved with layout document ``saved`` (``Placed.rules``)
+        mean something else to the state dict placed by ``loading`` (a load refuses then,
+        unless ``allow_other_rules``), or None."""
+        return None
+
     def same_form(self, saved: Mapping[str, Any] | None, loading: Mapping[str, Any] | None) -> bool:
         """Whether a tensor stored in form ``saved`` (its ``Placed.meaning`` at save) holds
         what a tensor placed in form ``loading`` expects (a load refuses otherwise, unless

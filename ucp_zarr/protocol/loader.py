@@ -95,7 +95,8 @@ def load(
     A state dict placed by rules (:func:`ucp_zarr.place`) is filled in place from the
     consolidated tensors, whatever layout saved them; padding rows get zeros. Loading with
     rules that give a tensor another consolidated form (other fused sub-parameter sizes,
-    another vocabulary size) raises :class:`~ucp_zarr.LayoutError` unless
+    another vocabulary size), or whose ``model`` records another model than the saved rules'
+    (rotary frequencies, norm, activation), raises :class:`~ucp_zarr.LayoutError` unless
     ``allow_other_rules``. With ``strict``, a placed load on several ranks checks the keys
     against the union of every rank's.
 
@@ -264,6 +265,11 @@ class _Planner:
         meta, rank = self.meta, self.comm.rank
         kept, absent, missing, held, placed = matched.kept, matched.absent, matched.missing, matched.held, matched.placed
         gathered = [p for p in placements if p is not None]
+        saved_rules = meta.layout.get("rules")
+        if placed and not other_rules and placed[0].hooks is not None and placed[0].rules and saved_rules:
+            other = placed[0].hooks.other_layout(saved_rules, placed[0].rules)
+            if other is not None:
+                raise LayoutError(f"checkpoint {self.ck.store.url}: {other}; pass allow_other_rules=True to load it anyway")
         if matched.placements is not None:
             held = set().union(*(h for h, _ in gathered))
             hooks = placed[0].hooks

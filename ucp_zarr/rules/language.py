@@ -39,7 +39,8 @@ The vocabulary (``Rules.from_dict``)::
 ``model`` records what the weights compute that their names and shapes do not tell (for
 Megatron-core: the rotary embedding, the normalisation, the activation; see
 :func:`ucp_zarr.adapters.megatron.model_facts`), for an export to check against the model it
-writes for; placing and loading ignore it.
+writes for, and for a load to check against the rules it loads with (members both record
+must be equal, unless ``allow_other_rules``); placing ignores it.
 
 Every member's type and range is checked (:mod:`ucp_zarr.rules.schema`), for rules read
 from a dict or file and for rules built in Python or from DeepSpeed's dicts alike.

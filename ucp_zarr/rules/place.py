@@ -155,14 +155,30 @@ def _check_mark(rules: Rules, fqn: str, param: torch.nn.Parameter, whole: bool) 
 
 class RulesHooks(LayoutHooks):
     """The rule language's checks, plugged into saves and loads by every tensor
-    :func:`place` places: all ranks' placements together (:func:`check_used`), and whether a
-    stored tensor has the consolidated form the loading rules expect (:func:`same_meaning`)."""
+    :func:`place` places: all ranks' placements together (:func:`check_used`), whether the
+    saved rules' ``model`` is the loading rules' (:meth:`other_layout`), and whether a stored
+    tensor has the consolidated form the loading rules expect (:func:`same_meaning`)."""
 
     def check_placements(self, layout: Mapping[str, Any], used_by_rank: list[frozenset[str]]) -> None:
         check_used(Rules.from_dict(layout), used_by_rank)
 
+    def other_layout(self, saved: Mapping[str, Any], loading: Mapping[str, Any]) -> str | None:
+        """The members of ``model`` (what the weights compute: rotary frequencies, norm,
+        activation) that both rules record and that differ: the same weights, another model."""
+        a, b = saved.get("model") or {}, loading.get("model") or {}
+        differ = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
+        if not differ:
+            return None
+        return "its model computes something else than the loading rules' model (" + "; ".join(
+            f"{k}: {_short(a[k])} saved, {_short(b[k])} loading" for k in differ) + ")"
+
     def same_form(self, saved: Mapping[str, Any] | None, loading: Mapping[str, Any] | None) -> bool:
         return same_meaning(saved, loading)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 RULES_HOOKS = RulesHooks()
