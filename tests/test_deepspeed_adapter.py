@@ -231,6 +231,37 @@ def test_a_loss_scale_below_one_is_restored_as_saved() -> None:
     assert (scaler.cur_scale, scaler.cur_iter, scaler.dynamic) == (0.5, 7, True)
 
 
+def test_param_groups_are_restored_by_their_parameters(caplog: pytest.LogCaptureFixture) -> None:
+    """Each engine group's hyper-parameters come from the saved group listing its parameters
+    (DeepSpeed orders MoE groups by iterating a set of names, so two runs may differ; before:
+    by position, lr and weight decay swapped with a log line), this rank's experts being some
+    of a saved group's; by position, with a warning, only where the names pair no groups. A
+    checkpoint with another number of groups is refused by the plan, before any read fills
+    the engine (before: after the reads, the engine left half loaded)."""
+    from types import SimpleNamespace
+
+    from ucp_zarr.adapters import deepspeed as ucp_ds
+    from ucp_zarr.format.statedict import to_json
+
+    saved = [{"params": ["e.0", "e.1", "e.2", "e.3"], "lr": 0.2, "weight_decay": 0.0, "name": "ep_size_2"},
+             {"params": ["w", "b"], "lr": 0.1, "weight_decay": 0.01}]
+    live = [{"lr": 1.0, "weight_decay": 1.0, "params": [0]}, {"lr": 1.0, "weight_decay": 1.0, "name": "ep_size_2", "params": [1]}]
+    layout = SimpleNamespace(base=SimpleNamespace(param_groups=live, state={}), group_names=[["w", "b"], ["e.2", "e.3"]])
+    ucp_ds._restore_param_groups(layout, saved)
+    assert [(g["lr"], g["weight_decay"]) for g in live] == [(0.1, 0.01), (0.2, 0.0)]
+    layout.group_names = [["x"], ["e.2"]]  # (names that pair no groups: by position)
+    with caplog.at_level("WARNING", logger="ucp_zarr"):
+        ucp_ds._restore_param_groups(layout, saved)
+    assert [g["lr"] for g in live] == [0.2, 0.1] and "by position" in caplog.text
+
+    three = {"optim.param_groups": to_json(saved + [{"params": ["c"], "lr": 0.3}], "optim.param_groups")}
+    ck = SimpleNamespace(meta=SimpleNamespace(tensors={}, values=three, rank_values={}))  # (as the adapter saves it)
+    empty = SimpleNamespace(params=[], frozen={}, buffers={}, aliases=[], elsewhere={}, hp_flats=[],
+                            base=SimpleNamespace(param_groups=live, state={}), group_names=[["w", "b"], ["e.2"]])
+    with pytest.raises(ucp_zarr.LayoutError, match="3 optimizer param groups, the engine 2"):
+        ucp_ds._load_plan(empty, ck, True, True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Worker side (runs in the subprocesses; the only place deepspeed is imported)
 # ---------------------------------------------------------------------------------------------

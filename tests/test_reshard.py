@@ -478,7 +478,8 @@ def _expect_failure(fn: Callable[[], Any], *needles: str, error: type = Exceptio
 
 def _failures(root: Path, rank: int, world: int) -> None:
     """Case 10: one rank's failure fails the save on every rank, and leaves nothing committed;
-    an invalid global layout is refused on every rank before anything is written."""
+    an invalid global layout (a DTensor's local shards other than its placements give
+    included) is refused on every rank before anything is written."""
     import torch.distributed as dist
 
     # (a) a value only rank 2 cannot store
@@ -535,6 +536,19 @@ def _failures(root: Path, rank: int, world: int) -> None:
     path = root / "fail_dtype"
     sd = {"mix": torch.ones(3, dtype=torch.float64 if rank == 3 else torch.float32)}
     _expect_failure(lambda: ucp_zarr.save(sd, path), "'mix'", "rank 3")
+    dist.barrier()
+    assert not path.exists() or not any(path.iterdir())
+
+    # (f) a DTensor whose local shards are not those of its placements (from_local with shape=:
+    # rank 0 holds 5 rows of 13, rank 3 none; Shard(0) gives 4, 4, 4, 1): its 5th row was dropped
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    path = root / "fail_local_shape"
+    rows = {0: (0, 5), 1: (5, 9), 2: (9, 13), 3: (13, 13)}[rank]
+    local = ref_tensor("uneven", (13, 2), seed=10)[rows[0] : rows[1]].clone()
+    dt = DTensor.from_local(local, init_device_mesh("cpu", (world,)), [Shard(0)], shape=torch.Size([13, 2]), stride=(2, 1))
+    _expect_failure(lambda: ucp_zarr.save({"uneven": dt}, path), "'uneven'", "(5, 2)", "(4, 2)")
     dist.barrier()
     assert not path.exists() or not any(path.iterdir())
 

@@ -376,7 +376,10 @@ def _load_plan(layout: _Layout, ck: Any, load_optimizer_states: bool, strict: bo
         after += state_after
         groups = values.get("optim.param_groups")
         if isinstance(groups, list):
-            after.append(lambda: _restore_param_groups(layout, groups, strict))
+            if strict and len(groups) != len(layout.base.param_groups):  # (before any read fills the engine)
+                raise LayoutError(f"the checkpoint has {len(groups)} optimizer param groups, the engine "
+                                  f"{len(layout.base.param_groups)}")
+            after.append(lambda: _restore_param_groups(layout, groups))
 
     def is_known(key: str) -> bool:
         if key in known or key.startswith("client_state.") or (key.startswith("model.") and key[6:] in layout.elsewhere):
@@ -470,20 +473,36 @@ kept as the engine has them (a MoE group's ``name``, ``ep_size_<n>``, is how Dee
 its expert-parallel process group; a checkpoint of another ``ep_size`` names another)."""
 
 
-def _restore_param_groups(layout: _Layout, groups: list[Any], strict: bool) -> None:
+def _restore_param_groups(layout: _Layout, groups: list[Any]) -> None:
+    """Each engine group's hyper-parameters from the saved group that lists its parameters
+    (DeepSpeed orders MoE groups by iterating a set of names: the order may change between
+    runs), else by position, with a warning."""
     current = layout.base.param_groups
-    if len(groups) != len(current):
-        if strict:
-            raise LayoutError(f"the checkpoint has {len(groups)} optimizer param groups, the engine {len(current)}")
+    if len(groups) != len(current):  # (refused by the plan when strict)
         return
-    for i, (saved, live) in enumerate(zip(groups, current)):
-        names = saved.get("params") if isinstance(saved, dict) else None
-        if names is not None and set(names) != set(layout.group_names[i]):
-            log.warning("ucp_zarr: optimizer param group %d holds other parameters in the checkpoint (%s...) than in the "
-                        "engine (%s...); restoring its hyper-parameters by position", i, names[:3], layout.group_names[i][:3])
-        for k, v in saved.items():
+    order = _groups_by_names(groups, layout.group_names)
+    if order is None:
+        log.warning("ucp_zarr: the checkpoint's optimizer param groups list other parameters than the engine's (%s...); "
+                    "restoring their hyper-parameters by position", [g[:2] for g in layout.group_names])
+        order = list(range(len(current)))
+    for live, j in zip(current, order):
+        for k, v in groups[j].items() if isinstance(groups[j], dict) else ():
             if k not in ENGINE_GROUP_KEYS:
                 live[k] = _like(live.get(k), v)
+
+
+def _groups_by_names(groups: list[Any], names: list[list[str]]) -> list[int] | None:
+    """For each engine group (its parameters ``names``), the one saved group whose
+    ``params`` hold them all (this rank's experts are some of a saved group's); None unless
+    that pairs every group with another."""
+    saved = [set(g.get("params") or ()) if isinstance(g, dict) else set() for g in groups]
+    order = []
+    for mine in names:
+        fits = [j for j, s in enumerate(saved) if mine and set(mine) <= s]
+        if len(fits) != 1:
+            return None
+        order.append(fits[0])
+    return order if len(set(order)) == len(order) else None
 
 
 def _like(current: Any, loaded: Any) -> Any:

@@ -187,10 +187,12 @@ def dtensor_pieces(dt: Any, key: str) -> tuple[tuple[int, ...], list[tuple[Box, 
         else:
             raise LayoutError(f"tensor {key!r}: cannot checkpoint a DTensor with placement {p}; reduce it first")
     local = dt.to_local()
-    pieces = []
-    for gbox, lbox in runs_to_boxes(local_runs(shape, tuple(mesh.shape), coord, splits)):
-        pieces.append((gbox, local[lbox.slices()]))
-    return shape, pieces
+    runs = local_runs(shape, tuple(mesh.shape), coord, splits)
+    held = tuple(sum(n for _, n in r) for r in runs)
+    if tuple(local.shape) != held:  # (DTensor.from_local(..., shape=) with other shards: torch leaves it undefined)
+        raise LayoutError(f"tensor {key!r}: this rank's local tensor of the DTensor has shape {tuple(local.shape)}, but "
+                          f"its placements {tuple(dt.placements)} of global shape {shape} give it {held}")
+    return shape, [(gbox, local[lbox.slices()]) for gbox, lbox in runs_to_boxes(runs)]
 
 
 def is_fragment_value(value: Any) -> bool:
