@@ -12,9 +12,9 @@ A parameter takes the rule of the first matching kind in :data:`PRECEDENCE`; two
 patterns of one kind are an error naming both, and so are patterns of two kinds that would
 store it silently wrong (an ``average`` over a ``split`` tensor's parts, sub-parameters along
 another dim than a ``split``); taken are ``pieces`` and ``replicated`` over anything (a save
-checks replicas equal) and a ``split`` with ``fused`` or ``grouped`` along the same dim; a parameter nothing matches takes the
-``default`` rule (DeepSpeed's: split along dim 0). With ``strict`` (default), a pattern
-that matches no parameter of any rank is an error.
+checks replicas equal) and a ``split`` with ``fused`` or ``grouped`` along the same dim. A
+parameter nothing matches takes the ``default`` rule (DeepSpeed's: split along dim 0). With
+``strict`` (default), a pattern that matches no parameter of any rank is an error.
 
 The vocabulary (``Rules.from_dict``)::
 
