@@ -436,3 +436,73 @@ def test_a_sequence_to_sequence_model_without_architectures_exports(tmp_path: Pa
     ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf")
     loaded = _loads(BartForConditionalGeneration, tmp_path / "hf")
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in bart.state_dict().items())
+
+
+def _bart() -> torch.nn.Module:
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    return BartForConditionalGeneration(BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=32))
+
+
+@pytest.mark.parametrize("max_shard_size", ["5GB", "4KB"])
+def test_an_lm_head_untied_by_fine_tuning_keeps_its_name(tmp_path: Path, max_shard_size: str) -> None:
+    """A BART whose lm_head was untied (its own tensor; the shared, encoder and decoder
+    embeddings still one), saved in sorted key order (the embedding tie's kept name then
+    ``decoder.embed_tokens.weight``): the embedding is written as ``model.shared.weight`` and
+    the lm_head under its own name, as save_pretrained writes them, with its logits (before:
+    both renamed to the tie's kept name; one shard refused, several shards wrote one name
+    twice and from_pretrained loaded the other tensor, without a word)."""
+    bart = _bart()
+    bart.lm_head.weight = torch.nn.Parameter(bart.lm_head.weight.detach() + 0.5)
+    sd = bart.state_dict()
+    ucp_zarr.save({"model": {k: sd[k] for k in sorted(sd)}, "step": 1}, tmp_path / "ck")
+    bart.config.save_pretrained(tmp_path / "hf")
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf", max_shard_size=max_shard_size)
+    bart.save_pretrained(tmp_path / "theirs")
+    assert _names(tmp_path / "hf") == _names(tmp_path / "theirs")
+    loaded = _loads(type(bart), tmp_path / "hf").eval()
+    ids = torch.tensor([[5, 9, 3, 7, 11]])
+    assert torch.equal(loaded(input_ids=ids, decoder_input_ids=ids).logits, bart.eval()(input_ids=ids, decoder_input_ids=ids).logits)
+
+
+def test_the_master_of_a_tie_is_found_under_its_other_name(tmp_path: Path) -> None:
+    """masters=True for a tied Llama stored in sorted key order (its tie kept as
+    ``lm_head.weight``) whose optimizer names the master by named_parameters()
+    (``model.embed_tokens.weight``): the master is written, bit for bit (before: the bf16
+    weight, upcast, as if it were frozen, without a word)."""
+    llama = _llama(tied=True)
+    masters = {n: p.detach().clone() for n, p in llama.named_parameters()}
+    low = {k: v.to(torch.bfloat16) for k, v in llama.state_dict().items()}
+    low["lm_head.weight"] = low["model.embed_tokens.weight"]  # (one tensor, as the model holds it)
+    state = {k: {"fp32": v} for k, v in masters.items()}
+    ucp_zarr.save({"model": {k: low[k] for k in sorted(low)}, "optim": {"state": state}}, tmp_path / "ck")
+    llama.config.save_pretrained(tmp_path / "hf")
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf", masters=True)
+    loaded = _loads(LlamaForCausalLM, tmp_path / "hf")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in masters.items())
+
+
+def test_a_config_without_architectures_is_fitted_by_the_model_taking_every_weight(tmp_path: Path) -> None:
+    """A config.json naming no architectures (config.save_pretrained) of a speech
+    sequence-to-sequence model and of a masked LM: the export is checked against the model
+    that takes every weight and leaves none random (before: the first leaving none random
+    won, WhisperForCausalLM without the encoder, or the bare DistilBERT without its head, and
+    an export that loads right was refused)."""
+    from transformers import DistilBertConfig, DistilBertForMaskedLM, WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    whisper = WhisperForConditionalGeneration(WhisperConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=48, decoder_ffn_dim=48, num_mel_bins=8, max_source_positions=16, max_target_positions=16,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1))
+    bert = DistilBertForMaskedLM(DistilBertConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, hidden_dim=48,
+                                                  max_position_embeddings=16))
+    for name, model in (("whisper", whisper), ("bert", bert)):
+        ucp_zarr.save({"model": model.state_dict()}, tmp_path / f"ck_{name}")
+        model.config.save_pretrained(tmp_path / name)
+        ucp_zarr.export(tmp_path / f"ck_{name}", tmp_path / name, to="hf")
+        loaded = _loads(type(model), tmp_path / name)
+        assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items()), name

@@ -115,12 +115,13 @@ def write(
         if masters and dtype is None and cast.is_floating_point and cast.itemsize < 4:  # a weight without master
             cast = torch.float32  # (frozen): upcast exactly, else the config's dtype would round the masters to it
         items += _items(ck, key, key[len(prefix):], source, cast, lookup)
+    if names == "megatron_to_llama" or names is megatron_to_llama:
+        check_llama(ck.meta.layout.get("rules", {}).get("model"), config, models, f"checkpoint {ck.store.url}", Path(dst))
+    same = {k[len(prefix):]: {n[len(prefix):] for n in _names_of(ck, k) if n.startswith(prefix)} for k in weights}
+    items = fit_to_config(Path(dst), items, prefix, models, same)
     twice = sorted(n for n, c in Counter(t.name for t in items).items() if c > 1)
     if twice:
         raise ConversionError(f"several tensors of checkpoint {ck.store.url} are mapped to the names {twice[:5]}")
-    if names == "megatron_to_llama" or names is megatron_to_llama:
-        check_llama(ck.meta.layout.get("rules", {}).get("model"), config, models, f"checkpoint {ck.store.url}", Path(dst))
-    items = fit_to_config(Path(dst), items, prefix, models)
     index = {"total_parameters": sum(math.prod(t.shape) for t in items)}
     with atomic_update(Path(dst), replaced=lambda n: WEIGHT_FILE.fullmatch(n) is not None, overwrite=overwrite) as tmp:
         write_shards(tmp, items, limit, {"format": "pt"}, progress, index, ck.store)
@@ -147,7 +148,8 @@ def _config_dtype(dst: Path, tmp: Path, items: list[OutTensor]) -> None:
         (tmp / "config.json").write_text(json.dumps(doc | {f: name for f in fields}, indent=2, sort_keys=True) + "\n")
 
 
-def fit_to_config(dst: Path, items: list[OutTensor], prefix: str, models: list[Any]) -> list[OutTensor]:
+def fit_to_config(dst: Path, items: list[OutTensor], prefix: str, models: list[Any],
+                  same: Mapping[str, set[str]] | None = None) -> list[OutTensor]:
     """``items`` checked against the model ``dst/config.json`` describes (``models``: the
     candidates :func:`_models` builds from it, on the meta device: nothing allocated, nothing
     downloaded): an export that ``from_pretrained`` would load with weights left to
@@ -155,13 +157,18 @@ def fit_to_config(dst: Path, items: list[OutTensor], prefix: str, models: list[A
     (:class:`~ucp_zarr.errors.ConversionError`): every parameter must be written, one name of
     each tied group, unless the model lets it be missing, and nothing the model has no
     place for. A tie is written under the name ``save_pretrained`` keeps (the embedding, not
-    ``lm_head.weight``), whichever the checkpoint stored. Nothing to compare with (no
-    config, no ``transformers``, an unknown architecture): ``items`` as they are."""
+    ``lm_head.weight``), whichever the checkpoint stored: the one tensor it writes of a tied
+    group, or where it writes several (an ``lm_head`` untied by fine-tuning), the one that
+    ``same`` (each written name's names in the checkpoint) says holds the kept name. The
+    model is the first candidate that leaves nothing random and takes every weight. Nothing
+    to compare with (no config, no ``transformers``, an unknown architecture): ``items`` as
+    they are."""
     models = _model_parameters(models)
     if not models:
         return items
     written = {t.name for t in items}
     unmet = [[g[0] for g in groups if not written.intersection(g)] for groups, _, _ in models]
+    fits = [i for i, (_, _, known) in enumerate(models) if not unmet[i] and all(known(n) for n in written)]
     if all(unmet):
         (groups, _, _), missing = models[0], unmet[0]
         stray = sorted(written - {n for g in groups for n in g})
@@ -171,7 +178,7 @@ def fit_to_config(dst: Path, items: list[OutTensor], prefix: str, models: list[A
             f"{stray[:3] if stray else 'nothing else'}{' ...' * (len(stray) > 3)} instead, with the training "
             f"prefix {prefix!r} removed: give the right prefix= (Lightning's self.model: 'state_dict.model.') or names="
         )
-    groups, dropped, known = models[unmet.index([])]
+    groups, dropped, known = models[fits[0] if fits else unmet.index([])]
     extra = sorted(n for n in written if not known(n))
     if extra:
         raise ConversionError(
@@ -183,8 +190,11 @@ def fit_to_config(dst: Path, items: list[OutTensor], prefix: str, models: list[A
     kept = {}
     for g in groups:
         keep = next((n for n in g if n not in dropped), g[0])
-        if keep not in written:
-            kept |= {n: keep for n in g if n in written}
+        ours = [n for n in g if n in written]
+        if keep not in written and len(ours) > 1:  # (several tensors: the one the checkpoint names keep too)
+            ours = [n for n in ours if keep in (same or {}).get(n, ())]
+        if keep not in written and len(ours) == 1:
+            kept[ours[0]] = keep
     return [replace(t, name=kept[t.name]) if t.name in kept else t for t in items]
 
 
@@ -205,15 +215,15 @@ def _config(dst: Path) -> Any:
 
 def _models(config: Any) -> Iterator[Any]:
     """The models ``config`` may describe (its ``architectures``, else a causal language
-    model, a sequence-to-sequence one and the bare model of its type), built on the meta
-    device; those it cannot build left out."""
+    model, a sequence-to-sequence one (text or speech), a masked one and the bare model of
+    its type), built on the meta device; those it cannot build left out."""
     import transformers
 
     if config.architectures:
         build = [getattr(transformers, config.architectures[0], None)]
     else:
-        build = [transformers.AutoModelForCausalLM.from_config, transformers.AutoModelForSeq2SeqLM.from_config,
-                 transformers.AutoModel.from_config]
+        build = [getattr(transformers, f"AutoModelFor{kind}").from_config
+                 for kind in ("CausalLM", "Seq2SeqLM", "SpeechSeq2Seq", "MaskedLM")] + [transformers.AutoModel.from_config]
     for make in build:
         try:
             with torch.device("meta"):
@@ -284,12 +294,21 @@ def shard_size(size: int | str) -> int:
 
 
 def _master(ck: CheckpointReader, key: str, prefix: str, keys: list[str]) -> str:
-    """The fp32 master of weight ``key`` (``<optimizer>.state.<name>.fp32``), else ``key``."""
-    tail = f".state.{key[len(prefix):]}.fp32"
-    found = [k for k in keys if k.endswith(tail) and k.split(".", 1)[0] in NOT_MODEL and k[: -len(tail)].count(".") == 0]
+    """The fp32 master of weight ``key`` (``<optimizer>.state.<name>.fp32``) under any name of
+    its tie (an optimizer names a tied parameter as ``named_parameters()`` does, the state
+    dict may keep another), else ``key``."""
+    tails = [f".state.{n[len(prefix):]}.fp32" for n in _names_of(ck, key) if n.startswith(prefix)]
+    found = sorted({k for k in keys for t in tails
+                    if k.endswith(t) and k.split(".", 1)[0] in NOT_MODEL and k[: -len(t)].count(".") == 0})
     if len(found) > 1:
         raise ConversionError(f"weight {key!r} has several fp32 masters: {found}")
     return found[0] if found else key
+
+
+def _names_of(ck: CheckpointReader, key: str) -> list[str]:
+    """``key`` and the other names of its tensor (the aliases of its tie)."""
+    canon = ck.meta.canonical(key)
+    return [key] + sorted({canon} - {key} | {a for a, c in ck.meta.ties.items() if c == canon and a != key})
 
 
 def _items(ck: CheckpointReader, key: str, name: str, source: str, dtype: torch.dtype, lookup: "_Lookup") -> list[OutTensor]:
