@@ -4,13 +4,21 @@ Python's and NumPy's generators too (so every generator must be restored where t
 restores its own), evaluation metrics scripted by step, and three runs of one setup: the
 uninterrupted run with the Trainer's own saves, the Trainer's own resume from its
 ``checkpoint-N``, and a run stopped at step N through :class:`ZarrCheckpointCallback` then
-resumed from its checkpoint."""
+resumed from its checkpoint.
+
+Under torchrun (``python -m torch.distributed.run --nproc_per_node N _hf_resume.py MODE ROOT
+AT``, or plain ``python`` for one process): ``save`` runs the first two legs on N processes
+(the Trainer's own ``ROOT/full/checkpoint-AT``, and ``ROOT/ckpt`` through the callback);
+``resume`` resumes both (ours from ``ROOT/ckpt_<N>``, a copy) on N processes and writes each
+rank's :func:`outcome` of each to ``ROOT/outcome_<N>_<rank>.pt``."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import re
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -133,3 +141,25 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
     return a == b
+
+
+if __name__ == "__main__":
+    mode, root, at = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    args = dict(max_steps=12, save_steps=2, per_device_train_batch_size=2)  # (6 steps an epoch on 2, 4 on 3, 12 on 1)
+    if mode == "save":
+        trainer(root / "full", args, seed=0, callbacks=[StopAt(at)]).train()
+        callback = ZarrCheckpointCallback(root / "ckpt")
+        t = trainer(root / "z1", args, seed=0, callbacks=[callback, StopAt(at)])
+        t.train(resume_from_checkpoint=callback.resume(t))
+    else:
+        own = trainer(root / f"own_{world}", args, seed=7, callbacks=[])
+        own.train(resume_from_checkpoint=str(root / "full" / f"checkpoint-{at}"))
+        out = {"own": outcome(own)}  # (as its training ends: the generators are global)
+        callback = ZarrCheckpointCallback(root / f"ckpt_{world}")
+        ours = trainer(root / f"z2_{world}", args, seed=7, callbacks=[callback])
+        ours.train(resume_from_checkpoint=callback.resume(ours))
+        torch.save(out | {"ours": outcome(ours)}, root / f"outcome_{world}_{rank}.pt")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # (gloo's threads may abort a finished process at teardown: see _dist.py)

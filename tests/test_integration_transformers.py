@@ -165,6 +165,34 @@ def test_a_resume_restores_the_loss_scaler(tmp_path: Path) -> None:
     assert {k for k in own if not H.same(own[k], ours[k])} == set(), (own["losses"], ours["losses"], own["scaler"], ours["scaler"])
 
 
+def test_a_resume_on_another_number_of_processes_is_the_trainers_own(tmp_path: Path) -> None:
+    """Saved at step 4 on 2 DDP processes (mid-epoch), resumed on 3 (step 4 ends an epoch
+    there) and on 1: losses, learning rates, weights, optimizer and every generator after
+    training are those of the Trainer's own resume from its checkpoint-4 on as many
+    processes. The Trainer restores a rank's generators only from the file its own save
+    wrote for that rank and world size (rng_state_<rank>.pth, or rng_state.pth of a single
+    process), where it decides; before, the callback restored them itself: a new rank 2 was
+    rewound to its state at resume(), the point was taken from the saved epoch (mid-epoch on
+    2, an epoch's end on 3), and one process took rank 0's, where the Trainer takes none."""
+    import shutil
+
+    import _hf_resume as H
+
+    def launch(world: int, mode: str) -> None:
+        runner = ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(free_port())]
+        run_job([sys.executable, *(runner if world > 1 else []), str(HERE / "_hf_resume.py"), mode, str(tmp_path), "4"],
+                tmp_path)
+
+    launch(2, "save")
+    for world in (3, 1):
+        shutil.copytree(tmp_path / "ckpt", tmp_path / f"ckpt_{world}")
+        launch(world, "resume")
+        for rank in range(world):
+            got = torch.load(tmp_path / f"outcome_{world}_{rank}.pt", weights_only=True)
+            own, ours = got["own"], got["ours"]
+            assert {k for k in own if not H.same(own[k], ours[k])} == set(), (world, rank, own["losses"], ours["losses"])
+
+
 def test_the_best_step_is_named_and_kept_by_retention(tmp_path: Path) -> None:
     """metric_for_best_model without load_best_model_at_end: the state names the best step's
     checkpoint (the Trainer names its checkpoint-N) and keep_last never deletes it (the

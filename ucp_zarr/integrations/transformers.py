@@ -20,7 +20,7 @@ the callback saves step ``global_step`` through a :class:`ucp_zarr.CheckpointMan
 
 It saves in the Trainer's place: :meth:`ZarrCheckpointCallback.resume` (which every run
 calls, a fresh start too) replaces that Trainer's own ``_save_checkpoint``, so the Trainer
-writes no ``checkpoint-N`` folder (no pickled ``optimizer.pt`` or ``rng_state.pth``), and the
+writes no ``checkpoint-N`` folder (no pickled ``optimizer.pt``), and the
 save happens exactly where the Trainer's own would: after the step's logging, every
 evaluation (one per eval dataset), the ``ReduceLROnPlateau`` step and the best metric, with
 the state brought up to date as the Trainer does it (``store_flos``, the stateful callbacks,
@@ -32,13 +32,15 @@ folders, are refused; ``save_total_limit`` is the callback's ``keep_last``.
 finds the newest committed step and returns a folder for ``trainer.train(resume_from_checkpoint=...)``
 holding what the Trainer reads itself: ``trainer_state.json`` and the weights
 (``model.safetensors``), written under ``args.output_dir`` by the process that writes the
-Trainer's own checkpoints, and removed once training starts. The Trainer then restores its
-state, the weights and the data position (it skips the batches already trained on) as for
-its own checkpoints; the callback restores the optimizer, the scheduler and the loss scaler
-when training begins, and the generators where the Trainer restores its own (at the start of the epoch,
-or, with ``ignore_data_skip``, at the start of the epoch; before the first step when
-resuming within an epoch and skipping its batches). Only single-process and DDP
-training are supported (a DeepSpeed or FSDP Trainer saves through its engine).
+Trainer's own checkpoints, and each process's generators as the Trainer's own checkpoint
+holds them (``rng_state.pth`` from a single-process run, ``rng_state_<rank>.pth`` from each
+rank of several; a process whose rank saved none writes none), removed after the first
+step. The Trainer then restores its state, the weights, the data position (it skips the
+batches already trained on) and the generators (where, and for which world sizes, it
+restores its own: on another number of processes a rank without a file keeps its own) as
+for its own checkpoints; the callback restores the optimizer, the scheduler and the loss
+scaler when training begins. Only single-process and DDP training are supported (a
+DeepSpeed or FSDP Trainer saves through its engine).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from ..errors import CheckpointError
 from ..protocol.fragments import PerRank
 from ..protocol.loader import load
 from ..protocol.read_state import read_state_dict
+from ..protocol.reader import open_reader
 from ..ops import CheckpointManager
 from ..ops.steps import step_name
 
@@ -92,11 +95,9 @@ class ZarrCheckpointCallback(TrainerCallback):
         self._manager_options = {"keep_last": keep_last, "keep_every": keep_every, "storage_options": storage_options}
         self._manager: CheckpointManager | None = None
         self._restore: dict[str, Any] | None = None
-        """What :meth:`resume` read for the callback to restore (its step, optimizer, scheduler, RNG)."""
-        self._rng_at: str | None = None
-        """Where the generators are restored: "epoch" (start of the epoch) or "step"."""
+        """What :meth:`resume` read for the callback to restore (its step, optimizer, scheduler, scaler)."""
         self._folder: str | None = None
-        """The resume folder this process wrote (removed when training starts)."""
+        """The resume folder this process wrote (removed after the first step: every rank has read its generators)."""
         self._trainer: weakref.ref[Any] | None = None
         """The Trainer :meth:`resume` was given, whose saves this callback makes."""
 
@@ -124,21 +125,19 @@ class ZarrCheckpointCallback(TrainerCallback):
         path = self.manager.path(step)
         args = trainer.args
         state = read_state_dict(path, keys=["trainer_state", "optimizer", "lr_scheduler"] + (["model"] if args.should_save else []))
-        rng = rng_states()  # this rank's copy, filled in place
         scaler = _scaler(trainer)
-        extra = {"rng": rng} | ({} if scaler is None else {"scaler": scaler.state_dict()})
-        _, skipped = load(extra, path, strict=False, return_incompatible_keys=True)
-        if scaler is not None and any(k.startswith("scaler.") for k in skipped.missing_keys):
-            del extra["scaler"]  # (saved without one: the scaler starts afresh, as the Trainer's without scaler.pt)
+        own = {"rng": rng_states()} | ({} if scaler is None else {"scaler": scaler.state_dict()})  # (filled in place)
+        _, skipped = load(own, path, strict=False, return_incompatible_keys=True)
+        missing = " ".join(skipped.missing_keys)
         folder = os.path.join(args.output_dir, RESUME_FOLDER, step_name(step))
         with args.main_process_first(local=args.save_on_each_node, desc="ucp_zarr resume folder"):
             if args.should_save:
                 _write_resume_folder(folder, state["model"], state["trainer_state"])
                 self._folder = folder
-        self._restore = {"step": step, "optimizer": state["optimizer"], "lr_scheduler": state["lr_scheduler"], "rng": rng,
-                         "scaler": extra.get("scaler")}
-        epoch = state["trainer_state"]["epoch"]  # (the Trainer skips no batch: it restores its own at the epoch's start)
-        self._rng_at = "epoch" if float(epoch).is_integer() or args.ignore_data_skip else "step"
+        if "rng." not in missing:  # (this rank saved its generators: the file the Trainer's own save made)
+            _write_rng_file(folder, own["rng"], None if open_reader(path).meta.world_size == 1 else comm.rank)
+        self._restore = {"step": step, "optimizer": state["optimizer"], "lr_scheduler": state["lr_scheduler"],
+                         "scaler": None if scaler is None or "scaler." in missing else own["scaler"]}
         return folder
 
     def _attach(self, trainer: Any) -> None:
@@ -181,27 +180,20 @@ class ZarrCheckpointCallback(TrainerCallback):
             scaler = _scaler(trainer)
             if scaler is not None and self._restore["scaler"] is not None:  # (where the Trainer's _load_scaler is)
                 scaler.load_state_dict(self._restore["scaler"])
-        if self._folder is not None:  # (every rank has read it: the Trainer set up DDP since)
+            self._restore = None
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._remove_folder()  # (after the step's gradient exchange: every rank has read its generators)
+
+    def _remove_folder(self) -> None:
+        if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
-
-    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        if self._rng_at == "epoch":
-            self._restore_rng()
-
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        if self._rng_at is not None:
-            self._restore_rng()
-
-    def _restore_rng(self) -> None:
-        assert self._restore is not None
-        set_rng_states(self._restore.pop("rng"))
-        self._rng_at = None
-        self._restore = None
 
     # --- saving ---------------------------------------------------------------------------
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._remove_folder()
         self.manager.wait()
 
     def _save(self, trainer: Any, trial: Any) -> None:
@@ -289,15 +281,19 @@ def rng_states() -> dict[str, PerRank]:
     return states
 
 
-def set_rng_states(states: dict[str, Any]) -> None:
-    """Restore what :func:`rng_states` returned (values or :class:`~ucp_zarr.PerRank`)."""
-    states = {k: v.value if isinstance(v, PerRank) else v for k, v in states.items()}
-    random.setstate(states["python"])
-    np_state = states["numpy"]
-    np.random.set_state({**np_state, "state": {**np_state["state"], "key": np.asarray(np_state["state"]["key"], dtype=np.uint32)}})
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(states["cuda"]))
+def _write_rng_file(folder: str, states: dict[str, Any], rank: int | None) -> None:
+    """What :func:`rng_states` returned, as the Trainer's own ``_save_rng_state`` writes it for
+    its ``_load_rng_state`` (``torch.load(weights_only=True)``): ``rng_state.pth`` from a
+    single-process run (``rank`` None), else ``rng_state_<rank>.pth`` (CUDA: every device's)."""
+    s = {k: v.value if isinstance(v, PerRank) else v for k, v in states.items()}
+    out = {"python": s["python"], "numpy": s["numpy"], "cpu": s["torch"]}  # (numpy's set_state takes the dict form)
+    if "cuda" in s:
+        out["cuda"] = s["cuda"][0] if rank is None else list(s["cuda"])
+    name = "rng_state.pth" if rank is None else f"rng_state_{rank}.pth"
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
+    torch.save(out, tmp)
+    os.replace(tmp, os.path.join(folder, name))
 
 
 def _write_resume_folder(folder: str, model: dict[str, torch.Tensor], trainer_state: dict[str, Any]) -> None:
