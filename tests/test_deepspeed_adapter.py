@@ -260,6 +260,26 @@ def test_param_groups_are_restored_by_their_parameters(caplog: pytest.LogCapture
                             base=SimpleNamespace(param_groups=live, state={}), group_names=[["w", "b"], ["e.2"]])
     with pytest.raises(ucp_zarr.LayoutError, match="3 optimizer param groups, the engine 2"):
         ucp_ds._load_plan(empty, ck, True, True)
+    # no param groups at all (ZeRO's elastic_checkpoint files record none: the conversion warns): a strict load
+    # of the optimizer refuses (before: the engine kept its fresh lr, betas and weight decay, without a word)
+    none = SimpleNamespace(meta=SimpleNamespace(tensors={}, values={}, rank_values={}))
+    with pytest.raises(ucp_zarr.KeyMismatchError, match="optim.param_groups"):
+        ucp_ds._load_plan(empty, none, True, True)
+    ucp_ds._load_plan(empty, none, False, True)  # (the optimizer not loaded: nothing missing)
+    ucp_ds._load_plan(empty, none, True, False)  # (not strict: the engine's own groups stay)
+
+
+def test_optimizer_files_without_param_groups_are_converted_with_a_warning() -> None:
+    """ZeRO's elastic_checkpoint form keeps no param_groups (DeepSpeed 0.19 writes a list of
+    per-group states): the conversion says the hyper-parameters are not converted (before:
+    silently, and a strict adapter load then kept the engine's fresh lr)."""
+    from ucp_zarr.converters.base import Imported
+    from ucp_zarr.converters.deepspeed_zero import _other_state
+
+    out = Imported(layout={"source": {"folder": "ckpt/global_step3"}})
+    with pytest.warns(UserWarning, match="ckpt/global_step3: the optimizer files record no param_groups"):
+        _other_state(out, {"module": {}}, {"base_optimizer_state": [{"step": 3}]}, [])
+    assert "optim.param_groups" not in out.values
 
 
 # ---------------------------------------------------------------------------------------------

@@ -375,7 +375,9 @@ def _load_plan(layout: _Layout, ck: Any, load_optimizer_states: bool, strict: bo
         missing += state_missing
         after += state_after
         groups = values.get("optim.param_groups")
-        if isinstance(groups, list):
+        if not isinstance(groups, list):  # (the engine's hyper-parameters would stay: a fresh lr, betas)
+            missing.append("optim.param_groups")
+        else:
             if strict and len(groups) != len(layout.base.param_groups):  # (before any read fills the engine)
                 raise LayoutError(f"the checkpoint has {len(groups)} optimizer param groups, the engine "
                                   f"{len(layout.base.param_groups)}")

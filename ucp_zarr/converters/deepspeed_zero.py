@@ -221,7 +221,12 @@ def _other_state(out: Imported, model: dict[str, Any], osd: dict[str, Any], name
         ):
             out.tensors[f"model.{name}"] = Mapped(t)
     groups = _param_groups(osd)
-    if groups is not None:  # "params" index the flat (sub-)groups, whose parameters ``names`` lists
+    if groups is None:
+        warnings.warn(f"ucp_zarr: {out.layout['source']['folder']}: the optimizer files record no param_groups "
+                      "(ZeRO's elastic_checkpoint form keeps none): the hyper-parameters (lr, betas, weight decay) "
+                      "are not converted; DeepSpeed's adapter refuses to load optimizer state without them (strict)",
+                      stacklevel=2)
+    else:  # "params" index the flat (sub-)groups, whose parameters ``names`` lists
         flat = [list(g) for g in names]
         out.values["optim.param_groups"] = [
             {k: plain(v) for k, v in grp.items() if k != "params"}
