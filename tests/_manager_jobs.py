@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from _faulty import Crash, FaultyStore, Log
 
+import ucp_zarr
 import ucp_zarr.protocol.saver
 from ucp_zarr.ops import CheckpointManager
 from ucp_zarr.ops.steps import ReadLease, delete_step
@@ -211,4 +212,24 @@ def async_error_on_collective_calls(rank: int, world: int, root: str, out: str) 
     m.save(3, state(3))
     got.append(f"latest {m.latest()}")
     with open(f"{out}.{rank}", "w") as f:
+        json.dump(got, f)
+
+
+def per_rank_save(rank: int, world: int, root: str) -> None:
+    manager = CheckpointManager(root)
+    manager.save(1, {"w": torch.ones(4), "pos": ucp_zarr.PerRank(torch.tensor([rank]))})
+    manager.close()
+
+
+def per_rank_load(rank: int, world: int, root: str, out: str) -> None:
+    """``load_latest`` of :func:`per_rank_save`'s step: each rank writes what it got (a
+    rank that did not save has no copy of ``pos``: a strict load fails there)."""
+    manager = CheckpointManager(root)
+    try:
+        manager.load_latest({"w": torch.zeros(4), "pos": ucp_zarr.PerRank(torch.tensor([-1]))})
+        got = "loaded"
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        got = type(e).__name__
+    manager.close()
+    with open(f"{out}_{rank}.json", "w") as f:
         json.dump(got, f)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 from _dist import _entry, free_port
-from _manager_jobs import elastic_job
+from _manager_jobs import elastic_job, per_rank_load, per_rank_save
 
 from ucp_zarr.examples.elastic_resume import FIRST_STEP_RTOL, LATER_STEPS_RTOL
 from ucp_zarr.ops import CheckpointManager
@@ -68,3 +68,14 @@ def test_restart_on_more_then_fewer_ranks(tmp_path):
     assert CheckpointManager(root).steps() == [10, 12]
     rels = _check_continues(reference, three, 4) + _check_continues(reference, two, 8)
     print(f"max relative loss difference to the uninterrupted run: {max(rels):.2e}")
+
+
+def test_a_load_failing_on_a_new_rank_fails_on_every_rank(tmp_path):
+    """Per-rank state saved by 2 ranks, load_latest on 3 (strict): rank 2 has no copy and
+    raises PerRankStateError; ranks 0 and 1 raise too, naming it (before: they returned with
+    their state filled and would wait at the next collective for a rank that had failed)."""
+    root = str(tmp_path / "ckpt")
+    run(2, per_rank_save, root, timeout_s=120)
+    run(3, per_rank_load, root, str(tmp_path / "got"), timeout_s=120)
+    got = [json.loads((tmp_path / f"got_{r}.json").read_text()) for r in range(3)]
+    assert got[2] == "PerRankStateError" and "loaded" not in got, got

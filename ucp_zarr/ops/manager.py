@@ -309,7 +309,8 @@ class CheckpointManager:
         """Fill ``state_dict`` from ``step`` (every rank calls it), holding a reader lease so
         that no retention deletes the step meanwhile; ``load_kwargs`` go to :func:`ucp_zarr.load`.
         Raises :class:`~ucp_zarr.ops.steps.StepGoneError` on every rank when the step is not
-        committed or is being deleted."""
+        committed or is being deleted; a load that fails on one rank raises on every rank (its
+        own error there, one naming it on the others)."""
         from ..protocol.loader import load as load_checkpoint
         from ..protocol.distributed import describe, raise_failures
 
@@ -330,10 +331,14 @@ class CheckpointManager:
             if all(e[0] == StepGoneError.__name__ for e in failures.values()):
                 raise StepGoneError(f"cannot load {name} under {self.root}: {failures[min(failures)][1]}") from error
             raise_failures(self._comm, failures, error, f"loading {name}")
+        error = None
         try:
             load_checkpoint(state_dict, self.path(step), process_group=self.process_group, storage_options=self.storage_options, **load_kwargs)
+        except Exception as e:  # (a load of whole tensors is each rank's own: agreed here, so that no rank
+            error = e           # goes on into training while another failed, e.g. a new rank's per-rank state)
         finally:
             _release(lease)
+        self._comm.agree(error, f"loading {name}", own=True)
         self._last_saved, self._progress_s = step, 0.0
         self._prev, self._stalled_s = (step, time.monotonic()), 0.0
         return state_dict
