@@ -90,19 +90,21 @@ def trainer(out: Path, args: dict[str, Any], *, seed: int, callbacks: list[Any],
 
 
 def three_runs(root: Path, args: dict[str, Any], at: int, *, extra: Callable[[], list[Any]] = list,
-               **kw: Any) -> dict[str, dict[str, Any]]:
+               zarr: Callable[[], ZarrCheckpointCallback] | None = None, **kw: Any) -> dict[str, dict[str, Any]]:
     """The :func:`outcome` of the uninterrupted run, of the Trainer's own resume from its
-    step ``at``, and of ucp_zarr's (each taken as its training ends: the generators are global)."""
+    step ``at``, and of ucp_zarr's (each taken as its training ends: the generators are global);
+    ``zarr`` makes the callbacks (default: saving under ``root / "ckpt"``)."""
+    zarr = zarr or (lambda: ZarrCheckpointCallback(root / "ckpt"))
     full = trainer(root / "full", args, seed=0, callbacks=extra(), **kw)
     full.train()
     out = {"full": outcome(full)}
     own = trainer(root / "own", args, seed=7, callbacks=extra(), **kw)
     own.train(resume_from_checkpoint=str(root / "full" / f"checkpoint-{at}"))
     out["own"] = outcome(own)
-    first = ZarrCheckpointCallback(root / "ckpt")
+    first = zarr()
     t = trainer(root / "z1", args, seed=0, callbacks=[first, StopAt(at), *extra()], **kw)
     t.train(resume_from_checkpoint=first.resume(t))
-    second = ZarrCheckpointCallback(root / "ckpt")
+    second = zarr()
     ours = trainer(root / "z2", args, seed=7, callbacks=[second, *extra()], **kw)
     ours.train(resume_from_checkpoint=second.resume(ours))
     return out | {"ours": outcome(ours)}

@@ -193,6 +193,22 @@ def test_a_resume_on_another_number_of_processes_is_the_trainers_own(tmp_path: P
             assert {k for k in own if not H.same(own[k], ours[k])} == set(), (world, rank, own["losses"], ours["losses"])
 
 
+def test_a_resume_from_an_object_store_is_the_trainers_own(tmp_path: Path, seaweed: object) -> None:
+    """Steps saved to S3 (a real server on loopback) with the callback's storage_options:
+    the resume reads them with those options too (before: without, and failed to reach the
+    store) and continues as the Trainer's own resume does."""
+    import uuid
+
+    import _hf_resume as H
+    from ucp_zarr.integrations.transformers import ZarrCheckpointCallback
+
+    url, options = f"s3://objstore/hf-{uuid.uuid4().hex}", seaweed.storage_options()  # type: ignore[attr-defined]
+    runs = H.three_runs(tmp_path, dict(max_steps=8, save_steps=4), 4,
+                        zarr=lambda: ZarrCheckpointCallback(url, storage_options=options))
+    own, ours = runs["own"], runs["ours"]
+    assert {k for k in own if not H.same(own[k], ours[k])} == set(), (own["losses"], ours["losses"])
+
+
 def test_the_best_step_is_named_and_kept_by_retention(tmp_path: Path) -> None:
     """metric_for_best_model without load_best_model_at_end: the state names the best step's
     checkpoint (the Trainer names its checkpoint-N) and keep_last never deletes it (the

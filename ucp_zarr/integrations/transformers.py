@@ -122,12 +122,13 @@ class ZarrCheckpointCallback(TrainerCallback):
         step = comm.broadcast(self.manager.latest() if comm.rank == 0 else None)
         if step is None:
             return None
-        path = self.manager.path(step)
+        path, options = self.manager.path(step), self._manager_options["storage_options"]
         args = trainer.args
-        state = read_state_dict(path, keys=["trainer_state", "optimizer", "lr_scheduler"] + (["model"] if args.should_save else []))
+        state = read_state_dict(path, keys=["trainer_state", "optimizer", "lr_scheduler"] + (["model"] if args.should_save else []),
+                                storage_options=options)
         scaler = _scaler(trainer)
         own = {"rng": rng_states()} | ({} if scaler is None else {"scaler": scaler.state_dict()})  # (filled in place)
-        _, skipped = load(own, path, strict=False, return_incompatible_keys=True)
+        _, skipped = load(own, path, strict=False, return_incompatible_keys=True, storage_options=options)
         missing = " ".join(skipped.missing_keys)
         folder = os.path.join(args.output_dir, RESUME_FOLDER, step_name(step))
         with args.main_process_first(local=args.save_on_each_node, desc="ucp_zarr resume folder"):
@@ -135,7 +136,8 @@ class ZarrCheckpointCallback(TrainerCallback):
                 _write_resume_folder(folder, state["model"], state["trainer_state"])
                 self._folder = folder
         if "rng." not in missing:  # (this rank saved its generators: the file the Trainer's own save made)
-            _write_rng_file(folder, own["rng"], None if open_reader(path).meta.world_size == 1 else comm.rank)
+            saved_world = open_reader(path, storage_options=options).meta.world_size
+            _write_rng_file(folder, own["rng"], None if saved_world == 1 else comm.rank)
         self._restore = {"step": step, "optimizer": state["optimizer"], "lr_scheduler": state["lr_scheduler"],
                          "scaler": None if scaler is None or "scaler." in missing else own["scaler"]}
         return folder
