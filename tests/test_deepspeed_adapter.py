@@ -249,6 +249,12 @@ def test_param_groups_are_restored_by_their_parameters(caplog: pytest.LogCapture
     layout = SimpleNamespace(base=SimpleNamespace(param_groups=live, state={}), group_names=[["w", "b"], ["e.2", "e.3"]])
     ucp_ds._restore_param_groups(layout, saved)
     assert [(g["lr"], g["weight_decay"]) for g in live] == [(0.1, 0.01), (0.2, 0.0)]
+    # an engine group left empty (DeepSpeed's MoE split of a group holding only experts) takes the saved group left
+    groups3 = [{"params": ["e.0", "e.1"], "lr": 0.3}, {"params": [], "lr": 0.1}, {"params": ["w"], "lr": 0.2}]
+    live3 = [{"lr": 1.0, "params": []}, {"lr": 1.0, "params": [0]}, {"lr": 1.0, "params": [1]}]
+    ucp_ds._restore_param_groups(SimpleNamespace(base=SimpleNamespace(param_groups=live3), group_names=[[], ["w"], ["e.1"]]),
+                                 groups3)
+    assert [g["lr"] for g in live3] == [0.1, 0.2, 0.3]
     layout.group_names = [["x"], ["e.2"]]  # (names that pair no groups: by position)
     with caplog.at_level("WARNING", logger="ucp_zarr"):
         ucp_ds._restore_param_groups(layout, saved)

@@ -447,25 +447,35 @@ def _bart() -> torch.nn.Module:
         decoder_attention_heads=2, encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=32))
 
 
-@pytest.mark.parametrize("max_shard_size", ["5GB", "4KB"])
-def test_an_lm_head_untied_by_fine_tuning_keeps_its_name(tmp_path: Path, max_shard_size: str) -> None:
+@pytest.mark.parametrize("max_shard_size, renamed", [("5GB", False), ("4KB", False), ("5GB", True)])
+def test_an_lm_head_untied_by_fine_tuning_keeps_its_name(tmp_path: Path, max_shard_size: str, renamed: bool) -> None:
     """A BART whose lm_head was untied (its own tensor; the shared, encoder and decoder
     embeddings still one), saved in sorted key order (the embedding tie's kept name then
-    ``decoder.embed_tokens.weight``): the embedding is written as ``model.shared.weight`` and
-    the lm_head under its own name, as save_pretrained writes them, with its logits (before:
-    both renamed to the tie's kept name; one shard refused, several shards wrote one name
-    twice and from_pretrained loaded the other tensor, without a word)."""
+    ``decoder.embed_tokens.weight``), under its own names or under others that ``names=``
+    maps back: the embedding is written as ``model.shared.weight`` and the lm_head under its
+    own name, as save_pretrained writes them, with its logits (before: both renamed to the
+    tie's kept name; one shard refused, several shards wrote one name twice and
+    from_pretrained loaded the other tensor, without a word). A checkpoint that names none
+    of its tensors as the kept one is refused, naming names= as the way out."""
     bart = _bart()
     bart.lm_head.weight = torch.nn.Parameter(bart.lm_head.weight.detach() + 0.5)
     sd = bart.state_dict()
-    ucp_zarr.save({"model": {k: sd[k] for k in sorted(sd)}, "step": 1}, tmp_path / "ck")
+    pre = "net." if renamed else ""
+    ucp_zarr.save({"model": {pre + k: sd[k] for k in sorted(sd)}, "step": 1}, tmp_path / "ck")
     bart.config.save_pretrained(tmp_path / "hf")
-    ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf", max_shard_size=max_shard_size)
+    names = {"names": {pre + k: k for k in sd}, "prefix": "model."} if renamed else {}
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "hf", to="hf", max_shard_size=max_shard_size, **names)
     bart.save_pretrained(tmp_path / "theirs")
     assert _names(tmp_path / "hf") == _names(tmp_path / "theirs")
     loaded = _loads(type(bart), tmp_path / "hf").eval()
     ids = torch.tensor([[5, 9, 3, 7, 11]])
     assert torch.equal(loaded(input_ids=ids, decoder_input_ids=ids).logits, bart.eval()(input_ids=ids, decoder_input_ids=ids).logits)
+    if not renamed:
+        ucp_zarr.save({"model": {k: sd[k] for k in sorted(sd) if k != "model.shared.weight"}}, tmp_path / "ck2")
+        (tmp_path / "hf2").mkdir()
+        (tmp_path / "hf2" / "config.json").write_bytes((tmp_path / "hf" / "config.json").read_bytes())
+        with pytest.raises(ConversionError, match=r"names none of them 'model\.shared\.weight': say which it is with names="):
+            ucp_zarr.export(tmp_path / "ck2", tmp_path / "hf2", to="hf", max_shard_size=max_shard_size)
 
 
 def test_the_master_of_a_tie_is_found_under_its_other_name(tmp_path: Path) -> None:

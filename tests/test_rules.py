@@ -613,6 +613,8 @@ def test_precedence() -> None:
     assert ds.match("3.input_layernorm.bias")[0].dim == 1
     rules = Rules((ParamRule("fused", ("w",), sizes=(-1, -1)), ParamRule("replicated", ("w",)), ParamRule("split", ("w",), dim=1)))
     assert rules.match("w")[0].kind == "replicated"  # (a save checks the copies equal)
+    either = Rules((ParamRule("replicated", (r"\d+\.norm\.weight",)), ParamRule("average", (r"\d+\.norm", r".*weight$"))))
+    assert either.match("3.norm.weight")[0].kind == "replicated"  # (kinds after it are not looked at)
     row_fused = Rules((ParamRule("fused", ("w",), dim=1, sizes=(-1, -1)), ParamRule("split", ("w",), dim=1)))
     assert row_fused.match("w")[0].kind == "fused"  # (DeepSpeed AutoTP lists such a weight in both)
     for other in (ParamRule("split", ("qkv",)), ParamRule("fused", ("qkv",), sizes=(-1, -1))):
@@ -1088,6 +1090,12 @@ def test_a_load_refuses_rules_whose_model_computes_something_else(tmp_path) -> N
         assert not target["w"].local.any()  # (nothing read)
         ucp_zarr.load(target, tmp_path / "ck", allow_other_rules=True)
         assert torch.equal(target["w"].local, weight)
+    inv_freq = [1.0, 0.1, 0.01]
+    ucp_zarr.save(placed(facts | {"rotary_inv_freq": inv_freq}, weight), tmp_path / "ck_freq")
+    target = placed(facts | {"rotary_inv_freq": [math.nextafter(f, 1.0) for f in inv_freq]}, torch.zeros(4, 2))
+    ucp_zarr.load(target, tmp_path / "ck_freq")  # (computed on another device: the last bit may differ)
+    with pytest.raises(ucp_zarr.LayoutError, match="rotary_inv_freq"):
+        ucp_zarr.load(placed(facts | {"rotary_inv_freq": [1.0, 0.1, 0.0125]}, torch.zeros(4, 2)), tmp_path / "ck_freq")
     for model in (None, {"framework": "megatron-core"}, facts | {"window_size": None}):  # nothing both record differs
         target = placed(model, torch.zeros(4, 2))
         ucp_zarr.load(target, tmp_path / "ck")

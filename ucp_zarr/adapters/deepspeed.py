@@ -495,16 +495,19 @@ def _restore_param_groups(layout: _Layout, groups: list[Any]) -> None:
 
 def _groups_by_names(groups: list[Any], names: list[list[str]]) -> list[int] | None:
     """For each engine group (its parameters ``names``), the one saved group whose
-    ``params`` hold them all (this rank's experts are some of a saved group's); None unless
-    that pairs every group with another."""
+    ``params`` hold them all (this rank's experts are some of a saved group's); empty engine
+    groups (DeepSpeed's MoE split leaves a group of only experts empty) take the saved groups
+    left, empty ones first; None unless that pairs every group with another."""
     saved = [set(g.get("params") or ()) if isinstance(g, dict) else set() for g in groups]
-    order = []
+    order: list[int | None] = []
     for mine in names:
-        fits = [j for j, s in enumerate(saved) if mine and set(mine) <= s]
-        if len(fits) != 1:
+        fits = [j for j, s in enumerate(saved) if set(mine) <= s]
+        if mine and len(fits) != 1:
             return None
-        order.append(fits[0])
-    return order if len(set(order)) == len(order) else None
+        order.append(fits[0] if mine else None)
+    left = sorted((j for j in range(len(groups)) if j not in order), key=lambda j: bool(saved[j]))
+    paired = [o if o is not None else left.pop(0) for o in order] if len(left) == order.count(None) else []
+    return paired if len(set(paired)) == len(groups) == len(paired) else None
 
 
 def _like(current: Any, loaded: Any) -> Any:

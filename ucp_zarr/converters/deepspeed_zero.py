@@ -223,7 +223,7 @@ def _other_state(out: Imported, model: dict[str, Any], osd: dict[str, Any], name
     groups = _param_groups(osd)
     if groups is None:
         warnings.warn(f"ucp_zarr: {out.layout['source']['folder']}: the optimizer files record no param_groups "
-                      "(ZeRO's elastic_checkpoint form keeps none): the hyper-parameters (lr, betas, weight decay) "
+                      "(as ZeRO's elastic_checkpoint files): the hyper-parameters (lr, betas, weight decay) "
                       "are not converted; DeepSpeed's adapter refuses to load optimizer state without them (strict)",
                       stacklevel=2)
     else:  # "params" index the flat (sub-)groups, whose parameters ``names`` lists

@@ -117,8 +117,7 @@ def write(
         items += _items(ck, key, key[len(prefix):], source, cast, lookup)
     if names == "megatron_to_llama" or names is megatron_to_llama:
         check_llama(ck.meta.layout.get("rules", {}).get("model"), config, models, f"checkpoint {ck.store.url}", Path(dst))
-    same = {k[len(prefix):]: {n[len(prefix):] for n in _names_of(ck, k) if n.startswith(prefix)} for k in weights}
-    items = fit_to_config(Path(dst), items, prefix, models, same)
+    items = fit_to_config(Path(dst), items, prefix, models, _written_names(ck, weights, prefix, lookup))
     twice = sorted(n for n, c in Counter(t.name for t in items).items() if c > 1)
     if twice:
         raise ConversionError(f"several tensors of checkpoint {ck.store.url} are mapped to the names {twice[:5]}")
@@ -191,10 +190,15 @@ def fit_to_config(dst: Path, items: list[OutTensor], prefix: str, models: list[A
     for g in groups:
         keep = next((n for n in g if n not in dropped), g[0])
         ours = [n for n in g if n in written]
-        if keep not in written and len(ours) > 1:  # (several tensors: the one the checkpoint names keep too)
-            ours = [n for n in ours if keep in (same or {}).get(n, ())]
-        if keep not in written and len(ours) == 1:
-            kept[ours[0]] = keep
+        if keep in written or not ours:
+            continue
+        one = ours if len(ours) == 1 else [n for n in ours if keep in (same or {}).get(n, ())]
+        if len(one) != 1:  # (several tensors of one tied group, none named as the kept one)
+            raise ConversionError(
+                f"the export to {dst} writes {len(ours)} tensors ({ours}) for what the model its config.json "
+                f"describes ties as one ({keep!r}), and the checkpoint names none of them {keep!r}: say which "
+                f"it is with names= (a dict mapping it to {keep!r})")
+        kept[one[0]] = keep
     return [replace(t, name=kept[t.name]) if t.name in kept else t for t in items]
 
 
@@ -303,6 +307,23 @@ def _master(ck: CheckpointReader, key: str, prefix: str, keys: list[str]) -> str
     if len(found) > 1:
         raise ConversionError(f"weight {key!r} has several fp32 masters: {found}")
     return found[0] if found else key
+
+
+def _written_names(ck: CheckpointReader, weights: list[str], prefix: str, lookup: "_Lookup") -> dict[str, set[str]]:
+    """For the name each weight is written under, the names of its tensor (its tie's
+    aliases too) as they would be written."""
+    def written(name: str) -> str | None:
+        try:
+            return lookup(name, False)
+        except ConversionError:  # (a mapping with no place for it: a fused tensor split, an alias)
+            return None
+
+    out: dict[str, set[str]] = {}
+    for key in weights:
+        mine = written(key[len(prefix):])
+        if mine is not None:
+            out[mine] = {written(n[len(prefix):]) for n in _names_of(ck, key) if n.startswith(prefix)} - {None}
+    return out
 
 
 def _names_of(ck: CheckpointReader, key: str) -> list[str]:

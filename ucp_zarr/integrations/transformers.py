@@ -58,6 +58,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.training_args import ParallelMode
 
 from ..protocol.distributed import Comm
 from ..errors import CheckpointError
@@ -129,17 +130,20 @@ class ZarrCheckpointCallback(TrainerCallback):
         scaler = _scaler(trainer)
         own = {"rng": rng_states()} | ({} if scaler is None else {"scaler": scaler.state_dict()})  # (filled in place)
         _, skipped = load(own, path, strict=False, return_incompatible_keys=True, storage_options=options)
-        missing = " ".join(skipped.missing_keys)
+        missing = set(skipped.missing_keys)
         folder = os.path.join(args.output_dir, RESUME_FOLDER, step_name(step))
         with args.main_process_first(local=args.save_on_each_node, desc="ucp_zarr resume folder"):
             if args.should_save:
                 _write_resume_folder(folder, state["model"], state["trainer_state"])
                 self._folder = folder
-        if "rng." not in missing:  # (this rank saved its generators: the file the Trainer's own save made)
-            saved_world = open_reader(path, storage_options=options).meta.world_size
-            _write_rng_file(folder, own["rng"], None if saved_world == 1 else comm.rank)
+        if not {"rng.python", "rng.numpy", "rng.torch"} & missing:  # (this rank saved its generators: the file
+            saved_world = open_reader(path, storage_options=options).meta.world_size  # the Trainer's own save made)
+            rng = {k: v for k, v in own["rng"].items() if f"rng.{k}" not in missing}  # (CUDA's, where saved)
+            _write_rng_file(folder, rng, None if saved_world == 1 else comm.rank,
+                            distributed=args.parallel_mode == ParallelMode.DISTRIBUTED)
+        saved_scaler = scaler is not None and not any(k.startswith("scaler.") for k in missing)
         self._restore = {"step": step, "optimizer": state["optimizer"], "lr_scheduler": state["lr_scheduler"],
-                         "scaler": None if scaler is None or "scaler." in missing else own["scaler"]}
+                         "scaler": own["scaler"] if saved_scaler else None}
         return folder
 
     def _attach(self, trainer: Any) -> None:
@@ -283,14 +287,16 @@ def rng_states() -> dict[str, PerRank]:
     return states
 
 
-def _write_rng_file(folder: str, states: dict[str, Any], rank: int | None) -> None:
+def _write_rng_file(folder: str, states: dict[str, Any], rank: int | None, *, distributed: bool) -> None:
     """What :func:`rng_states` returned, as the Trainer's own ``_save_rng_state`` writes it for
     its ``_load_rng_state`` (``torch.load(weights_only=True)``): ``rng_state.pth`` from a
-    single-process run (``rank`` None), else ``rng_state_<rank>.pth`` (CUDA: every device's)."""
+    single-process run (``rank`` None), else ``rng_state_<rank>.pth``; CUDA's in the form the
+    loading Trainer sets it (``distributed``: every device's, else the current device's)."""
     s = {k: v.value if isinstance(v, PerRank) else v for k, v in states.items()}
     out = {"python": s["python"], "numpy": s["numpy"], "cpu": s["torch"]}  # (numpy's set_state takes the dict form)
     if "cuda" in s:
-        out["cuda"] = s["cuda"][0] if rank is None else list(s["cuda"])
+        device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        out["cuda"] = list(s["cuda"]) if distributed else s["cuda"][min(device, len(s["cuda"]) - 1)]
     name = "rng_state.pth" if rank is None else f"rng_state_{rank}.pth"
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")

@@ -334,8 +334,8 @@ class CheckpointManager:
         error = None
         try:
             load_checkpoint(state_dict, self.path(step), process_group=self.process_group, storage_options=self.storage_options, **load_kwargs)
-        except Exception as e:  # (a load of whole tensors is each rank's own: agreed here, so that no rank
-            error = e           # goes on into training while another failed, e.g. a new rank's per-rank state)
+        except BaseException as e:  # (a load of whole tensors is each rank's own: agreed here, so that no
+            error = e               # rank goes on into training while another failed: a new rank's per-rank state)
         finally:
             _release(lease)
         self._comm.agree(error, f"loading {name}", own=True)

@@ -58,6 +58,10 @@ from .params import PRECEDENCE, RULES_FORMAT, ParamRule, Renumber, RuleError, _c
 from .schema import check_rules
 
 
+_OVER_ANYTHING = ("pieces", "replicated")
+"""Kinds taken over any other that also matches (the later kinds are not looked at)."""
+
+
 def _agree(chosen: ParamRule, other: ParamRule) -> bool:
     """Whether a parameter matched by rules of two kinds may take ``chosen`` (the first in
     :data:`PRECEDENCE`): explicit pieces (DeepSpeed prefers its affine maps to every
@@ -65,7 +69,7 @@ def _agree(chosen: ParamRule, other: ParamRule) -> bool:
     replicated is refused), a split with sub-parameters along the same dim (DeepSpeed
     AutoTP lists a row-parallel fused weight in both). Any other overlap stores it
     silently wrong: the mean of a split tensor's parts, sub-parameters along another dim."""
-    if chosen.kind in ("pieces", "replicated"):
+    if chosen.kind in _OVER_ANYTHING:
         return True
     kinds = {chosen.kind, other.kind}
     return "split" in kinds and kinds <= {"split", "fused", "grouped"} and (chosen.dim, chosen.axis) == (other.dim, other.axis)
@@ -188,12 +192,14 @@ class Rules:
         chosen: tuple[ParamRule, str] | None = None
         for kind in PRECEDENCE:
             hits = [(r, p) for r in self.params if r.kind == kind for p in r.patterns if _compile(p).match(fqn)]
-            if len(hits) > 1:
+            if chosen is None and len(hits) > 1:
                 raise RuleError(
                     f"parameter {fqn!r} is matched by two {kind} patterns: {hits[0][1]!r} and {hits[1][1]!r}"
                 )
-            if hits and chosen is None:
+            if chosen is None and hits:
                 chosen = hits[0]
+                if chosen[0].kind in _OVER_ANYTHING:
+                    break
             elif hits and chosen is not None and not _agree(chosen[0], hits[0][0]):
                 raise RuleError(
                     f"parameter {fqn!r} is matched by {chosen[0].kind} pattern {chosen[1]!r} and {kind} pattern "

@@ -166,7 +166,7 @@ class RulesHooks(LayoutHooks):
         """The members of ``model`` (what the weights compute: rotary frequencies, norm,
         activation) that both rules record and that differ: the same weights, another model."""
         a, b = saved.get("model") or {}, loading.get("model") or {}
-        differ = sorted(k for k in a.keys() & b.keys() if a[k] != b[k])
+        differ = sorted(k for k in a.keys() & b.keys() if not _same_fact(a[k], b[k]))
         if not differ:
             return None
         return "its model computes something else than the loading rules' model (" + "; ".join(
@@ -174,6 +174,16 @@ class RulesHooks(LayoutHooks):
 
     def same_form(self, saved: Mapping[str, Any] | None, loading: Mapping[str, Any] | None) -> bool:
         return same_meaning(saved, loading)
+
+
+def _same_fact(a: Any, b: Any) -> bool:
+    """Equal, numbers within a relative 1e-6 (rotary frequencies computed on another device
+    may differ in the last bit), lists element by element."""
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_fact(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-6)
+    return bool(a == b)
 
 
 def _short(value: Any) -> str:
