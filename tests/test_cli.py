@@ -653,3 +653,22 @@ def test_a_key_holding_a_newline_stays_on_its_row(capsys, tmp_path) -> None:
     assert rc == 0 and len(lines) == 4 and lines[1].split()[0] == "model.a\\nb", lines
     rc, data = run_json(capsys, "ls", ck)
     assert [d["key"] for d in data] == ["model.a\nb", "model.c"]
+
+
+def test_convert_export_and_diff_with_an_object_store(tmp_path, capsys, seaweed) -> None:
+    """``convert`` to and ``export`` from an s3:// URL take ``--storage-options`` (for the URL;
+    before: "unrecognized arguments"), and ``diff LOCAL s3://...`` applies them to the remote
+    side only (before: refused for the local path, and unreachable without them)."""
+    import uuid
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(3, dtype=torch.bfloat16)}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    url, options = f"s3://objstore/cli-{uuid.uuid4().hex[:8]}/ck", json.dumps(seaweed.storage_options())
+    assert run(capsys, "convert", tmp_path / "m.safetensors", url, "--storage-options", options)[0] == 0
+    assert run(capsys, "convert", tmp_path / "m.safetensors", tmp_path / "local")[0] == 0
+    assert run(capsys, "export", url, tmp_path / "out.safetensors", "--to", "safetensors", "--storage-options", options)[0] == 0
+    assert all(torch.equal(load_file(str(tmp_path / "out.safetensors"))[k], v) for k, v in tensors.items())
+    rc, out, _ = run(capsys, "diff", tmp_path / "local", url, "--storage-options", options)
+    assert rc == 0 and "identical" in out, out

@@ -895,3 +895,18 @@ def test_gcsfs_and_adlfs_options_map_to_obstore() -> None:
     assert az.client.config["account_name"] == "acct" and az.client.config["account_key"] == "a2V5"
     conn = O._azure_connection_string("DefaultEndpointsProtocol=https;AccountName=a;AccountKey=k;BlobEndpoint=http://h")
     assert conn == {"account_name": "a", "account_key": "k", "endpoint": "http://h"}
+
+
+@pytest.mark.parametrize("with_options", [False, True])
+def test_an_http_endpoint_from_the_environment(seaweed: Any, monkeypatch: pytest.MonkeyPatch, with_options: bool) -> None:
+    """An endpoint, credentials and AWS_ALLOW_HTTP given by the environment (as obstore reads
+    them): a save and a load with no storage_options, or with options that set client
+    options of their own (before: client options were always passed, which replaces the
+    environment's, and every request failed with obstore's "builder error")."""
+    for name, value in {"AWS_ENDPOINT_URL": seaweed.endpoint, "AWS_ACCESS_KEY_ID": seaweed.access_key,
+                        "AWS_SECRET_ACCESS_KEY": seaweed.secret_key, "AWS_ALLOW_HTTP": "true"}.items():
+        monkeypatch.setenv(name, value)
+    options = {"config_kwargs": {"connect_timeout": 5}} if with_options else None
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
+    ucp_zarr.save({"w": torch.arange(6.0)}, url, storage_options=options)
+    assert torch.equal(ucp_zarr.open(url, storage_options=options)["w"][...], torch.arange(6.0))

@@ -161,6 +161,8 @@ def build_parser() -> _Parser:
     c.add_argument("--workers", dest="max_workers", type=int, default=None, metavar="N",
                    help="threads reading and writing shards (default 4; on an object store, as many writers as it "
                         "keeps requests in flight)")
+    c.add_argument("--storage-options", type=_json_dict, default=None, metavar="JSON",
+                   help="fsspec options for a remote DST, as a JSON object")
     progress(c)
     e = command("export", "export a ucp_zarr checkpoint into another format",
                 epilog_of=lambda: _kinds("formats (--to)", "TARGETS"))
@@ -168,6 +170,8 @@ def build_parser() -> _Parser:
     e.add_argument("dst", help="the folder to write (made complete or not at all)")
     e.add_argument("--to", dest="target", required=True, metavar="FORMAT", help="the format to write (see below)")
     e.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    e.add_argument("--storage-options", type=_json_dict, default=None, metavar="JSON",
+                   help="fsspec options for a remote SRC, as a JSON object")
     h = e.add_argument_group("hf (a folder for from_pretrained; its other files, such as config.json, are kept); "
                              "--max-shard-size also for safetensors, the others for hf only")
     h.add_argument("--prefix", default=None, help="the training prefix of the weights, removed (default: detected)")
@@ -533,7 +537,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from .browse.diff import diff
     from .browse.inspect import select_keys
 
-    a, b = open_checkpoint(args.a, args), open_checkpoint(args.b, args)
+    a, b = open_checkpoint(args.a, args, others=(args.b,)), open_checkpoint(args.b, args, others=(args.a,))
     if args.keys is not None:
         for p in args.keys:
             if not select_keys(a, [p], ties=True) and not select_keys(b, [p], ties=True):
@@ -580,7 +584,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     with progress_bar(args, args.cmd) as bar:
         if args.cmd == "convert":
             convert(args.src, args.dst, source=args.source, trust=args.trust, prefix=args.prefix,
-                    overwrite=args.overwrite, max_workers=args.max_workers, progress=bar)
+                    overwrite=args.overwrite, max_workers=args.max_workers, storage_options=args.storage_options,
+                    progress=bar)
         else:
             given = {"prefix": args.prefix, "dtype": args.dtype, "masters": args.masters,
                      "max_shard_size": args.max_shard_size, "names": args.names, "ep_size": args.ep_size}
@@ -589,7 +594,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 given["max_shard_bytes"] = shard_size(given.pop("max_shard_size"))
             # (an option the format does not take is refused by export, never ignored)
             export(args.src, args.dst, to=args.target, overwrite=args.overwrite, progress=bar,
-                   **{k: v for k, v in given.items() if v is not None})
+                   storage_options=args.storage_options, **{k: v for k, v in given.items() if v is not None})
     print(f"{args.cmd}ed {args.src} -> {args.dst} in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -21,10 +21,18 @@ class UsageError(Exception):
 # --- shared -------------------------------------------------------------------------------
 
 
-def open_checkpoint(path: str, args: argparse.Namespace) -> "Checkpoint":
+def open_checkpoint(path: str, args: argparse.Namespace, *, others: tuple[str, ...] = ()) -> "Checkpoint":
+    """The checkpoint at ``path``; ``--storage-options`` apply to it, unless it is a local path
+    beside a remote one of the same command (``others``: ``diff LOCAL s3://...``)."""
     from .browse.checkpoint import open as open_committed
 
-    return open_committed(path, storage_options=args.storage_options, hmac_key=_key(args))
+    options = None if not is_url(path) and any(is_url(o) for o in others) else args.storage_options
+    return open_committed(path, storage_options=options, hmac_key=_key(args))
+
+
+def is_url(path: str) -> bool:
+    """Whether ``path`` names a remote store (``--storage-options`` apply to those only)."""
+    return "://" in path and not path.startswith("file://")
 
 
 def _key(args: argparse.Namespace) -> bytes | None:

@@ -435,9 +435,12 @@ def _client(scheme: str, bucket: str, options: dict[str, Any]) -> Any:
 
     kind = SCHEMES[scheme]
     config, client_options, retry = _config(kind, options)
+    if client_options and os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true" and kind == "s3":
+        client_options.setdefault("allow_http", True)  # (client options given replace those of the environment)
     cls = {"s3": S3Store, "gcs": GCSStore, "azure": AzureStore}[kind]
-    try:
-        return cls.from_url(f"{scheme}://{bucket}", config=config, client_options=client_options, retry_config=retry)
+    try:  # (no client options: obstore reads them from the environment, AWS_ALLOW_HTTP with an http endpoint)
+        return cls.from_url(f"{scheme}://{bucket}", config=config, client_options=client_options or None,
+                            retry_config=retry)
     except UnknownConfigurationKeyError as e:
         raise ValueError(
             f"storage_options for {scheme}://{bucket}: {e} (accepted: the s3fs/gcsfs/adlfs names "
