@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 import threading
 
 import pytest
@@ -138,3 +139,22 @@ def test_async_save_is_dcps_spelling_and_the_old_flag_still_works_with_a_warning
     old.result()
     for name in ("new", "old"):
         assert torch.equal(ucp_zarr.open(tmp_path / name)["w"][...], sd["w"])
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_an_async_overwrite_right_before_exit_lands(tmp_path, writer) -> None:
+    """A script whose last line is an async save over an existing checkpoint (Lightning's
+    ``trainer.save_checkpoint`` at the end of a re-run): the save lands before the
+    interpreter exits (before: Python's shutdown refused the overwrite's new thread-pool
+    work, the error went to a future nobody read, and the old checkpoint stayed, its
+    replacement stranded in a staging folder)."""
+    code = textwrap.dedent(f"""
+        import torch, ucp_zarr
+        ucp_zarr.save({{"w": torch.zeros(64, 64), "step": 1}}, {str(tmp_path / "ck")!r})
+        ucp_zarr.async_save({{"w": torch.ones(64, 64), "step": 2}}, {str(tmp_path / "ck")!r}, overwrite=True,
+                            writer={writer!r})
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    got = ucp_zarr.read_state_dict(tmp_path / "ck")
+    assert got["step"] == 2 and torch.equal(got["w"], torch.ones(64, 64))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]

@@ -204,3 +204,39 @@ def test_two_process_ddp_resume_gives_the_losses_of_the_uninterrupted_run(tmp_pa
 def test_the_docs_example_runs(tmp_path: Path) -> None:
     exec_page("lightning.md", tmp_path)
     assert (tmp_path / "ckpts" / "last.ckpt" / "zarr.json").is_file()
+
+
+def test_a_load_waits_for_another_plug_ins_async_save(tmp_path: Path) -> None:
+    """A plug-in's load of a path another plug-in (a Trainer before, in the same process) is
+    still saving over in the background reads the new checkpoint (before: only its own
+    pending save was waited for, and a test run after fit read the previous weights)."""
+    path = tmp_path / "model.ckpt"
+    ZarrCheckpointIO().save_checkpoint({"w": torch.zeros(1024, 1024), "step": 1}, path)
+    writer = ZarrCheckpointIO(async_save=True)
+    writer.save_checkpoint({"w": torch.ones(1024, 1024), "step": 2}, path)
+    got = ZarrCheckpointIO().load_checkpoint(path)
+    assert got["step"] == 2 and torch.equal(got["w"], torch.ones(1024, 1024))
+    writer.teardown()
+
+
+@pytest.mark.parametrize("given", [{"hmac_key": b"k" * 32}, {"async_save": True}, {"chunk_bytes": 1 << 20}])
+def test_the_sharded_strategies_refuse_plug_in_options_they_do_not_apply(tmp_path: Path, given: dict) -> None:
+    """A signing key, an async save or save options given to the ZarrCheckpointIO plug-in of a
+    sharded strategy (which writes and reads through DCP): refused at save and at load
+    (before: the checkpoint was written unsigned, an unsigned one was accepted with the key,
+    and an async save ran synchronously, without a word)."""
+    from ucp_zarr.integrations.lightning import META, ZarrFSDPStrategy, ZarrModelParallelStrategy
+
+    path = tmp_path / "last.ckpt"
+    ZarrCheckpointIO().save_checkpoint({"global_step": 3}, path / META)
+    for cls, flag in ((ZarrFSDPStrategy, ("_state_dict_type", "sharded")),
+                      (ZarrModelParallelStrategy, ("_save_distributed_checkpoint", True))):
+        strategy = object.__new__(cls)  # (the members the refusal uses)
+        setattr(strategy, *flag)
+        strategy._checkpoint_io = ZarrCheckpointIO(**given)
+        strategy.broadcast = lambda obj, src=0: obj
+        with pytest.raises(ucp_zarr.CheckpointError, match=f"does not apply the ZarrCheckpointIO plug-in's {next(iter(given))}"):
+            strategy.save_checkpoint({"state_dict": {}, "global_step": 6}, path)
+        with pytest.raises(ucp_zarr.CheckpointError, match="does not apply"):
+            strategy.load_checkpoint(path)
+        assert ucp_zarr.read_state_dict(path / META)["global_step"] == 3

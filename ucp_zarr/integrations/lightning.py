@@ -59,7 +59,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from ..protocol.distributed import Comm
-from ..protocol.saving import async_save, save
+from ..protocol.saving import async_save, save, wait_for_pending_save
 from ..protocol.read_state import read_state_dict
 from ..errors import CheckpointError, NotJSONableError
 from ..ops.steps import delete_step, is_committed
@@ -139,6 +139,7 @@ class ZarrCheckpointIO(CheckpointIO):
             raise TypeError(f"ZarrCheckpointIO.load_checkpoint: map_location must be a device or its name, not {map_location!r}")
         with self._lock:
             self._wait()
+            wait_for_pending_save()  # (another plug-in's, or a Trainer's before: it may be writing this path)
             return read_state_dict(path, device=map_location or "cpu", storage_options=self.storage_options, hmac_key=self.hmac_key)
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> bool:
@@ -224,6 +225,21 @@ class _ZarrSharded:
     def _sharded(self) -> bool:
         raise NotImplementedError
 
+    def _check_plugin(self) -> None:
+        """Refuse what a ``ZarrCheckpointIO`` plug-in was given that the sharded path (DCP with
+        :class:`~ucp_zarr.ZarrStorageWriter` and its reader, on a local folder) does not apply:
+        a signing key would leave the checkpoint unsigned and accept an unsigned one, an async
+        save would be a synchronous one."""
+        io = getattr(self, "checkpoint_io", None)
+        if not isinstance(io, ZarrCheckpointIO):
+            return
+        given = [n for n, v in (("hmac_key", io.hmac_key), ("async_save", io.async_save),
+                                ("storage_options", io.storage_options)) if v] + sorted(io.save_options)
+        if given:
+            raise CheckpointError(f"{type(self).__name__} writes and reads its sharded checkpoints through DCP, which "
+                                  f"does not apply the ZarrCheckpointIO plug-in's {', '.join(given)}: give the plug-in "
+                                  "none of them")
+
     def _meta_io(self) -> ZarrCheckpointIO:
         if getattr(self, "_zarr_meta_io", None) is None:
             self._zarr_meta_io = ZarrCheckpointIO()
@@ -243,6 +259,7 @@ class _ZarrSharded:
             return super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options (got {storage_options!r})")
+        self._check_plugin()
         path = os.fspath(self.broadcast(filepath))  # type: ignore[attr-defined]
         self._on_rank_0(lambda: self._prepare(path, checkpoint), f"preparing the save of {path}")
         state = {self._MODEL_KEY: checkpoint.pop("state_dict")}
@@ -323,6 +340,7 @@ class ZarrFSDPStrategy(_ZarrSharded, FSDPStrategy):
         path = os.fspath(self.broadcast(checkpoint_path))
         if not is_sharded_checkpoint(path):
             return super().load_checkpoint(checkpoint_path, weights_only)
+        self._check_plugin()
         with _get_sharded_state_dict_context(self.model):
             module_state = {"model": self.model.state_dict()}
             dcp.load(module_state, storage_reader=ZarrStorageReader(path))
@@ -364,6 +382,7 @@ class ZarrModelParallelStrategy(_ZarrSharded, ModelParallelStrategy):
         path = os.fspath(self.broadcast(checkpoint_path))
         if not is_sharded_checkpoint(path):
             return super().load_checkpoint(checkpoint_path, weights_only)
+        self._check_plugin()
         module_state = {"state_dict": get_model_state_dict(self.model)}
         dcp.load(module_state, storage_reader=ZarrStorageReader(path))
         self.model.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)

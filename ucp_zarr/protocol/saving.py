@@ -241,6 +241,13 @@ def wait_for_pending_save() -> None:
         pending.exception()
 
 
+# At interpreter exit the pending background save runs to its end before concurrent.futures
+# refuses new work (an overwrite's staged swap submits some: the save was lost, its staging
+# folder left beside the old checkpoint). threading's exit hooks run in reverse order of
+# registration, and concurrent.futures registered its own when imported above.
+threading._register_atexit(wait_for_pending_save)  # type: ignore[attr-defined]
+
+
 def _background_group(group: Any) -> Any:
     """A gloo group of the ranks of ``group`` for background saves, so that their
     collectives never interleave with training's; created on first use, and again after
