@@ -150,7 +150,8 @@ def to_json(value: Any, key: str) -> Any:
     """``value`` as JSON-able data, so that :func:`from_json` gives back an equal value of
     the same types at every depth:
 
-    * ``None``, ``bool``, ``int``, ``str``, finite ``float``: themselves (numpy scalars too);
+    * ``None``, ``bool``, ``int``, ``str``, finite ``float``: themselves (numpy scalars and
+      0-d arrays as the Python number of equal value: they come back as that number);
     * non-finite floats: ``{"$float": "nan"|"inf"|"-inf"}`` (a NaN's sign is not kept; a
       NaN with another payload is refused: store it as a tensor to keep its bits);
     * ``bytes``/``bytearray``: ``{"$bytes": "<base64>"}`` (opaque bytes; never unpickled);
