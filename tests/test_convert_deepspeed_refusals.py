@@ -70,6 +70,19 @@ def test_unsupported_features_are_named_before_any_work(tmp_path: Path, name: st
     assert loads == []
 
 
+def test_autoep_is_refused_by_name(tmp_path: Path) -> None:
+    """A model-states file recording DeepSpeed AutoEP layers (``ds_autoep_layers``: expert
+    placements with affine maps of their own) is refused naming AutoEP (before: the key was
+    taken for engine state and the folder converted as if it had no experts)."""
+    folder = _copy(SOURCES["zero1"](), tmp_path, "src")
+    f = folder / "mp_rank_00_model_states.pt"
+    d = torch.load(f, weights_only=True)
+    d["ds_autoep_layers"] = [{"layer": "moe", "num_experts": 4, "ep_size": 2}]
+    torch.save(d, f)
+    with pytest.raises(CheckpointError, match=r"DeepSpeed AutoEP expert layers \(ds_autoep_layers\) are not supported"):
+        ucp_zarr.convert(folder, tmp_path / "out")
+
+
 def test_zero0_with_a_torch_optimizer_is_refused_by_name(tmp_path: Path) -> None:
     """ZeRO-0 in fp32 keeps a torch optimizer's state in the model-states file, keyed by position;
     the checkpoint does not say which parameter each position is."""

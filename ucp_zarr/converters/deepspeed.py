@@ -121,6 +121,10 @@ def _topology(files: Files, first: dict[str, Any]) -> bool:
     pipeline = bool(files.layers) or pp > 1
     moe = bool(files.experts or first.get("num_experts"))
     where = files.folder
+    autoep = [k for k in ("ds_autoep_layers", "autoep_layers") if first.get(k)]
+    if autoep:  # (expert placements of their own, with affine maps: the experts would convert wrong)
+        raise ConversionError(f"{files.model_file(0)}: DeepSpeed AutoEP expert layers ({', '.join(autoep)}) are not "
+                              "supported: convert a checkpoint of deepspeed.moe.layer.MoE experts, or one without AutoEP")
     if pipeline and tp > 1:
         raise ConversionError(f"{where}: pipeline parallelism combined with tensor parallelism (pp {pp} x tp {tp}) is "
                               "not supported")
