@@ -506,8 +506,9 @@ def _groups_by_names(groups: list[Any], names: list[list[str]]) -> list[int] | N
             return None
         order.append(fits[0] if mine else None)
     left = sorted((j for j in range(len(groups)) if j not in order), key=lambda j: bool(saved[j]))
-    paired = [o if o is not None else left.pop(0) for o in order] if len(left) == order.count(None) else []
-    return paired if len(set(paired)) == len(groups) == len(paired) else None
+    if len(left) != order.count(None):  # (two engine groups took one saved group)
+        return None
+    return [j if j is not None else left.pop(0) for j in order]
 
 
 def _like(current: Any, loaded: Any) -> Any:
