@@ -46,6 +46,16 @@ _AUTOEP = ("ds_autoep_layers", "autoep_layers", "expert_parameter_patterns")
 """AutoEP's keys (expert placements, with affine maps of their own): refused when set."""
 
 
+def autoep_refusal(d: Mapping[str, Any]) -> str | None:
+    """Why ``d`` (a ``universal_checkpoint_info``, or a model-states file) cannot be placed or
+    converted: AutoEP's keys set in it; None without."""
+    autoep = [k for k in _AUTOEP if d.get(k)]
+    if not autoep:
+        return None
+    return (f"DeepSpeed AutoEP expert layers ({', '.join(autoep)}) are not supported: convert a checkpoint of "
+            "deepspeed.moe.layer.MoE experts, or one without AutoEP")
+
+
 R = TypeVar("R")
 
 
@@ -55,10 +65,9 @@ def rules_from_deepspeed(rules_type: Callable[..., R], info: Mapping[str, Any], 
     know DeepSpeed, and this adapter does not import it)."""
     if not isinstance(info, Mapping):
         raise RuleError(f"universal_checkpoint_info must be a dict, not {type(info).__name__}")
-    autoep = [k for k in _AUTOEP if info.get(k)]
+    autoep = autoep_refusal(info)
     if autoep:
-        raise RuleError(f"DeepSpeed AutoEP expert layers ({', '.join(autoep)}) are not supported: convert a checkpoint "
-                        "of deepspeed.moe.layer.MoE experts, or one without AutoEP")
+        raise RuleError(autoep)
     unknown = sorted(set(info) - _KNOWN - set(_AUTOEP))
     if unknown:  # a newer DeepSpeed's placement key, unread, would place its parameters by the default rule
         raise RuleError(

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.deepspeed_rules import autoep_refusal
 from ..errors import ConversionError, Keyword
 from .base import Imported, Opaque
 from .deepspeed_files import (
@@ -121,10 +122,9 @@ def _topology(files: Files, first: dict[str, Any]) -> bool:
     pipeline = bool(files.layers) or pp > 1
     moe = bool(files.experts or first.get("num_experts"))
     where = files.folder
-    autoep = [k for k in ("ds_autoep_layers", "autoep_layers") if first.get(k)]
+    autoep = autoep_refusal(first)
     if autoep:  # (expert placements of their own, with affine maps: the experts would convert wrong)
-        raise ConversionError(f"{files.model_file(0)}: DeepSpeed AutoEP expert layers ({', '.join(autoep)}) are not "
-                              "supported: convert a checkpoint of deepspeed.moe.layer.MoE experts, or one without AutoEP")
+        raise ConversionError(f"{files.model_file(0)}: {autoep}")
     if pipeline and tp > 1:
         raise ConversionError(f"{where}: pipeline parallelism combined with tensor parallelism (pp {pp} x tp {tp}) is "
                               "not supported")
