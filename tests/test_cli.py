@@ -151,7 +151,8 @@ def test_show(capsys, paths) -> None:
     rc, out, _ = run(capsys, "show", paths["a"], "model.layers.0.weight", "0:3, 1:4")
     head, body = out.split("\n", 1)
     assert rc == 0 and head == "model.layers.0.weight[0:3, 1:4]: shape [3, 3], float32"
-    assert body == np.array2string(w[0:3, 1:4], separator=", ") + "\n"  # numpy's formatting, with its nan
+    with np.printoptions(floatmode="unique"):  # numpy's formatting, with its nan, every float as it reads back
+        assert body == np.array2string(w[0:3, 1:4], separator=", ") + "\n"
     rc, data = run_json(capsys, "show", paths["a"], "model.layers.0.weight", "1, ::-7")
     assert rc == 0 and data["shape"] == [5] and data["index"] == "1, ::-7"
     want = w[1, ::-7]
@@ -672,3 +673,29 @@ def test_convert_export_and_diff_with_an_object_store(tmp_path, capsys, seaweed)
     assert all(torch.equal(load_file(str(tmp_path / "out.safetensors"))[k], v) for k, v in tensors.items())
     rc, out, _ = run(capsys, "diff", tmp_path / "local", url, "--storage-options", options)
     assert rc == 0 and "identical" in out, out
+
+
+# --- what reaches the terminal --------------------------------------------------------------
+
+
+def test_value_keys_reach_the_terminal_escaped(capsys, tmp_path: Path) -> None:
+    """A value key holding an escape sequence (clear the screen, set the window title) is
+    printed as its escape by ``diff`` and ``info``, as tensor keys are in every table."""
+    evil = "lr\x1b[2J\x1b]0;pwned\x07"
+    for name, lr in (("a", 1), ("b", 2)):
+        ucp_zarr.save({evil: lr, "rng\x1b[31m": ucp_zarr.PerRank(5), "x": torch.ones(2)}, tmp_path / name)
+    rc, out, _ = run(capsys, "diff", tmp_path / "a", tmp_path / "b")
+    assert "\x1b" not in out and "\x07" not in out and "lr\\x1b[2J" in out, out
+    rc, out, _ = run(capsys, "info", tmp_path / "a")
+    assert "\x1b" not in out and "rng\\x1b[31m" in out, out
+
+
+def test_show_prints_floats_that_read_back(capsys, tmp_path: Path) -> None:
+    """``show`` prints each float as the shortest text that reads back as its stored value:
+    numpy's default (8 digits) printed 1.0 and 1.000000001 both as ``1.``."""
+    t = torch.tensor([1.0, 1.000000001, -2.5e-300], dtype=torch.float64)
+    ucp_zarr.save({"x": t}, tmp_path / "ck")
+    rc, out, _ = run(capsys, "show", tmp_path / "ck", "x")
+    assert rc == 0
+    body = out.splitlines()[1].strip("[]").split(",")
+    assert [float(v) for v in body] == t.tolist()

@@ -204,7 +204,7 @@ def _stats_reference(values: np.ndarray) -> dict:
     if v.dtype.kind == "c":
         nan = np.isnan(v)
         inf = np.isinf(v) & ~nan
-        finite = np.abs(v[~(nan | inf)]).astype(np.float64)
+        finite = np.abs(v[~(nan | inf)].astype(np.complex128))  # moduli in float64, as documented
         lo_hi = finite
     else:
         nan = np.isnan(v) if v.dtype.kind == "f" else np.zeros(v.shape, bool)
@@ -478,3 +478,56 @@ def test_diff_of_large_integers_is_exact(tmp_path: Path) -> None:
     rows = {r.key: r for r in D.diff(tmp_path / "a", tmp_path / "b").rows}
     assert (rows["m"].ndiff, rows["m"].max_abs) == (1, float((b[:2] - a[:2]).abs().max()))
     assert (rows["n"].ndiff, rows["n"].max_abs) == (2, float(2**64 - 1)) and rows["n"].status == "differs"
+
+
+def test_std_of_large_finite_values(tmp_path: Path) -> None:
+    """The first block's cross term is zero, not ``inf * 0``: float64 values above ~1.3e154
+    gave a NaN std (torch and numpy: 0)."""
+    t = torch.tensor([1e200, 1e200, 1e200], dtype=torch.float64)
+    ucp_zarr.save({"c": t, "one": torch.tensor([2e160], dtype=torch.float64)}, tmp_path / "ck")
+    ck = ucp_zarr.open(tmp_path / "ck")
+    assert ck["c"].stats().std == 0.0 and ck["one"].stats().std == 0.0
+    assert ck["c"].stats().mean == 1e200
+
+
+def test_complex64_moduli_in_float64(tmp_path: Path) -> None:
+    """Statistics of complex64 take moduli in float64, as documented (numpy's abs of
+    complex64 is float32), in ``stats`` and in a diff's norm."""
+    t = torch.tensor([1 + 1j, 3 + 0.001j], dtype=torch.complex64)
+    ucp_zarr.save({"z": t}, tmp_path / "a")
+    ucp_zarr.save({"z": t * 2}, tmp_path / "b")
+    moduli = np.abs(t.numpy().astype(np.complex128))
+    s = ucp_zarr.open(tmp_path / "a")["z"].stats()
+    assert (s.min, s.max, s.norm) == (moduli.min(), moduli.max(), float(np.sqrt(np.square(moduli).sum())))
+    row = D.diff(tmp_path / "a", tmp_path / "b").rows[0]
+    assert row.norm_a == float(np.sqrt(np.square(moduli).sum()))
+
+
+def test_diff_across_integer_dtypes_is_exact(tmp_path: Path) -> None:
+    """int64 against uint64 beyond 2**53: numpy compares them through float64, where 2**60
+    and 2**60 + 1 are one number; the diff counts them apart."""
+    ucp_zarr.save({"n": torch.tensor([2**60, 7, -1], dtype=torch.int64)}, tmp_path / "a")
+    ucp_zarr.save({"n": torch.tensor([2**60 + 1, 7, 2**64 - 1], dtype=torch.uint64)}, tmp_path / "b")
+    row = D.diff(tmp_path / "a", tmp_path / "b").rows[0]
+    assert row.status == "dtype" and row.ndiff == 2 and row.max_abs == float(2**64)
+
+
+def test_two_ellipses_refused_as_numpy_refuses(ck: ucp_zarr.Checkpoint) -> None:
+    key = next(iter(ck.keys()))
+    with pytest.raises(IndexError, match="single ellipsis"):
+        ck[key][..., ...]
+
+
+def test_plot_legends_keep_keys_starting_with_underscore() -> None:
+    """torch.compile's ``_orig_mod.`` keys: matplotlib drops a found label starting with '_'."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    from ucp_zarr.browse.plots import _new_axes, _plot_by_layer, plot_series
+    from ucp_zarr.browse.runs import StepSeries
+
+    s = StepSeries("/x", "norm", (1, 2), {"_orig_mod.fc.weight": (1.0, 2.0), "model.fc.weight": (1.5, 2.5)})
+    ax = plot_series(s)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(s.values)
+    ax = _new_axes(None)
+    _plot_by_layer(ax, {"_orig_mod.layers.0.w": 1.0, "_orig_mod.layers.1.w": 2.0, "model.layers.0.w": 1.0}, "n", False)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["_orig_mod.layers.*.w", "model.layers.*.w"]

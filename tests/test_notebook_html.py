@@ -605,3 +605,13 @@ def test_a_group_is_shown_with_its_parameters_shape(tmp_path: Path) -> None:
     shown = {dom.inside(d, "code")[0]["text"]: dom.inside(d, "summary")[0]["text"]
              for d in dom.find("details", **{"class": "group"})}
     assert "(64, 32)" in shown["weight"] and "(64,)" in shown["bias"], shown
+
+
+def test_tensor_html_of_a_tied_alias(tmp_path: Path) -> None:
+    """A tied alias shows as its kept tensor does (every read takes it; its HTML raised KeyError)."""
+    w = torch.randn(4, 3)
+    ucp_zarr.save({"model.emb.weight": w, "model.head.weight": w}, tmp_path / "ck")
+    ck = ucp_zarr.open(tmp_path / "ck")
+    assert ck.ties["model.head.weight"] == "model.emb.weight"
+    html = ck["model.head.weight"]._repr_html_()
+    assert "model.head.weight" in html and "4" in html

@@ -35,7 +35,7 @@ from .errors import (
     did_you_mean,
     render,
 )
-from .cli_output import UsageError, emit, format_num, format_table, open_checkpoint, progress_bar
+from .cli_output import UsageError, emit, format_num, format_table, open_checkpoint, printable, progress_bar
 
 if TYPE_CHECKING:
     from .browse.checkpoint import Checkpoint
@@ -289,7 +289,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     if info["values"]:
         print("values: " + _clip(json.dumps(info["values"], default=str), 2000))
     if info["rank_values"]:
-        print(f"per-rank values: {', '.join(sorted(info['rank_values']))}")
+        print(f"per-rank values: {printable(', '.join(sorted(info['rank_values'])))}")
     return 0
 
 
@@ -452,8 +452,9 @@ def cmd_show(args: argparse.Namespace) -> int:
                "values": _json_values(values.tolist())})
         return 0
     shown = f" (shown as {values.dtype})" if stored_dtype_by_name(entry.dtype).bits else ""
-    print(f"{where}: shape {list(shape)}, {entry.dtype}{shown}")
-    with np.printoptions(threshold=sys.maxsize if args.full else 1000, linewidth=_width()):
+    print(f"{printable(where)}: shape {list(shape)}, {entry.dtype}{shown}")
+    # every float as the shortest text that reads back as it (numpy's default rounds to 8 digits)
+    with np.printoptions(threshold=sys.maxsize if args.full else 1000, linewidth=_width(), floatmode="unique"):
         print(np.array2string(values, separator=", ") if values.ndim else repr(values.item()))
     return 0
 
@@ -557,7 +558,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         print(format_table(["key", "status", "a", "b", "ndiff", "max_abs", "max_rel", "nan_mismatch"], rows,
                      right={4, 5, 6, 7}))
     for v in result.values:
-        print(f"value {v.key}: {v.status}: {_clip(json.dumps(v.a), 200)} -> {_clip(json.dumps(v.b), 200)}")
+        print(f"value {printable(v.key)}: {v.status}: {_clip(json.dumps(v.a), 200)} -> {_clip(json.dumps(v.b), 200)}")
     counts = ", ".join(f"{n} {s}" for s, n in result.counts().items() if n) or "no tensors"
     verdict = "identical" if result.equal else "different"
     print(f"{verdict}: {counts}; {len(result.values)} value(s) differ")

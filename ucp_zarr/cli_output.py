@@ -86,14 +86,16 @@ def progress_bar(args: argparse.Namespace, what: str) -> Iterator[_Bar | None]:
 def format_table(header: list[str], rows: list[list[str]], right: Collection[int] = ()) -> str:
     """Aligned columns, one line per row: a control character in a cell (a key holding a
     newline) is written as its escape (``\\n``), so that no row spans two lines."""
-    rows = [[_printable(c) for c in r] for r in rows]
+    rows = [[printable(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     fmt = [(str.rjust if i in right else str.ljust) for i in range(len(header))]
     lines = ["  ".join(f(c, w) for f, c, w in zip(fmt, r, widths)).rstrip() for r in [header, *rows]]
     return "\n".join(lines)
 
 
-def _printable(cell: str) -> str:
+def printable(cell: str) -> str:
+    """``cell`` with every control character (an escape sequence of a key or value that would
+    drive the terminal) written as its escape (``\\x1b``)."""
     if cell.isprintable():
         return cell
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in cell)

@@ -164,6 +164,8 @@ class _Compare:
         if dtype_a == dtype_b:
             bits = _bits(ra) != _bits(rb)
             differ = bits.any(axis=1) if bits.ndim == 2 else bits
+        elif wa.dtype.kind in "iu" and wb.dtype.kind in "iu":
+            differ = _int_differ(wa, wb)
         else:
             na, nb = _numbers(wa), _numbers(wb)
             differ = (na != nb) & ~(np.isnan(na) & np.isnan(nb))
@@ -196,11 +198,22 @@ class _Compare:
                        math.sqrt(self.sq_a), math.sqrt(self.sq_delta))
 
 
+def _int_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Where two integer arrays of other dtypes hold other numbers, exactly (numpy compares
+    int64 with uint64 through float64, which loses integers beyond 2**53)."""
+    if (a.dtype.kind == "i") == (b.dtype.kind == "i"):
+        wide = np.int64 if a.dtype.kind == "i" else np.uint64
+        return a.astype(wide) != b.astype(wide)
+    signed, unsigned = (a, b) if a.dtype.kind == "i" else (b, a)
+    return (signed < 0) | (signed.astype(np.int64).view(np.uint64) != unsigned.astype(np.uint64))
+
+
 def _int_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``|a - b|`` of two integer arrays, exactly, as uint64 (it fits: two 64-bit integers are
-    at most 2**64 - 1 apart); Python integers where one is signed and the other unsigned."""
+    """``|a - b|`` of two integer arrays: exactly, as uint64, where both are signed or both
+    unsigned (they are at most 2**64 - 1 apart); else rounded once to float64, from Python
+    integers (int64 and uint64 values may be up to 2**64 + 2**63 - 1 apart)."""
     if (a.dtype.kind == "i") != (b.dtype.kind == "i"):
-        return np.array([abs(int(x) - int(y)) for x, y in zip(a.tolist(), b.tolist())], dtype=np.uint64)
+        return np.array([float(abs(int(x) - int(y))) for x, y in zip(a.tolist(), b.tolist())], dtype=np.float64)
     wide = np.int64 if a.dtype.kind == "i" else np.uint64
     wa, wb = a.astype(wide), b.astype(wide)
     ua, ub = wa.view(np.uint64), wb.view(np.uint64)
@@ -214,7 +227,7 @@ def _sum_squares(w: np.ndarray) -> float:
     for start in range(0, w.size, _PIECE):
         x = w[start : start + _PIECE]
         if x.dtype.kind == "c":
-            x = np.abs(x)
+            x = np.abs(x.astype(np.complex128, copy=False))  # (complex64's moduli are float32)
         sq = np.square(x, dtype=np.float64)
         piece = float(sq.sum())
         if not math.isfinite(piece) and x.dtype.kind == "f":  # NaN/Inf left out (an overflowing square stays inf)
@@ -228,7 +241,7 @@ def _max_finite_abs(w: np.ndarray) -> float:
     if not w.size:
         return 0.0
     if w.dtype.kind == "c":
-        w = np.abs(w)
+        w = np.abs(w.astype(np.complex128, copy=False))
     elif w.dtype == np.bool_:
         w = w.view(np.uint8)
     if w.dtype.kind in "iu":

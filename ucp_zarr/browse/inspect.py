@@ -322,7 +322,9 @@ class _Moments:
         total = self.n + n
         delta = mean - self.mean
         self.mean += delta * n / total
-        self.m2 += m2 + delta * delta * self.n * n / total
+        if self.n:  # (the first piece has no cross term: inf * 0 would make a finite std NaN)
+            m2 += delta * delta * self.n * n / total
+        self.m2 += m2
         self.n = total
 
 
@@ -353,7 +355,7 @@ def tensor_stats(
                 bad_nan = np.isnan(x)
                 bad_inf = np.isinf(x) & ~bad_nan
                 nan, inf = nan + int(bad_nan.sum()), inf + int(bad_inf.sum())
-                x = np.abs(x[~(bad_nan | bad_inf)])
+                x = np.abs(x[~(bad_nan | bad_inf)].astype(np.complex128))  # (moduli in float64, as documented)
             lo, hi = (x.min(), x.max()) if x.size else (None, None)
             if x.size and x.dtype.kind == "f" and not (np.isfinite(lo) and np.isfinite(hi)):  # (NaN: min is NaN)
                 finite = np.isfinite(x)

@@ -490,7 +490,7 @@ def tensor_html(view: "TensorView", stats: "TensorStats | None" = None) -> str:
     regions the saving ranks held (a picture, coloured by rank), and ``stats`` when given
     (statistics are never computed here: call ``view.stats()``)."""
     ck, key = view.checkpoint, view.key
-    entry = ck.meta.tensors[key]
+    entry = ck._entry(key)  # (a tied alias: its kept tensor's entry)
     meta = ck.array_meta(key)
     g = meta.grid
     stored = (f" <span class='dim'>stored as its {_e(meta.dtype.zarr_dtype)} bits (reinterpret them, do not convert)</span>"

@@ -53,16 +53,17 @@ def _plot_by_layer(ax: "Axes", values: dict[str, float], ylabel: str, log: bool)
             import matplotlib
 
             ax.set_prop_cycle(color=matplotlib.colormaps["tab20"].colors)
+        lines = []
         for name, points in series.items():
             xs = sorted(points)
-            ax.plot(xs, [points[x] for x in xs], marker="o", label=name)
+            lines += ax.plot(xs, [points[x] for x in xs], marker="o", label=name)
         from matplotlib.ticker import MaxNLocator
 
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("layer")
         ax.set_ylabel(ylabel)
-        if len(series) <= 12:
-            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        if len(series) <= 12:  # (labels given: matplotlib leaves out a found label starting with '_')
+            ax.legend(lines, list(series), fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     else:
         ax.barh(range(len(values)), list(values.values()), tick_label=list(values))
         ax.invert_yaxis()
@@ -153,9 +154,9 @@ def plot_series(series: "StepSeries", ax: "Axes | None" = None, *, log: bool | N
     xs = np.array(series.steps)
     ys = np.array([[np.nan if v is None else v for v in values] for values in series.values.values()], dtype=float)
     if len(ys) <= MAX_LINES:
-        for key, y in zip(series.values, ys):
-            ax.plot(xs, y, marker="o", label=key)
-        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        lines = [line for key, y in zip(series.values, ys) for line in ax.plot(xs, y, marker="o", label=key)]
+        # (labels given: matplotlib leaves out a found label starting with '_', as torch.compile's keys do)
+        ax.legend(lines, list(series.values), fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     else:
         for y in ys:
             ax.plot(xs, y, color="#999", linewidth=0.6, alpha=0.6)

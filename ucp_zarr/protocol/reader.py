@@ -629,6 +629,8 @@ def index_to_box(index: Any, shape: tuple[int, ...]) -> tuple[Box, tuple[Any, ..
     """The bounding box an index touches, and the index that picks the result out of it."""
     if not isinstance(index, tuple):
         index = (index,)
+    if sum(i is Ellipsis for i in index) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
     if any(i is Ellipsis for i in index):
         at = index.index(Ellipsis)
         fill = len(shape) - (len(index) - 1)
