@@ -327,8 +327,8 @@ def test_conjugate_and_negative_views_convert_as_dcp_loads_them(tmp_path: Path) 
     unnegated) with a flag: the converter read the raw storage, so a conjugated tensor came
     out with its imaginary part's sign flipped. The truth is DCP's own load of the folder."""
     z = torch.tensor([[1 + 2j, 3 - 4j, -5 + 6j], [7 + 8j, -9 - 1j, 2 + 3j]], dtype=torch.complex64)
-    sd = {"conj": z.conj(), "conj_t": z.t().conj(), "neg": z.conj().imag, "plain": z}
-    assert sd["conj"].is_conj() and sd["neg"].is_neg()
+    sd = {"conj": z.conj(), "conj_t": z.t().conj(), "neg": z.conj().imag, "plain": z, "both": torch._neg_view(z).conj()}
+    assert sd["conj"].is_conj() and sd["neg"].is_neg() and sd["both"].is_conj() and sd["both"].is_neg()
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "dcp"))
     want = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in sd.items()}
     dcp.load(want, storage_reader=dcp.FileSystemReader(tmp_path / "dcp"))

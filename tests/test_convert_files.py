@@ -17,7 +17,8 @@ import ucp_zarr
 from ucp_zarr.errors import ConversionError, UntrustedInputError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-          torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
+          torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+          torch.float8_e5m2fnuz, torch.complex64]
 
 
 def sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -339,3 +340,65 @@ def test_tied_tensors_of_a_torch_file_are_stored_once(tmp_path: Path) -> None:
     back = ucp_zarr.read_state_dict(tmp_path / "ck")["model"]
     for k, t in sd["model"].items():
         assert torch.equal(back[k], t), k
+
+
+def test_a_single_file_export_holds_every_dtype_safetensors_does(tmp_path: Path) -> None:
+    """complex64 and the fnuz float8s (safetensors' C64, F8_E4M3FNUZ, F8_E5M2FNUZ) in and out of
+    one file, read by safetensors itself (before: refused on import, a KeyError on export)."""
+    ts = tensors()
+    save_file(ts, tmp_path / "m.safetensors")
+    ucp_zarr.convert(tmp_path / "m.safetensors", tmp_path / "ck")
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "out.safetensors", to="safetensors")
+    back = load_file(tmp_path / "out.safetensors")
+    assert sorted(back) == sorted(ts) and all(same_bits(back[k], t) for k, t in ts.items())
+
+
+def test_a_safetensors_export_names_per_rank_values_and_keeps_to_its_keys(tmp_path: Path) -> None:
+    """Per-rank values are refused as per-rank tensors are (they were dropped without a word);
+    ``keys`` exports only what it names: no value, no tie it leaves out."""
+    from safetensors import safe_open
+
+    w = torch.arange(6.0).reshape(2, 3)
+    ucp_zarr.save({"emb": w, "head": w, "rng": ucp_zarr.PerRank({"seed": 5}), "step": 3}, tmp_path / "ck")
+    with pytest.raises(ConversionError, match="rng"):
+        ucp_zarr.export(tmp_path / "ck", tmp_path / "all.safetensors", to="safetensors")
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "emb.safetensors", to="safetensors", keys=["emb"])
+    with safe_open(tmp_path / "emb.safetensors", "pt") as f:
+        assert list(f.keys()) == ["emb"] and f.metadata() == {"format": "pt"}
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "some.safetensors", to="safetensors", keys=["emb", "head", "step"])
+    ucp_zarr.convert(tmp_path / "some.safetensors", tmp_path / "back")
+    back = ucp_zarr.read_state_dict(tmp_path / "back")
+    assert sorted(back) == ["__metadata__", "emb", "head", "step"] and back["step"] == 3
+    assert back["__metadata__"] == {"format": "pt"}  # (the recorded ties are ties again, not a value)
+    assert torch.equal(back["head"], w) and ucp_zarr.open(tmp_path / "back").ties == {"head": "emb"}
+
+
+@pytest.mark.parametrize("header", [
+    [1, 2], {"a": 5}, {"a": {"dtype": "F32", "shape": [1]}}, {"__metadata__": [1], "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+    {"a": {"dtype": "F32", "shape": "12", "data_offsets": [0, 4]}}, {"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}},
+    {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}},
+])
+def test_a_malformed_safetensors_header_is_named(tmp_path: Path, header: object) -> None:
+    raw = json.dumps(header).encode()
+    (tmp_path / "m.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(16))
+    with pytest.raises(ConversionError, match="m.safetensors"):
+        ucp_zarr.convert(tmp_path / "m.safetensors", tmp_path / "ck")
+
+
+def test_an_index_naming_a_tensor_no_shard_holds_is_refused(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(2)}, tmp_path / "model-00001-of-00001.safetensors")
+    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00001.safetensors", "b": "model-00001-of-00001.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConversionError, match="'b'"):
+        ucp_zarr.convert(tmp_path / "model.safetensors.index.json", tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_file_that_is_no_pickle_is_not_sent_to_trust(tmp_path: Path) -> None:
+    """Bytes no pickle holds are a damaged or foreign file, not one to unpickle with ``trust``."""
+    (tmp_path / "garbage.bin").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "index.json").write_text('{"weight_map": {}}')
+    for f in ("garbage.bin", "index.json"):
+        with pytest.raises(ConversionError, match="not a torch file") as e:
+            ucp_zarr.convert(tmp_path / f, tmp_path / "ck", source="torch")
+        assert not isinstance(e.value, UntrustedInputError)

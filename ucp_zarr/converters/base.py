@@ -13,7 +13,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Iterator, TypeVar
 
 import torch
 
@@ -23,6 +23,9 @@ from ..format.statedict import Structure
 from ..io.local import exchange_paths, fsync_dir
 from ..io.store import Store, in_order
 from ..protocol.writer import TensorSource
+
+if TYPE_CHECKING:
+    from ..protocol.reader import CheckpointReader
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -58,6 +61,24 @@ class Imported:
     structure: Structure | None = None
     """How the source's state dict nested, where it records that (``read_state_dict`` gives
     it back so); None: flat keys."""
+
+
+def export_keys(ck: "CheckpointReader", keys: Iterable[str] | None, holds: str) -> list[str]:
+    """The keys an export of ``ck`` writes: ``keys`` (tensors, tied names, values), by default
+    every one. Refused: a key the checkpoint lacks, and per-rank state (one copy per saving
+    rank), which a format that ``holds`` one tensor or value per key cannot hold."""
+    meta = ck.meta
+    keys = [*meta.tensors, *meta.ties, *meta.values, *meta.rank_values] if keys is None else list(keys)
+    unknown = [k for k in keys if meta.canonical(k) not in meta.tensors and k not in meta.values and k not in meta.rank_values]
+    if unknown:
+        raise ConversionError(f"no tensor or value {unknown} in checkpoint {ck.store.url}")
+    per_rank = [k for k in keys if k in meta.rank_values or (k in meta.tensors and meta.tensors[k].ranks is not None)]
+    if per_rank:
+        raise ConversionError(
+            f"{per_rank} are per-rank state (one copy per saving rank); {holds} one tensor or value per key: export "
+            "the other keys by naming them in ", Keyword("keys"),
+        )
+    return keys
 
 
 def prefix_key(prefix: str) -> str | None:
@@ -161,6 +182,8 @@ def torch_load_mapped(path: Path, *, trust: bool, opaque: Iterable[str] = (), mm
     except pickle.UnpicklingError as e:
         if trust:
             raise ConversionError(f"{path}: cannot be unpickled: {e}") from None
+        if "Unsupported operand" in str(e):  # (torch's weights-only unpickler met bytes no pickle holds)
+            raise ConversionError(f"{path}: not a torch file, or a damaged one (it is no pickle a load can read)") from None
         raise UntrustedInputError(
             f"{path} holds Python objects that a weights-only load refuses ({_first_line(e)}); reading it "
             "runs code from the file: pass ", Keyword("trust", True), " only if you trust where it came from",

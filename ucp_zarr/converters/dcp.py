@@ -55,7 +55,7 @@ from ..protocol.read_state import dcp_blobs
 from ..adapters.dcp_plans import dcp_layout, merged_planner_data, planner_data_of
 from ..protocol.writer import InMemory
 from . import megatron_dist
-from .base import Imported, atomic_folder, prefix_key, read_ahead
+from .base import Imported, atomic_folder, export_keys, prefix_key, read_ahead
 
 METADATA_FILE = ".metadata"
 DATA_FILE = "__0_0.distcp"
@@ -267,7 +267,8 @@ class _Chunk:
         if f.readinto(memoryview(buf.numpy())) != buf.numel():
             raise ConversionError(f"{self.stored.file}: truncated: the chunk at {self.stored.offset} ends early")
         t = buf.view(dtype).as_strided(local.shape, self.stride)
-        return torch.conj_physical(t) if self.conj else -t if self.neg else t
+        t = torch.conj_physical(t) if self.conj else t
+        return -t if self.neg else t  # (a view may be both: -conj(storage))
 
 
 def _load_chunk(raw: bytes, stored: _Stored, box: Box, dtype: torch.dtype) -> torch.Tensor:
@@ -561,16 +562,7 @@ def write(
     )
 
     meta = ck.meta
-    keys = [*meta.tensors, *meta.ties, *meta.values, *meta.rank_values] if keys is None else list(keys)
-    unknown = [k for k in keys if meta.canonical(k) not in meta.tensors and k not in meta.values and k not in meta.rank_values]
-    if unknown:
-        raise ConversionError(f"no tensor or value {unknown} in checkpoint {ck.store.url}")
-    per_rank = [k for k in keys if k in meta.rank_values or (k in meta.tensors and meta.tensors[k].ranks is not None)]
-    if per_rank:
-        raise ConversionError(
-            f"{per_rank} are per-rank state (one copy per saving rank); a DCP checkpoint holds one tensor or "
-            "value per key: export the other keys by naming them in ", Keyword("keys"),
-        )
+    keys = export_keys(ck, keys, "a DCP checkpoint holds")
     if block_bytes < 1:
         raise ConversionError(f"block_bytes must be positive, not {block_bytes}")
     sdm: dict[str, Any] = {}

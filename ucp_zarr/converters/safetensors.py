@@ -31,7 +31,7 @@ from ..layout import Box
 from ..format.safe_paths import inside_relative
 from ..format.statedict import from_json
 from ..io.store import Store
-from .base import Imported, atomic_file, atomic_folder, read_ahead
+from .base import Imported, atomic_file, atomic_folder, export_keys, read_ahead
 
 INDEX_SUFFIX = ".safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -50,7 +50,8 @@ _CODES = {
     torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.uint16: "U16",
     torch.int32: "I32", torch.uint32: "U32", torch.int64: "I64", torch.uint64: "U64", torch.float16: "F16",
     torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64", torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.complex64: "C64",
 }
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 
@@ -76,7 +77,7 @@ class _Entry:
 def read(src: Path, *, prefix: str = "") -> Imported:
     """The tensors of a safetensors file, or of every shard an index names (``src`` is the
     file, the index, or a folder holding exactly one of either)."""
-    files = _files(Path(src))
+    files, weight_map = _files(Path(src))
     out = Imported(layout={"source": {"format": "safetensors", "files": [f.name for f in files]}})
     for file in files:
         header, _ = _header(file)
@@ -91,6 +92,10 @@ def read(src: Path, *, prefix: str = "") -> Imported:
             if key in out.tensors:
                 raise ConversionError(f"{file}: tensor {name!r} is also in another shard")
             out.tensors[key] = _Entry(file, name, tuple(info["shape"]), dtype)
+    absent = sorted(name for name in weight_map or () if prefix + name not in out.tensors)
+    if absent:
+        raise ConversionError(f"{src}: the index names tensors that no shard holds: {absent[:10]}"
+                              + (f" (and {len(absent) - 10} more)" if len(absent) > 10 else ""))
     out.ties = _ties(out, prefix, files)
     for k, v in _values(out, files).items():
         if prefix + k in out.tensors or prefix + k in out.values:
@@ -116,8 +121,9 @@ def _values(out: Imported, files: list[Path]) -> dict[str, Any]:
 
 
 def _ties(out: Imported, prefix: str, files: list[Path]) -> dict[str, str]:
-    """The ties an export of this module recorded (``__metadata__["ucp_zarr.ties"]``), of tensors the files hold."""
-    raw = out.values.get("__metadata__", {}).get(TIES_METADATA)
+    """The ties an export of this module recorded (``__metadata__["ucp_zarr.ties"]``), of
+    tensors the files hold, taken out of the value ``__metadata__``."""
+    raw = out.values.get("__metadata__", {}).pop(TIES_METADATA, None)
     if raw is None:
         return {}
     try:
@@ -129,7 +135,8 @@ def _ties(out: Imported, prefix: str, files: list[Path]) -> dict[str, str]:
     return {prefix + a: prefix + c for a, c in ties.items() if prefix + c in out.tensors and prefix + a not in out.tensors}
 
 
-def _files(src: Path) -> list[Path]:
+def _files(src: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The files ``src`` names, and the index's weight map where it is (or names) an index."""
     folder = src if src.is_dir() else None
     if folder is not None:
         found = sorted(src.glob("*" + INDEX_SUFFIX)) or sorted(src.glob("*.safetensors"))
@@ -153,10 +160,10 @@ def _files(src: Path) -> list[Path]:
         if folder is not None and (folder / SINGLE_FILE).is_file() and folder / SINGLE_FILE not in files:  # (which one is meant?)
             raise ConversionError(f"{folder}: holds {SINGLE_FILE}, which from_pretrained reads before the index "
                                   f"{src.name} (which does not name it): give the file or the index to convert")
-        return files
+        return files, weight_map
     if not src.is_file():
         raise ConversionError(f"{src}: no such file")
-    return [src]
+    return [src], None
 
 
 def _header(file: Path) -> tuple[dict[str, Any], int]:
@@ -173,10 +180,39 @@ def _header(file: Path) -> tuple[dict[str, Any], int]:
             header = json.loads(f.read(n))
         except ValueError as e:
             raise ConversionError(f"{file}: malformed safetensors header ({e})") from None
+    _check_header(file, header)
     end = max((info["data_offsets"][1] for k, info in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:
         raise ConversionError(f"{file}: truncated: its header needs {8 + n + end} bytes, it has {size}")
     return header, 8 + n
+
+
+def _check_header(file: Path, header: Any) -> None:
+    """Refuse a header that is not what the format says: an object whose ``__metadata__`` maps
+    strings to strings and whose every other entry has a dtype, a shape of sizes and the
+    two data offsets its shape and dtype need."""
+    if not isinstance(header, dict):
+        raise ConversionError(f"{file}: malformed safetensors header (a JSON {type(header).__name__}, not an object)")
+    for name, info in header.items():
+        if name == "__metadata__":
+            if info is not None and not (isinstance(info, dict) and all(isinstance(v, str) for v in info.values())):
+                raise ConversionError(f"{file}: malformed safetensors header: __metadata__ is not a map of strings")
+            continue
+        ok = isinstance(info, dict) and isinstance(info.get("dtype"), str)
+        shape, offsets = (info.get("shape"), info.get("data_offsets")) if ok else (None, None)
+        ok = ok and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+        ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+        if not ok or not 0 <= offsets[0] <= offsets[1]:
+            raise ConversionError(
+                f"{file}: malformed safetensors header: tensor {name!r} needs a dtype, a shape of sizes and two "
+                f"ascending data_offsets, not {info!r}"[:500]
+            )
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is not None and offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
+            raise ConversionError(
+                f"{file}: tensor {name!r} of shape {shape} {info['dtype']} needs {math.prod(shape) * dtype.itemsize} "
+                f"bytes, its data_offsets {offsets} hold {offsets[1] - offsets[0]}"
+            )
 
 
 def write(
@@ -188,19 +224,20 @@ def write(
     keys: list[str] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> Path:
-    """Export the tensors of ``ck`` (or only ``keys``) under their keys: into the file
+    """Export the tensors and values of ``ck`` (or only ``keys``) under their keys: into the file
     ``dst`` when its name ends in ``.safetensors``, else into the folder ``dst`` as
     ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards and
     ``model.safetensors.index.json`` when they exceed ``max_shard_bytes``. A tie is written
-    once (its alias recorded in ``__metadata__["ucp_zarr.ties"]``, which an import reads back)."""
-    keys = list(ck) if keys is None else list(keys)
-    keys = [k for k in keys if ck.meta.ties.get(k) not in keys]  # (a tie once)
-    for k in keys:
-        if ck.meta.tensors[ck.meta.canonical(ck[k].key)].ranks is not None:
-            raise ConversionError(f"tensor {k!r} is per-rank state (one copy per rank); safetensors holds one tensor per name")
-    items = [OutTensor(k, tuple(ck[k].shape), ck[k].dtype, lambda k=k: blocks(ck, k)) for k in keys]
-    ties = {a: c for a, c in ck.meta.ties.items() if c in keys and a not in keys}
-    metadata = _metadata(ck)
+    once (its alias recorded in ``__metadata__["ucp_zarr.ties"]``, which an import reads back).
+    Per-rank state (one copy per saving rank) is refused: name the other keys."""
+    meta = ck.meta
+    keys = export_keys(ck, keys, "safetensors holds")
+    values = [k for k in keys if meta.canonical(k) not in meta.tensors]
+    asked = [k for k in keys if meta.canonical(k) in meta.tensors]
+    tensors = [k for k in asked if meta.ties.get(k) not in asked]  # (a tie once)
+    items = [OutTensor(k, tuple(ck[k].shape), ck[k].dtype, lambda k=k: blocks(ck, k)) for k in tensors]
+    ties = {a: c for a, c in meta.ties.items() if c in tensors and a in asked and a not in tensors}
+    metadata = _metadata(ck, values)
     if ties:
         metadata[TIES_METADATA] = json.dumps(ties, sort_keys=True)
     if Path(dst).name.endswith(".safetensors"):
@@ -212,11 +249,11 @@ def write(
     return Path(dst)
 
 
-def _metadata(ck: CheckpointReader) -> dict[str, str]:
-    """The ``__metadata__`` of an export: a safetensors import's own header entries as they
-    were (the value ``__metadata__``), ``format`` (``"pt"`` unless they name one) and the
-    other values as JSON (``ucp_zarr.values``, where there are any)."""
-    values = {k: from_json(v, k) for k, v in ck.meta.values.items()}
+def _metadata(ck: CheckpointReader, keys: list[str]) -> dict[str, str]:
+    """The ``__metadata__`` of an export of the values ``keys``: a safetensors import's own
+    header entries as they were (the value ``__metadata__``), ``format`` (``"pt"`` unless they
+    name one) and the other values as JSON (``ucp_zarr.values``, where there are any)."""
+    values = {k: from_json(ck.meta.values[k], k) for k in keys}
     header = values.get("__metadata__")
     if isinstance(header, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in header.items()):
         del values["__metadata__"]
@@ -255,7 +292,7 @@ def write_shards(
     ``index_metadata``, and the weight map). Returns the file names written. ``source``: the
     store the items are read from (see :func:`write_file`)."""
     bad = sorted({str(t.dtype) for t in items if t.dtype not in _CODES})
-    if bad:
+    if bad:  # (before any file is written; write_file checks each file's)
         raise ConversionError(f"safetensors cannot hold the dtypes {bad} (of {[t.name for t in items if t.dtype not in _CODES][:5]})")
     shards: list[list[OutTensor]] = []
     current: list[OutTensor] = []
@@ -289,6 +326,9 @@ def write_file(
 ) -> None:
     """One safetensors file of ``items``, streamed block by block; the small ones read ahead
     from ``source``, the store they come from (:func:`~.base.read_ahead`)."""
+    bad = sorted({str(t.dtype) for t in items if t.dtype not in _CODES})
+    if bad:
+        raise ConversionError(f"safetensors cannot hold the dtypes {bad} (of {[t.name for t in items if t.dtype not in _CODES][:5]})")
     header: dict[str, Any] = {"__metadata__": metadata}
     at = 0
     for t in items:
