@@ -211,8 +211,47 @@ def async_error_on_collective_calls(rank: int, world: int, root: str, out: str) 
     saver.PreparedSave._write_data = write
     m.save(3, state(3))
     got.append(f"latest {m.latest()}")
+    # the failure taken on rank 0 alone (its latest(), caught): the next save raises on both ranks
+    saver.PreparedSave._write_data = fail
+    m.save(4, state(4), async_save=True)
+    time.sleep(2.0)
+    saver.PreparedSave._write_data = write
+    if rank == 0:
+        try:
+            m.latest()
+        except Exception as e:
+            got.append(f"latest: {type(e).__name__}")
+    try:
+        m.save(5, state(5))
+        got.append("save 5: saved")
+    except Exception as e:
+        got.append(f"save 5: {type(e).__name__}")
+    m.save(6, state(6))
+    got.append(f"latest {m.latest()}")
     with open(f"{out}.{rank}", "w") as f:
         json.dump(got, f)
+
+
+def manager_made_before_init(rank: int, world: int, port: int, root: str, out: str) -> None:
+    """A manager made before ``init_process_group`` (every rank, at the top of a script): its
+    rank 0 decides when to save once the group is up, whatever each rank measures."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from ucp_zarr import CheckpointManager
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    m = CheckpointManager(root, keep_last=2, mtbf_s=3600.0, save_cost_s=1.0)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    first = next(s for s in range(1, 1000) if m.should_save(s, step_time_s=0.5 + 0.1 * rank))
+    m.save(first, {"step": first})
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump({"first": first, "steps": m.steps()}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
 
 
 def per_rank_save(rank: int, world: int, root: str) -> None:

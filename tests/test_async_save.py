@@ -158,3 +158,34 @@ def test_an_async_overwrite_right_before_exit_lands(tmp_path, writer) -> None:
     got = ucp_zarr.read_state_dict(tmp_path / "ck")
     assert got["step"] == 2 and torch.equal(got["w"], torch.ones(64, 64))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+@pytest.mark.parametrize("how", ["async_save", "manager", "asked"])
+def test_a_background_save_failing_with_nobody_told_is_reported_at_exit(tmp_path, how) -> None:
+    """A script whose last line starts a background save that then fails (the disk full): the
+    error is written to stderr at exit (before: the process ended as if it had saved, with
+    nothing said), unless the script asked for the outcome."""
+    code = textwrap.dedent(f"""
+        import torch, ucp_zarr
+        from ucp_zarr.io import local
+        write = local.LocalStore.write
+        def full(self, key, *args, **kwargs):
+            if key.startswith("w/"):
+                raise OSError(28, "No space left on device (injected)")
+            return write(self, key, *args, **kwargs)
+        local.LocalStore.write = full
+        state = {{"w": torch.ones(64, 64), "step": 2}}
+        if {how!r} == "manager":
+            ucp_zarr.CheckpointManager({str(tmp_path / "root")!r}).save(2, state, async_save=True, writer="thread")
+        else:
+            fut = ucp_zarr.async_save(state, {str(tmp_path / "ck")!r}, writer="thread")
+            if {how!r} == "asked":
+                try:
+                    fut.result()
+                except OSError:
+                    print("asked")
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    told = "failed, and nothing asked for its outcome before exit" in done.stderr and "No space left" in done.stderr
+    assert told == (how != "asked"), done.stderr[-2000:]
+    assert done.stdout.strip() == ("asked" if how == "asked" else "")

@@ -143,3 +143,23 @@ def test_a_committed_checkpoint_is_replaced_only_when_asked(tmp_path, backend):
 
         fs = S3FileSystem(**{k: v for k, v in backend.storage_options.items() if k != "backend"})
         assert [p.rsplit("/", 1)[1] for p in fs.ls(parent.removeprefix("s3://"), refresh=True)] == ["ck"]
+
+
+def test_two_clean_ups_of_one_abandoned_folder_both_succeed(tmp_path, monkeypatch) -> None:
+    """Two saves racing to overwrite one path may both remove the same abandoned staging
+    folder: what the other took first is gone, as wanted (one of them raised a bare
+    ``FileNotFoundError`` naming an entry of the folder)."""
+    from ucp_zarr.io.local import LocalStore
+
+    store = LocalStore(str(tmp_path / "staging"))
+    for key in ("zarr.json", "w/zarr.json", "w/c/0/0"):
+        store.write(key, [b"x"])
+    unlink = os.unlink
+
+    def raced(path, *args, **kwargs):  # the other clean-up unlinks each entry just before this one
+        unlink(path, *args, **kwargs)
+        unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", raced)
+    store.remove()
+    assert not (tmp_path / "staging").exists()

@@ -323,9 +323,27 @@ def test_an_async_error_is_raised_on_every_rank_by_the_same_collective_call(tmp_
     from _dist import run
     from _manager_jobs import async_error_on_collective_calls
 
-    run(2, async_error_on_collective_calls, str(tmp_path / "root"), str(tmp_path / "out"), timeout_s=90)
-    for rank in range(2):
-        assert json.loads((tmp_path / f"out.{rank}").read_text()) == ["load: SaveError", "load_latest: SaveError", "latest 3"]
+    run(2, async_error_on_collective_calls, str(tmp_path / "root"), str(tmp_path / "out"), timeout_s=30)
+    got = [json.loads((tmp_path / f"out.{rank}").read_text()) for rank in range(2)]
+    assert got[0][:3] == got[1][:3] == ["load: SaveError", "load_latest: SaveError", "latest 3"]
+    # rank 0 took the next failure from latest() alone: the next save raised on both ranks (rank 0 was
+    # left in the save's collectives until the timeout), and the job went on
+    assert got[0][3:] == ["latest: SaveError", "save 5: SaveError", "latest 6"], got[0]
+    assert got[1][3:] == ["save 5: SaveError", "latest 6"], got[1]
+
+
+def test_a_manager_made_before_the_process_group_is_one_of_every_rank(tmp_path):
+    """Made before ``init_process_group``, a manager took each rank for a job of one: each
+    decided alone when to save (steps 169 and 141 here), the first to decide alone in the
+    save's collectives."""
+    import torch.multiprocessing as mp
+    from _dist import free_port
+    from _manager_jobs import manager_made_before_init
+
+    mp.start_processes(manager_made_before_init, args=(2, free_port(), str(tmp_path / "root"), str(tmp_path / "out")),
+                       nprocs=2, start_method="spawn", join=True)
+    got = [json.loads((tmp_path / f"out.{rank}").read_text()) for rank in range(2)]
+    assert got[0] == got[1] and got[0]["steps"] == [got[0]["first"]]
 
 
 # --- the interval advisor in the loop -------------------------------------------------------------

@@ -362,7 +362,8 @@ class LocalStore(Store):
             fsync_dir(os.path.dirname(path))
 
     def remove(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=False) if os.path.isdir(self.root) else None
+        if os.path.isdir(self.root):  # (what another remover took first is gone, as wanted: racing clean-ups)
+            shutil.rmtree(self.root, onerror=_unless_gone)
         parent = os.path.dirname(self.root)
         if os.path.isdir(parent):
             fsync_dir(parent)
@@ -441,6 +442,12 @@ def _open_regular_sized(path: str) -> tuple[int, int]:
 def _tmp_name(path: str) -> str:
     """A temporary name beside ``path``, unique to this call."""
     return temp_name(path, uuid.uuid4().hex)
+
+
+def _unless_gone(func: Callable[..., Any], path: str, exc_info: Any) -> None:
+    """``shutil.rmtree``'s error handler: raise, unless the entry is gone already."""
+    if not issubclass(exc_info[0], FileNotFoundError):
+        raise exc_info[1]
 
 
 def _unlink_quiet(path: str) -> None:

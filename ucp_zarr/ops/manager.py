@@ -15,7 +15,7 @@ import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, MutableMapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, MutableMapping
 
 from ..errors import CheckpointError, FormatError, IncompleteCheckpointError, NotACheckpointError
 from ..io.factory import open_store
@@ -36,6 +36,9 @@ from .steps import (
     step_numbers,
     step_store,
 )
+
+if TYPE_CHECKING:
+    from ..protocol.distributed import Comm
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +110,6 @@ class CheckpointManager:
         on_saved: Callable[[SaveMetrics], None] | None = None,
         lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
-        from ..protocol.distributed import Comm  # (imports torch)
-
         check_policy(keep_last, keep_every)
         if every_n_steps is not None and (isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1):
             raise ValueError(f"every_n_steps must be None or a positive integer, got {every_n_steps!r}")
@@ -132,7 +133,6 @@ class CheckpointManager:
         self.on_saved = on_saved
         self.lease_s = _positive("lease_s", lease_s)
         self._store = open_store(self.root, storage_options)
-        self._comm = Comm(process_group)
         self._stores: dict[int, Store] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ucp_zarr-manager")
         self._inflight: Future | None = None
@@ -149,6 +149,15 @@ class CheckpointManager:
         """(step, monotonic time) of the last should_save call, save or load."""
         self._stalled_s = 0.0
         """Blocking save time since ``_prev``, not part of any step's time."""
+
+    @property
+    def _comm(self) -> "Comm":
+        """The ranks of ``process_group``, as they are now: a manager made before
+        ``init_process_group`` is one of every rank once the group is up (taken at
+        construction, each rank was a job of one and decided alone)."""
+        from ..protocol.distributed import Comm  # (imports torch)
+
+        return Comm(self.process_group)
 
     # --- finding steps ---------------------------------------------------------------------
 
@@ -191,11 +200,11 @@ class CheckpointManager:
 
         Returns the :class:`SaveMetrics`, or with ``async_save`` (:func:`ucp_zarr.async_save`) a future of them, resolved
         after the commit and retention (its error also surfaces on the next call)."""
-        from ..protocol.saving import async_save as save_in_background, save as save_checkpoint
+        from ..protocol.saving import async_save as save_in_background, run_reported, save as save_checkpoint
 
         self._check_open()
         step_name(step)  # (validates)
-        self.wait()
+        self._wait_agreed(f"the async save before step {step}")
         if self._comm.rank == 0:
             self._clear_leftovers(step)
         url = self.path(step)
@@ -207,7 +216,8 @@ class CheckpointManager:
         self._saved(step, blocking)
         kept = frozenset(protect) | {step}
         if async_save:
-            self._inflight = self._executor.submit(self._complete, step, url, out, t0, blocking, True, kept)
+            self._inflight = run_reported(self._executor, f"the asynchronous save of step {step} to {url}", self._complete,
+                                          step, url, out, t0, blocking, True, kept)
             return self._inflight
         return self._complete(step, url, out, t0, blocking, False, kept)
 
@@ -291,6 +301,21 @@ class CheckpointManager:
         self._inflight = None
         return metrics
 
+    def _wait_agreed(self, what: str) -> None:
+        """:meth:`wait`, raising on every rank if it raises on any: an async save's error is
+        raised on every rank, but one rank may have had it already (from :meth:`latest` or
+        :meth:`wait` called there alone) and would go on into the collectives the others left."""
+        comm = self._comm
+        if comm.world == 1:
+            self.wait()
+            return
+        error = None
+        try:
+            self.wait()
+        except Exception as e:
+            error = e
+        comm.agree(error, what, own=True)
+
     def _raise_failed(self) -> None:
         """Raise the error of a finished async save (once), without waiting for a running one."""
         fut = self._inflight
@@ -315,7 +340,7 @@ class CheckpointManager:
         from ..protocol.distributed import describe, raise_failures
 
         self._check_open()
-        self.wait()  # (every rank: an async save's error, agreed, is raised on every rank here, before any collective)
+        self._wait_agreed(f"the async save before loading step {step}")  # (before any collective)
         name = step_name(step)
         lease = ReadLease(self._step(step), self.lease_s, self._liveness())
         error: BaseException | None = None
@@ -349,7 +374,7 @@ class CheckpointManager:
         from ..protocol.distributed import describe, raise_failures
 
         self._check_open()
-        self.wait()  # (every rank, as in load: not through rank 0's latest() alone)
+        self._wait_agreed("the async save before loading the latest step")  # (not through rank 0's latest() alone)
         for _ in range(LOAD_ATTEMPTS):
             step, error = None, None
             if self._comm.rank == 0:

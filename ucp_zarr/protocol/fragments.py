@@ -163,6 +163,34 @@ def is_dtensor(value: Any) -> bool:
     return module is not None and isinstance(value, module.DTensor)
 
 
+def is_sharded_tensor(value: Any) -> bool:
+    """Whether ``value`` is a ``ShardedTensor`` (FSDP1's ``SHARDED_STATE_DICT``), without
+    importing its module when nothing has."""
+    module = sys.modules.get("torch.distributed._shard.sharded_tensor")
+    return module is not None and isinstance(value, module.ShardedTensor)
+
+
+def _sharded_tensor_fragment(key: str, value: Any) -> "Fragment":
+    """A ``ShardedTensor``: its local shards, each at its offset (its metadata, not the
+    tensor's properties, which a ShardedTensor refuses to give)."""
+    meta = value.metadata()
+    shape, dtype = tuple(meta.size), meta.tensor_properties.dtype
+    _check_geometry(key, shape)
+    pieces, device = [], torch.device("cpu")
+    for s in value.local_shards():
+        local = check_tensor(key, s.tensor)
+        box = Box(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes))
+        if tuple(local.shape) != box.shape or box.ndim != len(shape) or not Box.whole(shape).contains(box):
+            raise LayoutError(f"tensor {key!r}: a local shard of shape {list(local.shape)} at {box} does not fit the "
+                              f"ShardedTensor's shape {list(shape)}")
+        if local.dtype != dtype:
+            raise LayoutError(f"tensor {key!r}: a local shard of {local.dtype} in a ShardedTensor of {dtype}")
+        device = local.device
+        if box.numel:
+            pieces.append((box, local))
+    return Fragment(key, shape, dtype, pieces, device=device)
+
+
 def dtensor_pieces(dt: Any, key: str) -> tuple[tuple[int, ...], list[tuple[Box, torch.Tensor]]]:
     """The global shape of ``dt`` and ``(global box, local view)`` for each box it holds here.
 
@@ -235,11 +263,13 @@ def _check_geometry(key: str, global_shape: tuple[int, ...], offset: tuple[int, 
 
 
 def to_fragment(key: str, value: Any) -> Fragment:
-    """Normalise a state-dict value (DTensor, Shard, FlatShard or tensor) to a Fragment."""
+    """Normalise a state-dict value (DTensor, ShardedTensor, Shard, FlatShard or tensor) to a Fragment."""
     if is_dtensor(value):
         check_tensor(key, value.to_local())
         shape, pieces = dtensor_pieces(value, key)
         return Fragment(key, shape, value.dtype, pieces, device=value.device)
+    if is_sharded_tensor(value):
+        return _sharded_tensor_fragment(key, value)
     if isinstance(value, Shard):
         local = check_tensor(key, value.local)
         _check_geometry(key, value.global_shape, value.global_offset)

@@ -23,7 +23,7 @@ from .reader import CheckpointReader, check_destination, open_store_reader
 from .distributed import Comm
 from ..format.dtypes import is_lossless_cast, stored_dtype_by_name
 from ..errors import DtypeMismatchError, KeyMismatchError, LayoutError, PerRankStateError, ShapeMismatchError
-from .fragments import FlatShard, PerRank, Placed, Shard, is_dtensor, is_fragment_value, to_fragment
+from .fragments import FlatShard, PerRank, Placed, Shard, is_dtensor, is_fragment_value, is_sharded_tensor, to_fragment
 from ..format.statedict import ListIndex, Path, from_json, hashable, iter_leaves, key_of, put_path, typed_path
 from ..io.factory import open_store
 from .filling import _Read, fill
@@ -208,7 +208,7 @@ def _sharded(state_dict: Any) -> bool:
     stack, seen = [state_dict], set()
     while stack:
         node = stack.pop()
-        if isinstance(node, (Shard, FlatShard, Placed)) or is_dtensor(node):
+        if isinstance(node, (Shard, FlatShard, Placed)) or is_dtensor(node) or is_sharded_tensor(node):
             return True
         if isinstance(node, (Mapping, list, tuple)) and id(node) not in seen:
             seen.add(id(node))
@@ -625,6 +625,8 @@ def _local(value: Any) -> torch.Tensor | None:
         return value.to_local()
     if isinstance(value, (Shard, FlatShard, Placed)):
         return value.local
+    if is_sharded_tensor(value):
+        return next((s.tensor for s in value.local_shards()), None)
     return value if isinstance(value, torch.Tensor) else None
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import sys
 import threading
+import traceback
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -33,6 +35,58 @@ the store declares no request concurrency of its own (a local disk)."""
 _background = ThreadPoolExecutor(1, thread_name_prefix="ucp_zarr-save")
 _pending: Future | None = None
 _pending_lock = threading.Lock()
+
+
+class SaveFuture(Future):
+    """The future of a background save (a :class:`concurrent.futures.Future`). An error that
+    nobody asked for (``result()``, ``exception()``) before the interpreter exits is written
+    to stderr then, as asyncio reports a task's: a failed last save is never lost silently."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+        self.asked = False
+
+    def result(self, timeout: float | None = None) -> Any:
+        self.asked = True
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self.asked = True
+        return super().exception(timeout)
+
+
+_unreported: set[SaveFuture] = set()
+"""Background saves running, or failed with nobody told yet (see :func:`_report_at_exit`)."""
+
+
+def run_reported(pool: ThreadPoolExecutor, what: str, fn: Callable[..., Any], *args: Any) -> SaveFuture:
+    """``fn(*args)`` on ``pool``, its outcome on a :class:`SaveFuture` that says ``what`` failed
+    at exit if nobody asked."""
+    fut = SaveFuture(what)
+    fut.set_running_or_notify_cancel()
+    _unreported.add(fut)
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+            _unreported.discard(fut)
+        except BaseException as e:
+            fut.set_exception(e)
+
+    pool.submit(run)
+    return fut
+
+
+def _report_at_exit() -> None:
+    """Wait for every background save; write to stderr the error of each that failed with
+    nobody told."""
+    for fut in list(_unreported):
+        wait([fut])
+        if not fut.asked and Future.exception(fut) is not None:
+            error = Future.exception(fut)
+            print(f"ucp_zarr: {fut.what} failed, and nothing asked for its outcome before exit:", file=sys.stderr)
+            traceback.print_exception(error, file=sys.stderr)
 _async_groups: dict[tuple[int, ...], tuple[Any, Any]] = {}
 """Background groups by the global ranks of the group they serve: (default group, group)."""
 
@@ -178,7 +232,8 @@ def async_save(
     prepared = prepare(lambda: collect(state_dict, model), store, comm, options, copy=True, writer=child)
     global _pending
     with _pending_lock:
-        _pending = _background.submit(_in_background, prepared.finish, background, writer_process.thread_nice())
+        _pending = run_reported(_background, f"the asynchronous save to {store.url}", _in_background, prepared.finish,
+                                background, writer_process.thread_nice())
         return _pending
 
 
@@ -238,14 +293,16 @@ def wait_for_pending_save() -> None:
     with _pending_lock:
         pending = _pending
     if pending is not None:
-        pending.exception()
+        wait([pending])  # (not asking for its outcome: that stays the caller's, see SaveFuture)
 
 
 # At interpreter exit the pending background save runs to its end before concurrent.futures
 # refuses new work (an overwrite's staged swap submits some: the save was lost, its staging
 # folder left beside the old checkpoint). threading's exit hooks run in reverse order of
 # registration, and concurrent.futures registered its own when imported above.
-threading._register_atexit(wait_for_pending_save)  # type: ignore[attr-defined]
+# Every save still running (a manager's retention after it too) ends then, and a failure nobody
+# was told of is written to stderr.
+threading._register_atexit(_report_at_exit)  # type: ignore[attr-defined]
 
 
 def _background_group(group: Any) -> Any:
