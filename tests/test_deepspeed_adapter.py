@@ -389,3 +389,35 @@ if __name__ == "__main__":
         D.run_worker(sys.argv[2], {"train": _train, "resume": _resume})
     else:
         raise SystemExit(f"usage: {sys.argv[0]} _worker JOB.json")
+
+
+def test_a_pipeline_tied_module_with_an_untied_parameter_is_refused(tmp_path: Path) -> None:
+    """A tied module's parameter outside its ``tied_weight_attr`` (an ``nn.Linear`` tied on
+    ``weight``: its ``bias``) is trained by each stage under one name. The adapter saved the
+    first stage's copy as the tensor, and a resume gave every stage that copy (losses 0.8431,
+    1.6727 against DeepSpeed's own resume's 0.8981, 1.7490); now refused on both ranks, naming
+    the parameter. Converting DeepSpeed's own save names the cause, not only a frozen layer."""
+    D.launch(2, [{"kind": "untied", "out": str(tmp_path)}], tmp_path / "logs", timeout_s=300,
+             worker=str(Path(__file__).parent / "_ds_tied_job.py"))
+    said = [json.loads((tmp_path / f"said.{rank}.json").read_text()) for rank in range(2)]
+    for s in said:
+        assert s["save"].startswith("LayoutError: parameter 'tied_modules.mid.bias'"), s["save"]
+        assert "tied_weight_attr is ['weight']" in s["save"]
+    assert said[0]["convert"].startswith("ConversionError:") and "['bias']" in said[0]["convert"]
+    assert "tied_weight_attr" in said[0]["convert"]
+    assert not (tmp_path / "X" / "zarr.json").exists() and not (tmp_path / "CV").exists()
+
+
+def test_pipeline_buffers_that_differ_between_data_parallel_replicas_are_saved_as_deepspeed_saves_them(
+        tmp_path: Path) -> None:
+    """A running buffer (updated in forward from each replica's own batches) differs between
+    data-parallel ranks: the adapter refused it as per-rank state to wrap in ``PerRank``, which
+    an adapter user cannot do. DeepSpeed saves data-parallel rank 0's copy; so does the adapter
+    now: its checkpoint's buffer equals the conversion of DeepSpeed's own save."""
+    D.launch(4, [{"kind": "buffers", "out": str(tmp_path)}], tmp_path / "logs", timeout_s=300,
+             worker=str(Path(__file__).parent / "_ds_tied_job.py"))
+    ours, theirs = ucp_zarr.open(tmp_path / "X"), ucp_zarr.open(tmp_path / "CV")
+    key = next(k for k in ours.keys() if k.endswith(".running"))
+    assert torch.equal(ours.read(key), theirs.read(key))
+    other = torch.load(tmp_path / "dp1.pt", weights_only=True)  # data-parallel rank 1's copy: not saved
+    assert not torch.equal(other[key.removeprefix("model.")], ours.read(key))

@@ -104,7 +104,7 @@ from ..protocol.collect import collect
 from ..protocol.saver import SaveOptions, SaveResult, prepare
 from ..format.statedict import from_json, to_json
 from ..io.factory import open_store
-from .deepspeed_layout import _Layout, _Param, _layout
+from .deepspeed_layout import _Layout, _Param, _layout, _writes_tie
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,10 @@ def _save_state(engine: Any, layout: _Layout, client_state: dict[str, Any]) -> t
             else:
                 values[k] = plain(v)
     tensors.update({f"model.{n}": t for n, t in layout.frozen.items()})
-    tensors.update({f"model.{n}": t for n, t in layout.buffers.items()})
+    # buffers as DeepSpeed saves them: data-parallel rank 0's (replicas may differ: running statistics of
+    # their own batches), a tied module's from the first stage of its tie
+    if layout.dp_rank == 0:
+        tensors.update({f"model.{n}": t for n, t in layout.buffers.items() if _writes_tie(layout.engine, n)})
     for alias, canon in layout.aliases.items():  # (one object under both names: saved once, as a tie)
         for key in [k for k in tensors if k == f"model.{canon}" or k.startswith(f"optim.state.{canon}.")]:
             value = tensors[key]  # (the weight, its master and moments; not the group's scalar step)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..protocol.distributed import Comm
-from ..errors import CheckpointError
+from ..errors import CheckpointError, LayoutError
 from ..protocol.fragments import FlatShard
 
 
@@ -55,6 +55,8 @@ class _Layout:
     """Per param group, its parameters on every rank (every stage, every expert)."""
     dp_world: int
     """The data-parallel world size (the engine's ``dp_world_size``)."""
+    dp_rank: int = 0
+    """This rank's place among its data-parallel replicas (0: it saves the buffers, as DeepSpeed does)."""
     frozen: dict[str, Any] = field(default_factory=dict)
     """name -> a plain tensor (held whole) or a FlatShard (ZeRO-3 partition)."""
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -109,14 +111,15 @@ def _layout(engine: Any) -> _Layout:
     if base is None:
         raise CheckpointError(f"{type(opt).__name__} wraps no torch optimizer")
     trainable = {p.name for p in params}
-    dp_world = dist.get_world_size(group)
+    dp_world, dp_rank = dist.get_world_size(group), dist.get_rank(group)
     if pipeline:
         group = None  # every stage writes into one checkpoint
     group_names: list[list[str]] = [[] for _ in base.param_groups]
     for p in params:
         group_names[flat_group[p.flat]].append(p.name)
     layout = _Layout(kind, engine, opt, base, group, dist.get_rank(group), dist.get_world_size(group), params, hp_flats,
-                     flat_group, group_names, dp_world)
+                     flat_group, group_names, dp_world, dp_rank)
+    refusal = _untied(engine, [p.name for p in params]) if pipeline else None
     if pipeline:
         layout.not_written = {p.name for p in params if not _writes_tie(engine, p.name)}
     module = engine.module
@@ -137,7 +140,7 @@ def _layout(engine: Any) -> _Layout:
             if buf is not None and bname not in mod._non_persistent_buffers_set:
                 layout.buffers[f"{mod_name}.{bname}" if mod_name else bname] = buf
     if pipeline or moe:  # what the other stages and expert-parallel ranks hold
-        _learn_others(layout)
+        _learn_others(layout, refusal)
     return layout
 
 
@@ -160,14 +163,31 @@ def _tensor_parallel_size(engine: Any, pipeline: bool) -> int:
 
 
 def _writes_tie(engine: Any, name: str) -> bool:
-    """Whether this rank saves parameter ``name``: a parameter tied across pipeline stages
-    (``tied_modules.<key>.*``) is saved by the first stage of its tie group only."""
+    """Whether this rank saves parameter or buffer ``name``: one of a module tied across
+    pipeline stages (``tied_modules.<key>.*``) is saved by the first stage of its tie group only."""
     import torch.distributed as dist
 
     if not name.startswith("tied_modules."):
         return True
-    tie = engine.module.tied_comms.get(name[len("tied_modules."):].partition(".")[0])
+    tie = getattr(engine.module, "tied_comms", {}).get(name[len("tied_modules."):].partition(".")[0])
     return tie is None or dist.get_rank() == min(tie["ranks"])
+
+
+def _untied(engine: Any, names: list[str]) -> str | None:
+    """Why a parameter of a module tied across pipeline stages cannot be saved, where DeepSpeed
+    does not tie it (not in its ``tied_weight_attr``): each stage trains its own copy under one
+    name, which one consolidated tensor cannot hold (saved once, the other stages' were lost)."""
+    for name in names:
+        if not name.startswith("tied_modules."):
+            continue
+        key, _, attr = name[len("tied_modules."):].partition(".")
+        tie = engine.module.tied_comms.get(key)
+        if tie is not None and attr not in tie["weight_attr"]:
+            return (f"parameter {name!r} of the module {key!r} tied across the pipeline stages of ranks {tie['ranks']} "
+                    f"is not tied (its tied_weight_attr is {list(tie['weight_attr'])}): each stage trains its own copy "
+                    "under this one name, which one consolidated tensor cannot hold; list it in the TiedLayerSpec's "
+                    "tied_weight_attr, or keep it out of the tied module")
+    return None
 
 
 def _global_names(engine: Any) -> dict[Any, str]:
@@ -190,13 +210,18 @@ def _global_names(engine: Any) -> dict[Any, str]:
     return names
 
 
-def _learn_others(layout: _Layout) -> None:
+def _learn_others(layout: _Layout, refusal: str | None = None) -> None:
     """``group_names`` of every rank of the group (in rank order) and ``elsewhere``: the
-    parameters and buffers other ranks hold (collective)."""
+    parameters and buffers other ranks hold (collective); a ``refusal`` of any rank raised on
+    every rank (:class:`LayoutError`)."""
     mine = set(layout.frozen) | set(layout.buffers) | set(layout.aliases) | {p.name for p in layout.params}
     groups: list[list[str]] = [[] for _ in layout.group_names]
     everyone: set[str] = set()
-    for theirs, names in Comm(layout.group).all_gather((layout.group_names, sorted(mine))):
+    gathered = Comm(layout.group).all_gather((layout.group_names, sorted(mine), refusal))
+    refused = next((r for *_, r in gathered if r is not None), None)
+    if refused is not None:
+        raise LayoutError(refused)
+    for theirs, names, _ in gathered:
         if len(theirs) != len(groups):
             raise CheckpointError(f"ranks hold {len(theirs)} and {len(groups)} optimizer param groups")
         for into, more in zip(groups, theirs):

@@ -268,12 +268,17 @@ def _layer_weights(files: Files, trust: bool, models: dict[int, dict[str, Any]],
         (first, state), *others = held
         other = next((f for f, s in others if s.keys() != state.keys() or
                       not all(torch.equal(s[k], t) for k, t in state.items())), None)
-        if other is not None:  # copies of one tied module are equal: one of them is another layer
+        if other is not None:  # copies of one tied module are equal where DeepSpeed ties all they hold
+            theirs = dict(next(s for f, s in others if f == other))
+            differ = sorted(k for k in state.keys() | theirs.keys()
+                            if k not in state or k not in theirs or not torch.equal(state[k], theirs[k]))
             raise ConversionError(
-                f"{first.name} and {other.name} both fit the tied module {tie!r} and hold other values: one is a layer "
-                "whose parameters are all frozen, which the checkpoint does not name (a pipeline checkpoint records no frozen "
-                "parameters), so it cannot be told from the tie. Save the running engine with "
-                "ucp_zarr.adapters.deepspeed.save_checkpoint, which names every parameter"
+                f"{first.name} and {other.name} both fit the tied module {tie!r} and hold other values for {differ}: "
+                "either those are parameters of the tied module that its TiedLayerSpec's tied_weight_attr leaves out "
+                "(each stage trains its own copy under one name, which one tensor cannot hold: list them in "
+                "tied_weight_attr), or one file is a layer whose parameters are all frozen, which a pipeline checkpoint "
+                "does not name, so it cannot be told from the tie (save the running engine with "
+                "ucp_zarr.adapters.deepspeed.save_checkpoint, which names every parameter)"
             )
         out.update({f"tied_modules.{tie}.{k}": t for k, t in state.items()})
     return out
