@@ -48,10 +48,13 @@ import select
 import shutil
 import signal
 import stat
+import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import traceback
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -65,7 +68,7 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
 import ucp_zarr
-from ucp_zarr import CheckpointError
+from ucp_zarr import CheckpointError, CorruptChunkError, FormatError
 from ucp_zarr.format.integrity import RECORD_DIGEST, record_digest
 from ucp_zarr.format.statedict import iter_leaves
 
@@ -2717,3 +2720,93 @@ def test_zz_this_process_stayed_small() -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     growth = peak - base().peak_rss_at_start
     assert growth < MEMORY_GROWTH_LIMIT, f"peak RSS grew by {growth >> 20} MiB during this module"
+
+
+# --- damaged or crafted checkpoints: memory, partial fills, signed duplicates -----------------
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_document_larger_than_any_checkpoints_is_refused_before_it_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """A commit record or array document padded to gigabytes (a sparse file costs no disk) was
+    read whole: a MemoryError, or the OOM killer, in place of an error naming the file."""
+    import ucp_zarr.io.store as store_module
+
+    path = str(tmp_path / "ck") if where == "local" else f"memory://big_docs_{uuid.uuid4().hex}/ck"
+    ucp_zarr.save({"w": torch.ones(4)}, path)
+    opened = ucp_zarr.open(path)
+    monkeypatch.setattr(store_module, "MAX_DOCUMENT_BYTES", 64)  # (every document of this checkpoint is larger)
+    with pytest.raises(FormatError, match=r"zarr.json has [0-9,]+ bytes, more than any document of a checkpoint"):
+        ucp_zarr.open(path)
+    with pytest.raises(FormatError, match=r"w/w/zarr.json has"):
+        opened.verify()
+
+
+def test_a_sparse_gigabyte_record_is_refused_without_reading_it(tmp_path: Path) -> None:
+    ucp_zarr.save({"w": torch.ones(4)}, tmp_path / "ck")
+    root = tmp_path / "ck" / "zarr.json"
+    with open(root, "r+b") as f:
+        f.truncate(root.stat().st_size + (3 << 30))
+    code = textwrap.dedent(f"""
+        import resource, ucp_zarr
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+        try:
+            ucp_zarr.open({str(tmp_path / "ck")!r})
+        except ucp_zarr.FormatError as e:
+            print("refused:", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "refused:" in out.stdout and "more than any document" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_a_tensor_too_large_for_memory_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """numpy's and torch's allocation errors named neither the tensor nor the checkpoint."""
+    import numpy as np
+
+    ucp_zarr.save({"model": {"w": torch.ones(4, 4)}}, tmp_path / "ck")
+    ck = ucp_zarr.open(tmp_path / "ck")
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError("Unable to allocate 984. GiB")
+
+    monkeypatch.setattr(np, "empty", refuse)
+    with pytest.raises(MemoryError, match=r"tensor 'model.w': 64 bytes \(shape \[4, 4\]\) do not fit in memory"):
+        ck["model.w"][...]
+    monkeypatch.undo()
+
+    def allocator(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(torch, "empty", allocator)
+    with pytest.raises(MemoryError, match=r"tensor 'model.w'"):
+        ucp_zarr.read_state_dict(tmp_path / "ck")
+
+
+def test_a_corrupt_chunk_met_by_a_load_says_the_state_dict_was_partly_filled(tmp_path: Path) -> None:
+    """Chunks are read straight into their targets: the one found corrupt, and those before it,
+    are in the caller's tensors when the error is raised (a caller that goes on trains on a
+    mix of its own, saved and corrupt values): the error says so."""
+    w = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)
+    ucp_zarr.save({"w": w}, tmp_path / "ck", chunk_bytes=1024, shard_bytes=4096)
+    last = sorted((tmp_path / "ck" / "w" / "w" / "c").iterdir())[-1]
+    shard = last / "0" if last.is_dir() else last
+    raw = bytearray(shard.read_bytes())
+    raw[10] ^= 0x40
+    shard.write_bytes(bytes(raw))
+    mine = torch.full((64, 64), -1.0)
+    with pytest.raises(CorruptChunkError, match=r"crc32c mismatch.*partly filled|crc32c mismatch.*filled part of the state dict"):
+        ucp_zarr.load({"w": mine}, tmp_path / "ck")
+    assert not torch.equal(mine, torch.full((64, 64), -1.0))  # (what the message warns of)
+
+
+def test_a_signed_record_naming_a_member_twice_is_refused(tmp_path: Path) -> None:
+    """JSON readers differ in which of two same-named members they take (Python: the last,
+    which the signature covers; others: the first): with the key, such a record is refused."""
+    key = b"k" * 32
+    ucp_zarr.save({"w": torch.ones(2), "step": 100}, tmp_path / "ck", hmac_key=key)
+    root = tmp_path / "ck" / "zarr.json"
+    raw = root.read_bytes()
+    assert raw.count(b'"step":100') == 1
+    root.write_bytes(raw.replace(b'"step":100', b'"step":666,"step":100'))
+    with pytest.raises(FormatError, match="'step' is named twice"):
+        ucp_zarr.open(tmp_path / "ck", hmac_key=key)

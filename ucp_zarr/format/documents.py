@@ -35,15 +35,25 @@ ATTRIBUTE = "ucp_zarr"
 METADATA_FILE = "zarr.json"
 
 
-def parse_document(raw: bytes, where: str) -> Any:
+def parse_document(raw: bytes, where: str, unique_keys: bool = False) -> Any:
     """A metadata document's JSON; :class:`FormatError` for anything but strict JSON (no
-    ``NaN``/``Infinity`` literals, which this format never writes) of bounded nesting."""
+    ``NaN``/``Infinity`` literals, which this format never writes) of bounded nesting. With
+    ``unique_keys``, a member named twice in one object is refused too (a signed record: JSON
+    readers differ in which of the two they take, and the signature covers only one)."""
 
     def constant(name: str) -> Any:
         raise ValueError(f"{name} is not JSON")
 
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            seen: set[str] = set()
+            twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+            raise ValueError(f"the member {twice!r} is named twice in one object")
+        return out
+
     try:
-        return json.loads(raw, parse_constant=constant)
+        return json.loads(raw, parse_constant=constant, object_pairs_hook=unique if unique_keys else None)
     except (ValueError, RecursionError) as e:
         raise FormatError(f"{where} is not valid JSON: {str(e)[:200]}") from None
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import FormatError, NotACheckpointError
 from . import direct
-from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, temp_name
+from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, check_document_size, temp_name
 
 
 """Fill these writable buffers, one after another, from this byte offset of an object."""
@@ -217,8 +217,10 @@ class LocalStore(Store):
         return total, direct_
 
     def read(self, key: str) -> bytes:
-        fd = _open_regular(self._path(key))
+        path = self._path(key)
+        fd, size = _open_regular_sized(path)
         with os.fdopen(fd, "rb") as f:
+            check_document_size(path, size)
             data = f.read()
         self.stats.add_read(len(data))
         return data

@@ -48,7 +48,7 @@ from obstore.exceptions import (
 
 from ..errors import Keyword, OwnershipError
 from .fsspec import FsspecStore
-from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, at_once, fill, folders_of, no_parent
+from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, at_once, check_document_size, fill, folders_of, no_parent
 
 T = TypeVar("T")
 
@@ -226,10 +226,13 @@ class ObstoreStore(Store):
             Keyword("unsafe_non_exclusive_store", True),
         )
 
-    def _get_buffer(self, key: str, options: dict[str, Any] | None = None) -> Any:
+    def _get_buffer(self, key: str, options: dict[str, Any] | None = None, document: bool = False) -> Any:
         """The object (or the range ``options`` name) in obstore's own buffer (``obstore.Bytes``,
-        with the buffer protocol): no copy."""
+        with the buffer protocol): no copy. A ``document``'s size is checked before its body
+        is read (:func:`~.store.check_document_size`)."""
         got = self._call(f"reading {self.url}/{key}", lambda: obstore.get(self.client, self._path(key), options=options))
+        if document:
+            check_document_size(f"{self.url}/{key}", got.meta["size"])
         data = self._call(f"reading {self.url}/{key}", got.bytes)
         self.stats.add_read(len(data))
         return data
@@ -238,7 +241,7 @@ class ObstoreStore(Store):
         return bytes(self._get_buffer(key, options))
 
     def read(self, key: str) -> bytes:
-        return self._get(key)
+        return bytes(self._get_buffer(key, document=True))
 
     def read_small(self, key: str, limit: int) -> Buffer | None:
         # one ranged request for at most limit + 1 bytes: more than limit means a larger object

@@ -153,7 +153,8 @@ class Store:
         raise NotImplementedError
 
     def read(self, key: str) -> bytes:
-        """A whole object; :class:`FileNotFoundError` if absent."""
+        """A whole object (a document: at most :data:`MAX_DOCUMENT_BYTES`, else
+        :class:`~ucp_zarr.FormatError` before it is read); :class:`FileNotFoundError` if absent."""
         raise NotImplementedError
 
     def holds(self, key: str, data: bytes) -> bool:
@@ -272,6 +273,21 @@ class Store:
 
     def sync(self) -> None:
         """Make the directory entries of everything written so far durable."""
+
+
+MAX_DOCUMENT_BYTES = 1 << 30
+"""The largest object :meth:`Store.read` reads (documents and the protocol's records: a commit
+record of 16,384 ranks is about 30 MiB): a larger one is no document of a checkpoint, and is
+refused before its bytes are read (a crafted or damaged checkpoint must not exhaust memory)."""
+
+
+def check_document_size(where: str, size: int) -> None:
+    """Refuse (:class:`~ucp_zarr.FormatError`) an object of ``size`` bytes read as a document."""
+    from ..errors import FormatError
+
+    if size > MAX_DOCUMENT_BYTES:
+        raise FormatError(f"{where} has {size:,} bytes, more than any document of a checkpoint "
+                          f"({MAX_DOCUMENT_BYTES:,}): damaged, or not a ucp_zarr checkpoint")
 
 
 def folders_of(keys: Iterable[str]) -> set[str]:

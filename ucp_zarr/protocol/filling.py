@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from .reader import CheckpointReader
-from ..errors import LayoutError
+from ..errors import CheckpointError, LayoutError
 from ..io.store import Store, wait_all
 from .fragments import Fragment
 from .ties import memory_of
@@ -50,7 +50,22 @@ def fill(ck: CheckpointReader, reads: list[_Read], rank: int, lossy: bool, max_w
     jobs = [job for r in alone for job in _prepare(ck, r, rank, lossy)]
     jobs += [lambda g=group: _fill_shared(ck, [reads[i] for i in g], rank, lossy) for group in shared]
     with ThreadPoolExecutor(read_workers(ck.store, max_workers)) as pool:
-        run_all(pool, jobs)
+        try:
+            run_all(pool, jobs)
+        except CheckpointError as e:  # (a corrupt chunk is found where it is read: into its target)
+            _say_partly_filled(e)
+            raise
+
+
+PARTLY_FILLED = (" (the load had filled part of the state dict before: its tensors now hold neither their values "
+                 "from before nor the checkpoint's; do not train on them)")
+
+
+def _say_partly_filled(e: CheckpointError) -> None:
+    """Add :data:`PARTLY_FILLED` to the message of ``e``, raised while targets were filled."""
+    if e.parts:
+        e.parts = (*e.parts, PARTLY_FILLED)
+    e.args = (f"{e.args[0] if e.args else ''}{PARTLY_FILLED}", *e.args[1:])
 
 
 def run_all(pool: ThreadPoolExecutor, jobs: list[Callable[[], None]]) -> None:

@@ -81,7 +81,9 @@ def load(
     :class:`~ucp_zarr.KeyMismatchError` listing them all, and a rank that did not exist at
     save time raises :class:`~ucp_zarr.PerRankStateError` for per-rank state it cannot
     restore, unless ``allow_new_ranks`` (then it keeps its current values, as it always
-    does without ``strict``). Everything is checked before anything is read.
+    does without ``strict``). Everything is checked before anything is read; a corrupt
+    chunk is found where it is read, into its target, and its error says that the state
+    dict was partly filled (do not train on it).
     ``hmac_key`` refuses a checkpoint that is unsigned or was changed after signing.
 
     Without ``strict``, whatever the two sides share is loaded and the rest is reported,

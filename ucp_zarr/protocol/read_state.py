@@ -11,7 +11,7 @@ from typing import Any, Iterable
 import torch
 
 from .distributed import Comm
-from .reader import open_store_reader
+from .reader import allocating, open_store_reader
 from ..format.dtypes import stored_dtype_by_name
 from ..errors import KeyMismatchError
 from ..format.commit_record import CheckpointMeta
@@ -70,7 +70,9 @@ def read_state_dict(
     tensors, reads = {}, []
     for key in (k for k in meta.tensors if k in needed):  # each read prepared here, run in the pool
         entry = meta.tensors[key]
-        out = torch.empty(tuple(entry.shape), dtype=stored_dtype_by_name(entry.dtype).torch_dtype, device=device)
+        dtype = stored_dtype_by_name(entry.dtype)
+        with allocating(key, tuple(entry.shape), dtype.itemsize):
+            out = torch.empty(tuple(entry.shape), dtype=dtype.torch_dtype, device=device)
         tensors[key], read = ck.prepare_read(key, out=out)
         reads.append(read)
     with ThreadPoolExecutor(read_workers(ck.store)) as pool:

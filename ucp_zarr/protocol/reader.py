@@ -288,7 +288,8 @@ class CheckpointReader:
         without torch: bf16 and float8 tensors come back as their raw bits (``uint16`` /
         ``uint8``; :func:`ucp_zarr.browse.values.widen` turns them into float32)."""
         meta, box = self._check_box(key, box, rank)
-        out = np.empty(box.shape, dtype=meta.dtype.numpy_dtype)
+        with allocating(key, box.shape, meta.dtype.itemsize):
+            out = np.empty(box.shape, dtype=meta.dtype.numpy_dtype)
         self._read_into(key, box, out, rank)
         return out
 
@@ -307,7 +308,9 @@ class CheckpointReader:
         meta, box = self._check_box(key, box, rank)
         chunk = meta.grid.chunk_shape
         spans = [_spans(o, n, st, c) for o, n, st, c in zip(box.offset, box.shape, steps, chunk)]
-        out = np.empty([sum(k for *_, k in sp) for sp in spans], dtype=meta.dtype.numpy_dtype)
+        shape = tuple(sum(k for *_, k in sp) for sp in spans)
+        with allocating(key, shape, meta.dtype.itemsize):
+            out = np.empty(shape, dtype=meta.dtype.numpy_dtype)
         for combo in itertools.product(*spans):
             part = Box(tuple(c[0] for c in combo), tuple(c[1] for c in combo))
             data = self.read_numpy(key, part, rank)[tuple(slice(None, None, st) for st in steps)]
@@ -372,7 +375,8 @@ class CheckpointReader:
                 )
         meta, box = self._check_box(key, box, rank, corners=out is None)
         if out is None:
-            out = torch.empty(box.shape, dtype=meta.dtype.torch_dtype)
+            with allocating(key, box.shape, meta.dtype.itemsize):
+                out = torch.empty(box.shape, dtype=meta.dtype.torch_dtype)
             raw = as_storage(out, meta).numpy()
             return out, lambda: self._read_into(key, box, raw, rank)
         raw = writable_view(out, meta)
@@ -519,6 +523,21 @@ WHOLE_SHARD_BYTES = 4 << 20
 """A shard object up to this size that a read covers whole is fetched in one request."""
 STAGE_BYTES = 64 << 20
 """The most host memory a read into a device tensor (or another dtype) stages at a time."""
+
+
+@contextlib.contextmanager
+def allocating(key: str, shape: tuple[int, ...], itemsize: int) -> Iterator[None]:
+    """Name tensor ``key`` in the error of an allocation of ``shape`` that memory cannot hold
+    (numpy's ``MemoryError``, torch's allocator ``RuntimeError``): a :class:`MemoryError`."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "alloc" not in str(e):
+            raise
+        raise MemoryError(
+            f"tensor {key!r}: {math.prod(shape) * itemsize:,} bytes (shape {list(shape)}) do not fit in memory; read "
+            "a part of it (ck[key][0:1024, :]), or check the checkpoint (ucp-zarr verify): its record may be damaged"
+        ) from e
 
 
 def check_destination(key: str, out: "torch.Tensor") -> None:
@@ -695,7 +714,7 @@ def commit_meta(store: Store, hmac_key: bytes | None = None) -> tuple[Store, Che
         store = committed_store(store)
         raw = store.read(METADATA_FILE)
     where = f"{store.url}/{METADATA_FILE}"
-    doc = parse_document(raw, where)
+    doc = parse_document(raw, where, unique_keys=hmac_key is not None)
     attrs = doc.get("attributes") if isinstance(doc, dict) else None
     attrs = attrs.get(ATTRIBUTE) if isinstance(attrs, dict) else None
     if hmac_key is not None and isinstance(attrs, dict):  # (the signature first: it covers the record digest;
