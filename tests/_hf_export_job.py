@@ -13,7 +13,8 @@ Run by ``megatron_core_models.run_job(job, 2, folder)``: on 2 ranks,
    ``folder/tied.pt``;
 3. Llama's architecture but rotary embeddings Llama does not apply (interleaved; on half of
    each head's dims), untied at TP=2, to ``folder/interleaved`` and ``folder/partial``, their
-   logits to ``folder/interleaved.pt`` and ``folder/partial.pt``.
+   logits to ``folder/interleaved.pt`` and ``folder/partial.pt``; and queries and keys scaled
+   by a weightless L2 norm (``qk_l2_norm``, Llama 4's), to ``folder/qk_l2``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ INTERLEAVED = MC.Variant("interleaved", tied=False, normalization="RMSNorm", add
                          qk_layernorm=False, position_embedding_type="rope", rotary_interleaved=True)
 PARTIAL = MC.Variant("partial", tied=False, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
                      qk_layernorm=False, position_embedding_type="rope", rotary_percent=0.5)
+QK_L2 = MC.Variant("qk-l2", tied=False, normalization="RMSNorm", add_bias_linear=False, add_qkv_bias=False,
+                   qk_layernorm=False, position_embedding_type="rope", qk_l2_norm=True)
 TOKENS = torch.randint(0, MC.VOCAB, (2, MC.MAX_SEQ), generator=torch.Generator().manual_seed(5))
 
 
@@ -65,6 +68,7 @@ def job(rank: int, world: int, folder: str) -> None:
     _untied(LLAMA, "untied", rank, world, folder)
     _untied(INTERLEAVED, "interleaved", rank, world, folder)
     _untied(PARTIAL, "partial", rank, world, folder)
+    _untied(QK_L2, "qk_l2", rank, world, folder)
 
     model = MC.build(TIED_LLAMA, 1, world, seed=12)
     rules = ucp_zarr.Rules.from_megatron(model, vocab_size=MC.VOCAB)

@@ -73,6 +73,7 @@ class Variant:
     position_embedding_type: str
     rotary_interleaved: bool = False
     rotary_percent: float = 1.0
+    qk_l2_norm: bool = False
 
 
 VARIANTS = {
@@ -126,7 +127,8 @@ def build(variant: Variant, tp: int, pp: int, seed: int, vocab: int = VOCAB) -> 
             torch.manual_seed(seed * 1000 + layer_number + get_transformer_layer_offset(config))
             super().__init__(config, submodules, layer_number=layer_number, **kw)
 
-    spec = get_gpt_layer_local_spec(normalization=variant.normalization, qk_layernorm=variant.qk_layernorm)
+    l2 = {"qk_l2_norm": True} if variant.qk_l2_norm else {}  # (Llama 4's weightless norm of queries and keys)
+    spec = get_gpt_layer_local_spec(normalization=variant.normalization, qk_layernorm=variant.qk_layernorm, **l2)
     spec.module = SeededLayer
     config = TransformerConfig(
         num_layers=NUM_LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
@@ -136,7 +138,7 @@ def build(variant: Variant, tp: int, pp: int, seed: int, vocab: int = VOCAB) -> 
         qk_layernorm=variant.qk_layernorm, rotary_interleaved=variant.rotary_interleaved,
         hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, perform_initialization=True,
-        pipeline_dtype=torch.float32, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **l2,
     )
     torch.manual_seed(seed)
     with _cuda_is_cpu():

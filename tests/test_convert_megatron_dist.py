@@ -186,3 +186,13 @@ def test_megatron_records_that_are_left_out_or_refused() -> None:
                 "optimizer.distributed.dp_group_idx_0.param_state/shard_0_1"):
         assert "distrib_optim_sharding_type='fully_reshardable'" in (megatron_dist.refusal(key) or "")
     assert megatron_dist.refusal("decoder.layers.self_attention.linear_qkv._extra_state/shard_0_2") is None
+
+
+def test_a_torch_dist_conversion_exported_to_llama_names_its_layout(megatron_dist: Path, tmp_path: Path) -> None:
+    """names="megatron_to_llama" on a converted torch_dist folder (layers stacked, vocabulary
+    padded, fused tensors without their rules) was refused for having "no place" for an input
+    norm Llama has: the refusal names the folder's layout and the way out."""
+    with pytest.raises(ConversionError, match=r"converted from a Megatron-core torch_dist folder: its layers are "
+                                              r"stacked.*Rules.from_megatron"):
+        ucp_zarr.export(megatron_dist / "converted", tmp_path / "hf", to="hf", names="megatron_to_llama")
+    assert not (tmp_path / "hf").exists()

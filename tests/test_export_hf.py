@@ -260,11 +260,13 @@ def test_megatron_core_to_llama(megatron: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name, setting", [("interleaved", r"rotary_interleaved=True \(Llama: False\)"),
-                                           ("partial", r"rotary embeddings on 4 of each head's 8 dims")])
+                                           ("partial", r"rotary embeddings on 4 of each head's 8 dims"),
+                                           ("qk_l2", r"qk_l2_norm=True \(Llama: False\)")])
 def test_megatron_core_rotary_llama_does_not_apply_is_refused(megatron: Path, tmp_path: Path, name: str,
                                                                setting: str) -> None:
     """Megatron-core models of Llama's architecture but for their rotary embeddings
-    (``rotary_interleaved``, ``rotary_percent=0.5``): exported under Llama's names, Llama
+    (``rotary_interleaved``, ``rotary_percent=0.5``) or a weightless L2 norm of queries and
+    keys (``qk_l2_norm``, Llama 4's: no name or shape shows it): exported under Llama's names, Llama
     loads them without a word and gives other logits (shown with the same mapping, unchecked);
     names="megatron_to_llama" is refused naming the setting (before: exported)."""
     import megatron_core_models as MC

@@ -108,7 +108,7 @@ _CONFIG_FACTS = (
     "normalization", "layernorm_epsilon", "layernorm_zero_centered_gamma", "apply_residual_connection_post_layernorm",
     "gated_linear_unit", "glu_linear_offset", "activation_func_clamp_value", "add_bias_linear", "add_qkv_bias",
     "qk_layernorm", "attention_output_gate", "softmax_scale", "softmax_type", "window_size", "no_rope_freq",
-    "experimental_attention_variant", "rotary_interleaved",
+    "experimental_attention_variant", "rotary_interleaved", "qk_l2_norm", "linear_attention_freq", "mrope_section",
 )
 """``TransformerConfig`` members that change what the weights compute (those this version has)."""
 

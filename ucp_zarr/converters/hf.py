@@ -108,6 +108,14 @@ def write(
     if masters and all(s == k for k, s in sources.items()) and any(ck[k].dtype != torch.float32 for k in weights):
         raise ConversionError(f"checkpoint {ck.store.url} holds no fp32 masters (optim.state.<name>.fp32) of its "
                               "low-precision weights; export without masters=True")
+    to_llama = names == "megatron_to_llama" or names is megatron_to_llama
+    if to_llama and (ck.meta.layout.get("source") or {}).get("megatron") == "torch_dist":
+        raise ConversionError(
+            f"checkpoint {ck.store.url} was converted from a Megatron-core torch_dist folder: its layers are stacked "
+            "on a leading axis (decoder.layers.<param> of shape [layers, ...]), its vocabulary padded and its fused "
+            "tensors recorded without their rules, so names='megatron_to_llama' cannot split them. Load it into the "
+            "Megatron-core model at the tensor-parallel degree that saved it (ucp_zarr.adapters.megatron_sharded), "
+            "save that with Rules.from_megatron, and export the result")
     lookup = _lookup(names)
     items: list[OutTensor] = []
     for key, source in sources.items():
@@ -115,7 +123,7 @@ def write(
         if masters and dtype is None and cast.is_floating_point and cast.itemsize < 4:  # a weight without master
             cast = torch.float32  # (frozen): upcast exactly, else the config's dtype would round the masters to it
         items += _items(ck, key, key[len(prefix):], source, cast, lookup)
-    if names == "megatron_to_llama" or names is megatron_to_llama:
+    if to_llama:
         check_llama(ck.meta.layout.get("rules", {}).get("model"), config, models, f"checkpoint {ck.store.url}", Path(dst))
     items = fit_to_config(Path(dst), items, prefix, models, _written_names(ck, weights, prefix, lookup))
     twice = sorted(n for n, c in Counter(t.name for t in items).items() if c > 1)
@@ -451,12 +459,13 @@ LLAMA_COMPUTES: dict[str, Any] = {
     "layernorm_zero_centered_gamma": False, "apply_residual_connection_post_layernorm": False,
     "gated_linear_unit": True, "activation_func": "silu", "glu_linear_offset": 0.0, "activation_func_clamp_value": None,
     "attention_output_gate": False, "softmax_type": "vanilla", "window_size": None, "no_rope_freq": None,
-    "experimental_attention_variant": None,
+    "experimental_attention_variant": None, "qk_l2_norm": False, "linear_attention_freq": None, "mrope_section": None,
 }
 """Megatron-core's settings (``Rules.model``, :func:`ucp_zarr.adapters.megatron.model_facts`)
 of a model that computes what ``LlamaForCausalLM`` does (``modeling_llama.py``: RMSNorm before
 attention and MLP, SwiGLU with SiLU, rotary embeddings on all of each head's ``head_dim``
-dims, rotating its two halves, softmax scaled by ``head_dim ** -0.5``, full causal attention)."""
+dims, rotating its two halves, softmax scaled by ``head_dim ** -0.5``, full causal attention on
+every layer, queries and keys not normalised)."""
 LLAMA_CONFIG = (
     ("hidden_size", "hidden_size"), ("intermediate_size", "ffn_hidden_size"), ("num_hidden_layers", "num_layers"),
     ("num_attention_heads", "num_attention_heads"), ("num_key_value_heads", "num_query_groups"),
