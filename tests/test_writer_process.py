@@ -110,6 +110,33 @@ def test_the_child_dying_fails_the_save_and_a_later_save_starts_another(tmp_path
     _loads_back(tmp_path / "ck", sd)
 
 
+def test_a_stopped_child_fails_the_save_once_the_lease_has_passed(tmp_path, child, monkeypatch) -> None:
+    """The child stopped (SIGSTOP, a frozen cgroup) mid-save: this process went on renewing
+    the save's lease, so nothing took the path over and the save waited without end (and with
+    it every later save). Once the child has been stopped for the lease, the save fails and the
+    child is killed; the next save starts another and lands."""
+    ucp_zarr.async_save({"w": torch.ones(4)}, tmp_path / "first").result()
+    first = child._proc.pid
+    real = wp.send_handle
+
+    def send_and_stop(conn, fd, pid):  # the child stops with the jobs sent, before it wrote one
+        real(conn, fd, pid)
+        os.kill(pid, signal.SIGSTOP)
+
+    monkeypatch.setattr(wp, "send_handle", send_and_stop)
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=rf"writer process \({first}\).*was stopped .* for more than 2 s"):
+        ucp_zarr.async_save(_state(), tmp_path / "ck", lease_s=2.0).result(timeout=60)
+    assert time.monotonic() - start < 30
+    with pytest.raises(IncompleteCheckpointError):  # never committed
+        ucp_zarr.open(tmp_path / "ck")
+    monkeypatch.setattr(wp, "send_handle", real)
+    sd = _state()
+    ucp_zarr.async_save(sd, tmp_path / "ck").result()  # (the failed save's claim was given up)
+    assert child._proc.pid != first
+    _loads_back(tmp_path / "ck", sd)
+
+
 _TRAINER = """
 import sys, time, torch, ucp_zarr
 sd = {f"w{i}": torch.full((256, 256), float(i)) for i in range(300)}  # many objects: the child writes a while

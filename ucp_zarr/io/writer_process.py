@@ -156,6 +156,14 @@ class WriterProcess:
                 )
             try:
                 seals, failure = self._run(conn, pid, store, list(jobs), guard, seal, memory, workers, bytes_per_s)
+            except _Stopped as e:  # (killed: a stopped process exits on SIGKILL alone)
+                assert self._proc is not None
+                self._proc.kill()
+                code = self._stop()
+                raise CheckpointError(
+                    f"the writer process ({pid}) of the background save to {store.url} {e} (exit code {code}): "
+                    "nothing of this save is committed"
+                ) from None
             except (EOFError, OSError) as e:  # (the socket: the child is gone)
                 code = self._stop()
                 raise CheckpointError(
@@ -235,7 +243,9 @@ class WriterProcess:
             send_handle(conn, memory.fd, pid)
         seals: list[bytes | None] = [None] * len(jobs)
         failure: BaseException | None = None
+        lease = getattr(getattr(guard, "lease", None), "lease_s", None) or STOPPED_LIMIT_S
         while True:
+            _wait_while_running(conn, pid, lease)
             msg = conn.recv()
             if msg[0] == "check":  # the child asks the guard before it puts an object in place
                 try:
@@ -252,6 +262,40 @@ class WriterProcess:
                     store.stats.add_write(key, nbytes)
                     seals[n] = sealed
                 return seals, failure
+
+
+STOPPED_LIMIT_S = 120.0
+"""How long a writer process may stay stopped (``SIGSTOP``, a frozen cgroup) before its save
+fails, where the save's guard names no lease of its own."""
+
+
+class _Stopped(Exception):
+    """The writer process stayed stopped longer than its save's lease."""
+
+
+def _wait_while_running(conn: Connection, pid: int, limit_s: float) -> None:
+    """Return once ``conn`` has a message; raise :class:`_Stopped` once process ``pid`` has
+    been seen stopped for ``limit_s`` in a row (the parent renews the save's lease meanwhile,
+    so no other save takes the path over: the save would wait without end). A job suspended
+    whole (Ctrl-Z) stops this process too and does not count."""
+    stopped_since = None
+    while not conn.poll(1.0):
+        if not _is_stopped(pid):
+            stopped_since = None
+            continue
+        now = time.monotonic()
+        stopped_since = now if stopped_since is None else stopped_since
+        if now - stopped_since > limit_s:
+            raise _Stopped(f"was stopped (SIGSTOP, or a frozen cgroup) for more than {limit_s:.0f} s, the save's lease")
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (Linux: its state in ``/proc``; False elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
 
 
 def _error(payload: tuple[BaseException | None, str, str], store: LocalStore) -> BaseException:
