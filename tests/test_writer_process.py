@@ -89,43 +89,25 @@ def test_the_child_runs_below_the_callers_priority(tmp_path, child) -> None:
         assert os.getpriority(os.PRIO_PROCESS, int(task)) == min(caller + api.BACKGROUND_NICE, api.MAX_NICE)
 
 
-def test_the_child_dying_fails_the_save_and_a_later_save_starts_another(tmp_path, child, monkeypatch) -> None:
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_the_child_dying_or_stopping_fails_the_save_and_a_later_save_starts_another(tmp_path, child, monkeypatch,
+                                                                                   how) -> None:
+    """The child dies, or stops (SIGSTOP, a frozen cgroup), with the jobs sent. A stopped
+    child's save waited without end (this process renewed its lease, so nothing took the path
+    over; every later save waited too): once the child has been stopped for the lease, the save
+    fails and the child is killed. The next save starts another child and lands."""
     ucp_zarr.async_save({"w": torch.ones(4)}, tmp_path / "first").result()
     first = child._proc.pid
     real = wp.send_handle
 
-    def send_and_kill(conn, fd, pid):  # the child dies with the jobs sent, before it wrote one
+    def send_and_signal(conn, fd, pid):  # before the child wrote anything
         real(conn, fd, pid)
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
 
-    monkeypatch.setattr(wp, "send_handle", send_and_kill)
-    with pytest.raises(CheckpointError, match=rf"writer process \({first}\).*nothing of this save is committed"):
-        ucp_zarr.async_save(_state(), tmp_path / "ck").result()
-    with pytest.raises(IncompleteCheckpointError):  # never committed
-        ucp_zarr.open(tmp_path / "ck")
-    monkeypatch.setattr(wp, "send_handle", real)
-    sd = _state()
-    ucp_zarr.async_save(sd, tmp_path / "ck").result()  # (the failed save's claim was given up)
-    assert child._proc.pid != first
-    _loads_back(tmp_path / "ck", sd)
-
-
-def test_a_stopped_child_fails_the_save_once_the_lease_has_passed(tmp_path, child, monkeypatch) -> None:
-    """The child stopped (SIGSTOP, a frozen cgroup) mid-save: this process went on renewing
-    the save's lease, so nothing took the path over and the save waited without end (and with
-    it every later save). Once the child has been stopped for the lease, the save fails and the
-    child is killed; the next save starts another and lands."""
-    ucp_zarr.async_save({"w": torch.ones(4)}, tmp_path / "first").result()
-    first = child._proc.pid
-    real = wp.send_handle
-
-    def send_and_stop(conn, fd, pid):  # the child stops with the jobs sent, before it wrote one
-        real(conn, fd, pid)
-        os.kill(pid, signal.SIGSTOP)
-
-    monkeypatch.setattr(wp, "send_handle", send_and_stop)
+    monkeypatch.setattr(wp, "send_handle", send_and_signal)
+    said = "failed" if how == "killed" else "was stopped .* for more than 2 s"
     start = time.monotonic()
-    with pytest.raises(CheckpointError, match=rf"writer process \({first}\).*was stopped .* for more than 2 s"):
+    with pytest.raises(CheckpointError, match=rf"writer process \({first}\) .*{said}.*nothing of this save is committed"):
         ucp_zarr.async_save(_state(), tmp_path / "ck", lease_s=2.0).result(timeout=60)
     assert time.monotonic() - start < 30
     with pytest.raises(IncompleteCheckpointError):  # never committed
