@@ -465,3 +465,47 @@ def test_fsdp2_fresh_optimizer_resumes_bit_exactly_on_two_ranks(tmp_path):
     Shard / FlatShard parameters get Shard / FlatShard state; state whose parameter cannot be
     told is refused by name; a conjugate DTensor view is filled."""
     run(2, _fsdp2_job, str(tmp_path), timeout_s=120)
+
+
+def test_an_optimizer_of_some_of_the_saved_parameters_gets_their_state_by_name(tmp_path) -> None:
+    """Both sides name every parameter (``named_parameters()``) but hold other sets: an
+    optimizer of the top layer only, loaded with ``strict=False`` from the whole model's,
+    got the moments of the saved parameter of its number (``0.weight``'s for ``1.weight``: the
+    same shape, in place) and called nothing missing. Now matched by name, as DCP's
+    ``set_state_dict`` matches: in place, into a fresh optimizer, and the other way round."""
+    import warnings
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    o = torch.optim.Adam(m.named_parameters(), lr=0.1)
+    m(torch.randn(2, 4)).sum().backward()
+    o.step()
+    ucp_zarr.save({"optim": o.state_dict()}, tmp_path / "all")
+    saved = {n: o.state[p]["exp_avg"].clone() for n, p in m.named_parameters()}
+
+    def top(stepped: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        m2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        o2 = torch.optim.Adam([(n, p) for n, p in m2.named_parameters() if n.startswith("1.")], lr=0.5)
+        if stepped:
+            m2(torch.randn(2, 4)).sum().backward()
+            o2.step()
+        return m2, o2
+
+    for stepped in (True, False):
+        m2, o2 = top(stepped)
+        sd = {"optim": o2.state_dict()}
+        _, keys = ucp_zarr.load(sd, tmp_path / "all", strict=False, return_incompatible_keys=True)
+        o2.load_state_dict(sd["optim"])
+        assert torch.equal(o2.state[m2[1].weight]["exp_avg"], saved["1.weight"])
+        assert torch.equal(o2.state[m2[1].bias]["exp_avg"], saved["1.bias"])
+        assert keys.missing_keys == [] and sorted(keys.unexpected_keys) == sorted(
+            f"optim.state.{i}.{k}" for i in (0, 1) for k in ("step", "exp_avg", "exp_avg_sq"))
+    m2, o2 = top(True)  # the other way round: the whole model's optimizer from the top layer's
+    ucp_zarr.save({"optim": o2.state_dict()}, tmp_path / "top")
+    mine = {n: o.state[p]["exp_avg"].clone() for n, p in m.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, keys = ucp_zarr.load({"optim": o.state_dict()}, tmp_path / "top", strict=False, return_incompatible_keys=True)
+    assert torch.equal(o.state[m[1].weight]["exp_avg"], o2.state[m2[1].weight]["exp_avg"])
+    assert torch.equal(o.state[m[0].weight]["exp_avg"], mine["0.weight"])  # (kept: nothing of its own was saved)
+    assert sorted(keys.missing_keys) == sorted(f"optim.state.{i}.{k}" for i in (0, 1) for k in ("step", "exp_avg", "exp_avg_sq"))

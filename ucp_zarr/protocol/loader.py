@@ -68,7 +68,9 @@ def load(
     are keyed as the state dict keys its parameters (by number, or by name: the checkpoint
     may key them the other way). Parameters are matched by name where both sides name
     every one (state keyed by name, as ``get_state_dict`` keys it, or param groups with
-    ``param_names``), whatever their order; else by position in the param groups, as
+    ``param_names``), whatever their order and whichever of them each side holds (an
+    optimizer of some of the saved parameters gets theirs; the others are missing or
+    unexpected keys); else by position in the param groups, as
     ``Optimizer.load_state_dict`` matches them. They get the checkpoint's shapes and dtypes,
     on the device and in the layout of their parameter (a DTensor, ``Shard`` or
     ``FlatShard`` like it; scalars such as Adam's ``step`` whole), so that
@@ -241,7 +243,7 @@ class _Planner:
         self.empty = [typed_path(state_dict, p) for _, p in empty]
         # a tensor placed by rules is read from its consolidated key
         # (and an alias of tied tensors from its canonical key)
-        self.stored_key = {
+        self.stored_key: dict[str, str | None] = {
             k: ck.meta.canonical(leaf.value.key if isinstance(leaf.value, Placed) else k) for k, leaf in self.leaves.items()
         }
         self.saved = [*self.meta.tensors, *self.meta.values, *self.meta.rank_values]
@@ -392,9 +394,13 @@ class _Planner:
         self.absent_state: list[tuple[Path, str, _Optimizer, Any]] = []
         taken: set[str] = set()
         for opt in self.optimizers:
-            translate = self._translation(opt)
-            if any(s != t for s, t in translate.items()):
+            translate, unmatched = self._translation(opt)
+            if any(s != t for s, t in translate.items()) or unmatched:
                 kept |= {f"{opt.prefix}param_groups.{g}.params" for g in range(len(opt.groups))}
+            state = (*opt.path, "state")
+            for leaf_key, leaf in self.leaves.items():  # (not another parameter's state of the same number)
+                if leaf.path[: len(state)] == state and len(leaf.path) > len(state) and leaf.path[len(state)] in unmatched:
+                    self.stored_key[leaf_key] = None
             spelled = {str(s): s for s in translate}
             for key in self.saved:
                 split = self._split_state_key(key, opt, spelled)
@@ -410,15 +416,16 @@ class _Planner:
                     self.absent_state.append((where, key, opt, translate[split[0]]))
         return kept
 
-    def _translation(self, opt: _Optimizer) -> dict[Any, Any]:
-        """Saved parameter id -> the target's: by name where both name every parameter
-        alike (ids that are names, as ``get_state_dict`` keys state, or the groups'
-        ``param_names``), whatever the order of the parameters in the groups; each id to
-        itself where both key state by name (as DCP's ``set_state_dict`` matches it: a name
-        on one side only is missing or unexpected); else by position in the param groups (as
+    def _translation(self, opt: _Optimizer) -> tuple[dict[Any, Any], set[Any]]:
+        """Saved parameter id -> the target's, and the target's ids no saved one matches: by
+        name where both name every parameter (ids that are names, as ``get_state_dict`` keys
+        state, or the groups' ``param_names``), whatever the order of the parameters in the
+        groups; a name on one side only is missing or unexpected (as DCP's ``set_state_dict``
+        matches it: an optimizer of some of the saved parameters gets their state, never
+        another's of the same number); else by position in the param groups (as
         ``Optimizer.load_state_dict`` matches numbered state) when both have the same group
         sizes; else each id to itself."""
-        same = {t: t for ids in opt.groups for t in ids}
+        same = {t: t for ids in opt.groups for t in ids}, set()
         saved, saved_names = [], []
         while (raw := self.meta.values.get(f"{opt.prefix}param_groups.{len(saved)}.params")) is not None:
             names = self.meta.values.get(f"{opt.prefix}param_groups.{len(saved)}.param_names")
@@ -428,8 +435,9 @@ class _Planner:
             return same
         saved_ids = _named(saved, saved_names)
         target_ids = _named(opt.groups, [[opt.names.get(t) for t in ids] for ids in opt.groups])
-        if saved_ids is not None and target_ids is not None and set(saved_ids) == set(target_ids):
-            return {saved_ids[n]: target_ids[n] for n in saved_ids}
+        if saved_ids is not None and target_ids is not None:
+            return ({saved_ids[n]: target_ids[n] for n in saved_ids if n in target_ids},
+                    {t for n, t in target_ids.items() if n not in saved_ids})
         if all(isinstance(i, str) for ids in [*saved, *opt.groups] for i in ids):
             return same
         saved = saved[: len(opt.groups)]
@@ -437,7 +445,7 @@ class _Planner:
             not isinstance(ids, list) or len(ids) != len(targets) for ids, targets in zip(saved, opt.groups)
         ):
             return same
-        return {s: t for ids, targets in zip(saved, opt.groups) for s, t in zip(ids, targets) if hashable(s)}
+        return {s: t for ids, targets in zip(saved, opt.groups) for s, t in zip(ids, targets) if hashable(s)}, set()
 
     def _split_state_key(self, key: str, opt: _Optimizer, spelled: dict[str, Any]) -> tuple[Any, Path] | None:
         """``(saved parameter id, path below it)`` of a checkpoint key in ``opt``'s state:
