@@ -194,6 +194,10 @@ class ZarrCheckpointCallback(TrainerCallback):
     def _remove_folder(self) -> None:
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
+            try:  # (and the folder of resume folders, once no other is in it)
+                os.rmdir(os.path.dirname(self._folder))
+            except OSError:
+                pass
             self._folder = None
 
     # --- saving ---------------------------------------------------------------------------
