@@ -63,3 +63,36 @@ def _all(rank: int, world: int, base: str) -> None:
 
 def test_replicas_are_compared_for_every_kind_of_fragment(tmp_path):
     run(2, _all, str(tmp_path), timeout_s=120)
+
+
+def _one_element_strided(rank: int, world: int, base: str) -> None:
+    """Rank 0's local is a strided view; one element of it goes to rank 1's shard (alone, and
+    as the boundary element of a ZeRO-style flat range crossing a row); and a strided
+    one-element replica is compared."""
+    import ucp_zarr
+
+    one = torch.zeros(2)[::2]  # (torch calls it contiguous, with stride 2)
+    one.fill_(0.0)
+    ref = torch.arange(4.0)
+    value = ucp_zarr.FlatShard(one, (4,), 0) if rank == 0 else ucp_zarr.FlatShard(ref[1:].clone(), (4,), 1)
+    ucp_zarr.save({"x": value}, f"{base}/one")
+    assert torch.equal(ucp_zarr.open(f"{base}/one").read("x"), ref)
+    big = torch.arange(40000.0).reshape(2, 20000)
+    if rank == 0:
+        local = torch.zeros(2 * 20001)[::2]
+        local.copy_(big.reshape(-1)[:20001])
+        value = ucp_zarr.FlatShard(local, (2, 20000), 0)
+    else:
+        value = ucp_zarr.FlatShard(big.reshape(-1)[20001:].clone(), (2, 20000), 20001)
+    ucp_zarr.save({"x": value}, f"{base}/row", chunk_bytes=4096)
+    assert torch.equal(ucp_zarr.open(f"{base}/row").read("x"), big)
+    replica = torch.full((4,), 5.0)[::2][:1]
+    ucp_zarr.save({"s": ucp_zarr.Shard(replica, (1,), (0,), replica_id=rank)}, f"{base}/replica")
+    assert torch.equal(ucp_zarr.open(f"{base}/replica").read("s"), torch.tensor([5.0]))
+
+
+def test_a_one_element_strided_piece_is_sent_and_compared(tmp_path):
+    """A one-element piece of a strided local sent to another rank's shard failed the save
+    with torch's "stride(-1) must be 1 to view Float as Byte" naming no tensor: torch calls a
+    one-element view contiguous whatever its stride, so ``contiguous()`` kept it strided."""
+    run(2, _one_element_strided, str(tmp_path), timeout_s=60)

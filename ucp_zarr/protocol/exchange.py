@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .distributed import Comm
+from .fragments import flat_bytes
 from ..errors import LayoutError
 from ..format.documents import ArrayMeta
 from ..layout import Box
@@ -93,7 +94,7 @@ def build_exchange(plan: SavePlan, rank: int, staging: Staging) -> Exchange:
             if src == task.writer:
                 continue
             if src == rank:
-                raw = staging.data(task.key, box).contiguous().reshape(-1).view(torch.uint8)
+                raw = flat_bytes(staging.data(task.key, box))
                 pad = aligned(raw.numel()) - raw.numel()
                 parts.setdefault(task.writer, []).extend([raw, torch.zeros(pad, dtype=torch.uint8)])
             elif task.writer == rank:

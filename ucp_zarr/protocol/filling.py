@@ -12,7 +12,7 @@ import torch
 from .reader import CheckpointReader
 from ..errors import CheckpointError, LayoutError
 from ..io.store import Store, wait_all
-from .fragments import Fragment
+from .fragments import Fragment, flat_bytes
 from .ties import memory_of
 
 
@@ -132,8 +132,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` show the same values, bit for bit (NaN payloads, signed zeros)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    a, b = (t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1) for t in (a, b))
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(*(flat_bytes(t.detach().resolve_conj().resolve_neg().cpu()) for t in (a, b)))
 
 
 def shared_memory(reads: list[_Read]) -> list[list[int]]:

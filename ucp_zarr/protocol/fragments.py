@@ -240,6 +240,17 @@ def piece_view(local: torch.Tensor, p: Piece, key: str) -> torch.Tensor:
     return base[tuple(slice(o, o + (n - 1) * s + 1, s) for o, n, s in zip(p.src.offset, p.src.shape, step))]
 
 
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` (dense, on its device), in row-major order, as a 1-D uint8 tensor: a
+    view where its elements lie one after another, else a copy. (torch calls a one-element
+    view contiguous whatever its stride, and ``contiguous()`` returns it as it is: ``view``
+    then refuses its stride.)"""
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
+
+
 def check_tensor(key: str, t: Any) -> torch.Tensor:
     """``t`` if it is a dense tensor with data (strided, not nested or quantized, not on the
     meta device), else :class:`LayoutError` / :class:`DtypeMismatchError` naming ``key``."""

@@ -25,7 +25,7 @@ import torch
 
 from ..format.codec import checksum
 from ..errors import LayoutError
-from .fragments import Fragment
+from .fragments import Fragment, flat_bytes
 from .hooks import LayoutHooks
 from ..layout import Box
 from .planner import Replicated, SavePlan
@@ -93,10 +93,10 @@ def _message(rep: Replicated, box: Box, groups: list[list[int]]) -> str:
 def fingerprint(t: torch.Tensor) -> int:
     """A digest of a tensor's bytes (crc32c on the host; for a large tensor elsewhere, see
     :func:`device_fingerprint`)."""
-    t = t.detach().contiguous().reshape(-1)
+    t = t.detach()
     if t.dtype.is_complex:
-        t = torch.view_as_real(t).reshape(-1)
-    raw = t.view(torch.uint8)
+        t = torch.view_as_real(t.contiguous())
+    raw = flat_bytes(t)
     if t.device.type == "cpu" or raw.numel() <= DIGEST_COPY_BYTES:
         return checksum(memoryview(raw.cpu().numpy()))
     return device_fingerprint(raw)
