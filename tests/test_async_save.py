@@ -189,3 +189,25 @@ def test_a_background_save_failing_with_nobody_told_is_reported_at_exit(tmp_path
     told = "failed, and nothing asked for its outcome before exit" in done.stderr and "No space left" in done.stderr
     assert told == (how != "asked"), done.stderr[-2000:]
     assert done.stdout.strip() == ("asked" if how == "asked" else "")
+
+
+def test_a_wait_that_timed_out_does_not_count_as_asking(tmp_path) -> None:
+    """``result(timeout=0)`` on a running save raised TimeoutError but marked the save as
+    asked: its later failure was not reported at exit."""
+    gate = threading.Event()
+
+    def slow() -> None:
+        gate.wait(30)
+        raise OSError(28, "No space left on device (injected)")
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        fut = api.run_reported(pool, "a test save", slow)
+        with pytest.raises(TimeoutError):
+            fut.result(timeout=0)
+        assert not fut.asked and fut in api._unreported
+        gate.set()
+        with pytest.raises(OSError):
+            fut.result(timeout=30)
+    assert fut.asked and fut not in api._unreported

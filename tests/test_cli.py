@@ -699,3 +699,19 @@ def test_show_prints_floats_that_read_back(capsys, tmp_path: Path) -> None:
     assert rc == 0
     body = out.splitlines()[1].strip("[]").split(",")
     assert [float(v) for v in body] == t.tolist()
+
+
+def test_export_keys_leaves_per_rank_state_out(capsys, tmp_path: Path) -> None:
+    """safetensors and DCP hold one tensor or value per key: a checkpoint with per-rank state is
+    refused naming it and ``--keys``, which the command lacked (no way to export it)."""
+    from safetensors.torch import load_file
+
+    ucp_zarr.save({"w": torch.arange(4.0), "rng": ucp_zarr.PerRank({"seed": 5}), "step": 3}, tmp_path / "ck")
+    rc, _, err = run(capsys, "export", tmp_path / "ck", tmp_path / "a.safetensors", "--to", "safetensors")
+    assert rc == 2 and "['rng'] are per-rank state" in err and "--keys" in err
+    rc, _, err = run(capsys, "export", tmp_path / "ck", tmp_path / "b.safetensors", "--to", "safetensors",
+                     "--keys", "w", "--keys", "step")
+    assert rc == 0, err
+    assert torch.equal(load_file(tmp_path / "b.safetensors")["w"], torch.arange(4.0))
+    rc, _, err = run(capsys, "export", tmp_path / "ck", tmp_path / "hf", "--to", "hf", "--keys", "w")
+    assert rc == 2 and "keys" in err  # (a format that takes no keys refuses the option)

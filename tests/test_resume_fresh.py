@@ -509,3 +509,23 @@ def test_an_optimizer_of_some_of_the_saved_parameters_gets_their_state_by_name(t
     assert torch.equal(o.state[m[1].weight]["exp_avg"], o2.state[m2[1].weight]["exp_avg"])
     assert torch.equal(o.state[m[0].weight]["exp_avg"], mine["0.weight"])  # (kept: nothing of its own was saved)
     assert sorted(keys.missing_keys) == sorted(f"optim.state.{i}.{k}" for i in (0, 1) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def test_an_optimizer_of_the_model_renamed_whole_is_matched_by_position(tmp_path) -> None:
+    """The same model behind a wrapper (DDP's ``module.``): no name in common, so state is
+    matched by position in the param groups, as ``Optimizer.load_state_dict`` matches it (the
+    name matching of the test above refused every key here)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.Adam(m.named_parameters(), lr=0.1)
+    m(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    ucp_zarr.save({"optim": opt.state_dict()}, tmp_path / "ck")
+    wrapped = torch.nn.Module()
+    wrapped.module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    opt2 = torch.optim.Adam(wrapped.named_parameters(), lr=0.1)
+    sd = {"optim": opt2.state_dict()}
+    ucp_zarr.load(sd, tmp_path / "ck")
+    opt2.load_state_dict(sd["optim"])
+    for p, q in zip(m.parameters(), wrapped.parameters()):
+        assert torch.equal(opt2.state[q]["exp_avg"], opt.state[p]["exp_avg"])

@@ -170,6 +170,9 @@ def build_parser() -> _Parser:
     e.add_argument("dst", help="the folder to write (made complete or not at all)")
     e.add_argument("--to", dest="target", required=True, metavar="FORMAT", help="the format to write (see below)")
     e.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    e.add_argument("--keys", action="append", default=None, metavar="KEY",
+                   help="dcp and safetensors: export only this tensor or value (repeat the option for more; "
+                        "per-rank state can only be left out)")
     e.add_argument("--storage-options", type=_json_dict, default=None, metavar="JSON",
                    help="fsspec options for a remote SRC, as a JSON object")
     h = e.add_argument_group("hf (a folder for from_pretrained; its other files, such as config.json, are kept); "
@@ -589,7 +592,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
                     progress=bar)
         else:
             given = {"prefix": args.prefix, "dtype": args.dtype, "masters": args.masters,
-                     "max_shard_size": args.max_shard_size, "names": args.names, "ep_size": args.ep_size}
+                     "max_shard_size": args.max_shard_size, "names": args.names, "ep_size": args.ep_size,
+                     "keys": args.keys}
             if args.target == "safetensors" and args.max_shard_size is not None:  # (its option counts bytes)
                 from .converters.hf import shard_size
                 given["max_shard_bytes"] = shard_size(given.pop("max_shard_size"))

@@ -107,7 +107,8 @@ from ..protocol.fragments import Fragment
 from ..layout import Box
 from ..layout.chunking import DEFAULT_CHUNK_BYTES, DEFAULT_SHARD_BYTES
 from ..protocol.collect import Collected
-from ..protocol.filling import read_workers
+from ..errors import CheckpointError
+from ..protocol.filling import read_workers, say_partly_filled
 from ..protocol.saver import SaveOptions, prepare
 from ..protocol.saving import save_workers
 from ..io.factory import open_store
@@ -486,6 +487,7 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
         workers = read_workers(ck.store, self.max_workers)
         window = 2 * workers
         pending: list[tuple[ReadItem, torch.Tensor, _PyFuture]] = []
+        started = False
 
         def settle(n: int) -> None:
             while len(pending) > n:
@@ -522,8 +524,13 @@ class ZarrStorageReader(_CheckpointPath, StorageReader):
                         )
                     pending.append((item, target, pool.submit(_read_into, ck, fqn, box, target, copy_of,
                                                               self.allow_lossy_cast)))
+                    started = True
                     settle(window)
                 settle(0)
+            except CheckpointError as e:  # (a corrupt chunk is found where it is read: into its target)
+                if started:
+                    say_partly_filled(e)
+                raise
             finally:
                 for _, _, fut in pending:
                     fut.cancel()

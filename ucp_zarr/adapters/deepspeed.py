@@ -262,8 +262,9 @@ def _save_state(engine: Any, layout: _Layout, client_state: dict[str, Any]) -> t
                 values[k] = plain(v)
     tensors.update({f"model.{n}": t for n, t in layout.frozen.items()})
     # buffers as DeepSpeed saves them: data-parallel rank 0's (replicas may differ: running statistics of
-    # their own batches), a tied module's from the first stage of its tie
-    if layout.dp_rank == 0:
+    # their own batches), a tied module's from the first stage of its tie. With MoE every rank gives its own,
+    # compared (an expert's buffers are named by its local index here: differing ones are refused, not lost)
+    if layout.dp_rank == 0 or getattr(layout.engine, "has_moe_layers", False):
         tensors.update({f"model.{n}": t for n, t in layout.buffers.items() if _writes_tie(layout.engine, n)})
     for alias, canon in layout.aliases.items():  # (one object under both names: saved once, as a tie)
         for key in [k for k in tensors if k == f"model.{canon}" or k.startswith(f"optim.state.{canon}.")]:

@@ -135,10 +135,13 @@ def _layout(engine: Any) -> _Layout:
     for name, prm in module.named_parameters(remove_duplicate=False):
         if engine.param_names.get(prm, name) != name:  # a second name of a parameter (experts renamed are not)
             layout.aliases[name] = names[prm]
+    experts = _expert_prefixes(engine) if moe else {}
     for mod_name, mod in module.named_modules():
         for bname, buf in mod.named_buffers(recurse=False):
             if buf is not None and bname not in mod._non_persistent_buffers_set:
-                layout.buffers[f"{mod_name}.{bname}" if mod_name else bname] = buf
+                name = f"{mod_name}.{bname}" if mod_name else bname
+                local = next((p for p in experts if name.startswith(p)), None)  # (an expert's: by its global index)
+                layout.buffers[name if local is None else experts[local] + name[len(local):]] = buf
     if pipeline or moe:  # what the other stages and expert-parallel ranks hold
         _learn_others(layout, refusal)
     return layout
@@ -190,23 +193,32 @@ def _untied(engine: Any, names: list[str]) -> str | None:
     return None
 
 
-def _global_names(engine: Any) -> dict[Any, str]:
-    """Parameter -> name, experts under their global index: a MoE layer's local expert ``j``
-    on expert-parallel rank ``e`` is expert ``e * num_local_experts + j`` (DeepSpeed's expert
+def _expert_prefixes(engine: Any) -> dict[str, str]:
+    """Each local expert's name prefix -> its global one: a MoE layer's local expert ``j`` on
+    expert-parallel rank ``e`` is expert ``e * num_local_experts + j`` (DeepSpeed's expert
     files)."""
     from deepspeed.moe.layer import MoE
     from deepspeed.utils import groups
 
-    names = dict(engine.param_names)
+    out: dict[str, str] = {}
     for mod_name, mod in engine.module.named_modules():
         if not isinstance(mod, MoE):
             continue
         first = groups._get_expert_parallel_rank(mod.expert_group_name) * mod.num_local_experts
-        experts = mod.deepspeed_moe.experts.deepspeed_experts
         prefix = f"{mod_name}.deepspeed_moe.experts.deepspeed_experts." if mod_name else "deepspeed_moe.experts.deepspeed_experts."
-        for j, expert in enumerate(experts):
-            for pname, prm in expert.named_parameters():
-                names[prm] = f"{prefix}{first + j}.{pname}"
+        for j in range(len(mod.deepspeed_moe.experts.deepspeed_experts)):
+            out[f"{prefix}{j}."] = f"{prefix}{first + j}."
+    return out
+
+
+def _global_names(engine: Any) -> dict[Any, str]:
+    """Parameter -> name, experts under their global index (:func:`_expert_prefixes`)."""
+    names = dict(engine.param_names)
+    experts = _expert_prefixes(engine)
+    for prm, name in engine.param_names.items():
+        local = next((p for p in experts if name.startswith(p)), None)
+        if local is not None:
+            names[prm] = experts[local] + name[len(local):]
     return names
 
 

@@ -120,7 +120,7 @@ class ZarrCheckpointCallback(TrainerCallback):
             raise CheckpointError("ZarrCheckpointCallback supports single-process and DDP training, not DeepSpeed or FSDP")
         self._attach(trainer)
         comm = Comm()
-        step = comm.broadcast(self.manager.latest() if comm.rank == 0 else None)
+        step = self.manager.agreed_latest()  # (rank 0's, on every rank; its failure raised on every rank)
         if step is None:
             return None
         path, options = self.manager.path(step), self._manager_options["storage_options"]

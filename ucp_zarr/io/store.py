@@ -154,7 +154,8 @@ class Store:
 
     def read(self, key: str) -> bytes:
         """A whole object (a document: at most :data:`MAX_DOCUMENT_BYTES`, else
-        :class:`~ucp_zarr.FormatError` before it is read); :class:`FileNotFoundError` if absent."""
+        :class:`~ucp_zarr.FormatError`, before it is read where the store can tell its size
+        first); :class:`FileNotFoundError` if absent."""
         raise NotImplementedError
 
     def holds(self, key: str, data: bytes) -> bool:

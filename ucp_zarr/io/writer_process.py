@@ -265,8 +265,8 @@ class WriterProcess:
 
 
 STOPPED_LIMIT_S = 120.0
-"""How long a writer process may stay stopped (``SIGSTOP``, a frozen cgroup) before its save
-fails, where the save's guard names no lease of its own."""
+"""How long a writer process may stay stopped (``SIGSTOP``) before its save fails, where the
+save's guard names no lease of its own."""
 
 
 class _Stopped(Exception):
@@ -286,11 +286,12 @@ def _wait_while_running(conn: Connection, pid: int, limit_s: float) -> None:
         now = time.monotonic()
         stopped_since = now if stopped_since is None else stopped_since
         if now - stopped_since > limit_s:
-            raise _Stopped(f"was stopped (SIGSTOP, or a frozen cgroup) for more than {limit_s:.0f} s, the save's lease")
+            raise _Stopped(f"was stopped (SIGSTOP) for more than {limit_s:.0f} s, the save's lease")
 
 
 def _is_stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (Linux: its state in ``/proc``; False elsewhere)."""
+    """Whether process ``pid`` is stopped by a signal (Linux: its state in ``/proc``; False
+    elsewhere, and for a task a cgroup freezer holds, which shows as sleeping)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rpartition(b")")[2].split()[0] in (b"T", b"t")

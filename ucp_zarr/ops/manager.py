@@ -133,6 +133,7 @@ class CheckpointManager:
         self.on_saved = on_saved
         self.lease_s = _positive("lease_s", lease_s)
         self._store = open_store(self.root, storage_options)
+        self._group_comm: Comm | None = None
         self._stores: dict[int, Store] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ucp_zarr-manager")
         self._inflight: Future | None = None
@@ -152,12 +153,18 @@ class CheckpointManager:
 
     @property
     def _comm(self) -> "Comm":
-        """The ranks of ``process_group``, as they are now: a manager made before
-        ``init_process_group`` is one of every rank once the group is up (taken at
-        construction, each rank was a job of one and decided alone)."""
+        """The ranks of ``process_group``, taken once the group is up: a manager made before
+        ``init_process_group`` is one of every rank then (taken at construction, each rank was
+        a job of one and decided alone); kept from then on (a retention after
+        ``destroy_process_group`` still runs on rank 0 alone)."""
         from ..protocol.distributed import Comm  # (imports torch)
 
-        return Comm(self.process_group)
+        comm = self._group_comm
+        if comm is None:
+            comm = Comm(self.process_group)
+            if comm.active:
+                self._group_comm = comm
+        return comm
 
     # --- finding steps ---------------------------------------------------------------------
 
@@ -368,23 +375,29 @@ class CheckpointManager:
         self._prev, self._stalled_s = (step, time.monotonic()), 0.0
         return state_dict
 
+    def agreed_latest(self) -> int | None:
+        """:meth:`latest` as rank 0 finds it, on every rank (every rank calls it): a pending
+        async save's error, or rank 0's failure to read the steps, is raised on every rank."""
+        from ..protocol.distributed import describe, raise_failures
+
+        self._wait_agreed("the async save before finding the latest step")  # (not through rank 0's latest() alone)
+        step, error = None, None
+        if self._comm.rank == 0:
+            try:
+                step = self.latest()
+            except BaseException as e:
+                error = e
+        failure, step = self._comm.broadcast((describe(error), step))
+        if failure is not None:
+            raise_failures(self._comm, {0: failure}, error, f"finding the latest step under {self.root}")
+        return step
+
     def load_latest(self, state_dict: MutableMapping[str, Any], **load_kwargs: Any) -> int | None:
         """Fill ``state_dict`` from the newest committed step (rank 0's choice, on every
         rank) and return that step; None (``state_dict`` untouched) when there is none."""
-        from ..protocol.distributed import describe, raise_failures
-
         self._check_open()
-        self._wait_agreed("the async save before loading the latest step")  # (not through rank 0's latest() alone)
         for _ in range(LOAD_ATTEMPTS):
-            step, error = None, None
-            if self._comm.rank == 0:
-                try:
-                    step = self.latest()
-                except BaseException as e:
-                    error = e
-            failure, step = self._comm.broadcast((describe(error), step))
-            if failure is not None:
-                raise_failures(self._comm, {0: failure}, error, f"finding the latest step under {self.root}")
+            step = self.agreed_latest()
             if step is None:
                 return None
             try:

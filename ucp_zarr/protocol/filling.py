@@ -53,7 +53,7 @@ def fill(ck: CheckpointReader, reads: list[_Read], rank: int, lossy: bool, max_w
         try:
             run_all(pool, jobs)
         except CheckpointError as e:  # (a corrupt chunk is found where it is read: into its target)
-            _say_partly_filled(e)
+            say_partly_filled(e)
             raise
 
 
@@ -61,7 +61,7 @@ PARTLY_FILLED = (" (the load had filled part of the state dict before: its tenso
                  "from before nor the checkpoint's; do not train on them)")
 
 
-def _say_partly_filled(e: CheckpointError) -> None:
+def say_partly_filled(e: CheckpointError) -> None:
     """Add :data:`PARTLY_FILLED` to the message of ``e``, raised while targets were filled."""
     if e.parts:
         e.parts = (*e.parts, PARTLY_FILLED)

@@ -419,10 +419,11 @@ class _Planner:
     def _translation(self, opt: _Optimizer) -> tuple[dict[Any, Any], set[Any]]:
         """Saved parameter id -> the target's, and the target's ids no saved one matches: by
         name where both name every parameter (ids that are names, as ``get_state_dict`` keys
-        state, or the groups' ``param_names``), whatever the order of the parameters in the
-        groups; a name on one side only is missing or unexpected (as DCP's ``set_state_dict``
-        matches it: an optimizer of some of the saved parameters gets their state, never
-        another's of the same number); else by position in the param groups (as
+        state, or the groups' ``param_names``) and some names are on both sides, whatever the
+        order of the parameters in the groups; a name on one side only is missing or unexpected
+        (as DCP's ``set_state_dict`` matches it: an optimizer of some of the saved parameters
+        gets their state, never another's of the same number); else (no name in common: the
+        model renamed whole, as a ``module.`` wrapper does) by position in the param groups (as
         ``Optimizer.load_state_dict`` matches numbered state) when both have the same group
         sizes; else each id to itself."""
         same = {t: t for ids in opt.groups for t in ids}, set()
@@ -435,7 +436,7 @@ class _Planner:
             return same
         saved_ids = _named(saved, saved_names)
         target_ids = _named(opt.groups, [[opt.names.get(t) for t in ids] for ids in opt.groups])
-        if saved_ids is not None and target_ids is not None:
+        if saved_ids is not None and target_ids is not None and saved_ids.keys() & target_ids.keys():
             return ({saved_ids[n]: target_ids[n] for n in saved_ids if n in target_ids},
                     {t for n, t in target_ids.items() if n not in saved_ids})
         if all(isinstance(i, str) for ids in [*saved, *opt.groups] for i in ids):

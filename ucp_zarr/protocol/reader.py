@@ -532,8 +532,8 @@ def allocating(key: str, shape: tuple[int, ...], itemsize: int) -> Iterator[None
     try:
         yield
     except (MemoryError, RuntimeError) as e:
-        if isinstance(e, RuntimeError) and "alloc" not in str(e):
-            raise
+        if isinstance(e, RuntimeError) and ("alloc" not in str(e) or type(e).__name__ == "OutOfMemoryError"):
+            raise  # (not the host allocator's: a CUDA out-of-memory error keeps its type)
         raise MemoryError(
             f"tensor {key!r}: {math.prod(shape) * itemsize:,} bytes (shape {list(shape)}) do not fit in memory; read "
             "a part of it (ck[key][0:1024, :]), or check the checkpoint (ucp-zarr verify): its record may be damaged"

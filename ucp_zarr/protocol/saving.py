@@ -48,12 +48,22 @@ class SaveFuture(Future):
         self.asked = False
 
     def result(self, timeout: float | None = None) -> Any:
-        self.asked = True
-        return super().result(timeout)
+        try:
+            return super().result(timeout)
+        finally:
+            self._told()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self.asked = True
-        return super().exception(timeout)
+        try:
+            return super().exception(timeout)
+        finally:
+            self._told()
+
+    def _told(self) -> None:
+        """Its outcome reached the caller (not a wait that timed out first)."""
+        if self.done():
+            self.asked = True
+            _unreported.discard(self)
 
 
 _unreported: set[SaveFuture] = set()
@@ -65,7 +75,6 @@ def run_reported(pool: ThreadPoolExecutor, what: str, fn: Callable[..., Any], *a
     at exit if nobody asked."""
     fut = SaveFuture(what)
     fut.set_running_or_notify_cancel()
-    _unreported.add(fut)
 
     def run() -> None:
         try:
@@ -74,7 +83,12 @@ def run_reported(pool: ThreadPoolExecutor, what: str, fn: Callable[..., Any], *a
         except BaseException as e:
             fut.set_exception(e)
 
-    pool.submit(run)
+    _unreported.add(fut)
+    try:
+        pool.submit(run)
+    except BaseException:  # (the pool takes no work: nothing is left for the exit to wait on)
+        _unreported.discard(fut)
+        raise
     return fut
 
 
