@@ -467,6 +467,18 @@ def test_fsdp2_fresh_optimizer_resumes_bit_exactly_on_two_ranks(tmp_path):
     run(2, _fsdp2_job, str(tmp_path), timeout_s=120)
 
 
+def _saved_named(path) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Two layers of 4 -> 4 (one shape: state of the wrong one would fit) and Adam over their
+    named parameters, after one step, saved at ``path``."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    o = torch.optim.Adam(m.named_parameters(), lr=0.1)
+    m(torch.randn(2, 4)).sum().backward()
+    o.step()
+    ucp_zarr.save({"optim": o.state_dict()}, path)
+    return m, o
+
+
 def test_an_optimizer_of_some_of_the_saved_parameters_gets_their_state_by_name(tmp_path) -> None:
     """Both sides name every parameter (``named_parameters()``) but hold other sets: an
     optimizer of the top layer only, loaded with ``strict=False`` from the whole model's,
@@ -475,12 +487,7 @@ def test_an_optimizer_of_some_of_the_saved_parameters_gets_their_state_by_name(t
     ``set_state_dict`` matches: in place, into a fresh optimizer, and the other way round."""
     import warnings
 
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    o = torch.optim.Adam(m.named_parameters(), lr=0.1)
-    m(torch.randn(2, 4)).sum().backward()
-    o.step()
-    ucp_zarr.save({"optim": o.state_dict()}, tmp_path / "all")
+    m, o = _saved_named(tmp_path / "all")
     saved = {n: o.state[p]["exp_avg"].clone() for n, p in m.named_parameters()}
 
     def top(stepped: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -515,14 +522,9 @@ def test_an_optimizer_of_the_model_renamed_whole_is_matched_by_position(tmp_path
     """The same model behind a wrapper (DDP's ``module.``): no name in common, so state is
     matched by position in the param groups, as ``Optimizer.load_state_dict`` matches it (the
     name matching of the test above refused every key here)."""
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
-    opt = torch.optim.Adam(m.named_parameters(), lr=0.1)
-    m(torch.randn(4, 3)).sum().backward()
-    opt.step()
-    ucp_zarr.save({"optim": opt.state_dict()}, tmp_path / "ck")
+    m, opt = _saved_named(tmp_path / "ck")
     wrapped = torch.nn.Module()
-    wrapped.module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    wrapped.module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     opt2 = torch.optim.Adam(wrapped.named_parameters(), lr=0.1)
     sd = {"optim": opt2.state_dict()}
     ucp_zarr.load(sd, tmp_path / "ck")
