@@ -139,9 +139,7 @@ def _layout(engine: Any) -> _Layout:
     for mod_name, mod in module.named_modules():
         for bname, buf in mod.named_buffers(recurse=False):
             if buf is not None and bname not in mod._non_persistent_buffers_set:
-                name = f"{mod_name}.{bname}" if mod_name else bname
-                local = next((p for p in experts if name.startswith(p)), None)  # (an expert's: by its global index)
-                layout.buffers[name if local is None else experts[local] + name[len(local):]] = buf
+                layout.buffers[_globally(f"{mod_name}.{bname}" if mod_name else bname, experts)] = buf
     if pipeline or moe:  # what the other stages and expert-parallel ranks hold
         _learn_others(layout, refusal)
     return layout
@@ -211,15 +209,16 @@ def _expert_prefixes(engine: Any) -> dict[str, str]:
     return out
 
 
+def _globally(name: str, experts: dict[str, str]) -> str:
+    """``name``, an expert's under its global index (``experts``: :func:`_expert_prefixes`)."""
+    local = next((p for p in experts if name.startswith(p)), None)
+    return name if local is None else experts[local] + name[len(local):]
+
+
 def _global_names(engine: Any) -> dict[Any, str]:
     """Parameter -> name, experts under their global index (:func:`_expert_prefixes`)."""
-    names = dict(engine.param_names)
     experts = _expert_prefixes(engine)
-    for prm, name in engine.param_names.items():
-        local = next((p for p in experts if name.startswith(p)), None)
-        if local is not None:
-            names[prm] = experts[local] + name[len(local):]
-    return names
+    return {prm: _globally(name, experts) for prm, name in engine.param_names.items()}
 
 
 def _learn_others(layout: _Layout, refusal: str | None = None) -> None:

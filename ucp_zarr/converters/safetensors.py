@@ -281,6 +281,13 @@ class OutTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+def _check_dtypes(items: list[OutTensor]) -> None:
+    """Refuse ``items`` of a dtype safetensors has no code for, naming them."""
+    bad = sorted({str(t.dtype) for t in items if t.dtype not in _CODES})
+    if bad:
+        raise ConversionError(f"safetensors cannot hold the dtypes {bad} (of {[t.name for t in items if t.dtype not in _CODES][:5]})")
+
+
 def write_shards(
     folder: Path, items: list[OutTensor], max_shard_bytes: int, metadata: dict[str, str],
     progress: Callable[[int], None] | None, index_metadata: dict[str, Any] | None = None, source: Store | None = None,
@@ -291,9 +298,7 @@ def write_shards(
     than the limit alone) and ``model.safetensors.index.json`` (``total_size``, with
     ``index_metadata``, and the weight map). Returns the file names written. ``source``: the
     store the items are read from (see :func:`write_file`)."""
-    bad = sorted({str(t.dtype) for t in items if t.dtype not in _CODES})
-    if bad:  # (before any file is written; write_file checks each file's)
-        raise ConversionError(f"safetensors cannot hold the dtypes {bad} (of {[t.name for t in items if t.dtype not in _CODES][:5]})")
+    _check_dtypes(items)  # (before any file is written)
     shards: list[list[OutTensor]] = []
     current: list[OutTensor] = []
     size = 0
@@ -326,9 +331,7 @@ def write_file(
 ) -> None:
     """One safetensors file of ``items``, streamed block by block; the small ones read ahead
     from ``source``, the store they come from (:func:`~.base.read_ahead`)."""
-    bad = sorted({str(t.dtype) for t in items if t.dtype not in _CODES})
-    if bad:
-        raise ConversionError(f"safetensors cannot hold the dtypes {bad} (of {[t.name for t in items if t.dtype not in _CODES][:5]})")
+    _check_dtypes(items)
     header: dict[str, Any] = {"__metadata__": metadata}
     at = 0
     for t in items:

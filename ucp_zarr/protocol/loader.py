@@ -68,9 +68,9 @@ def load(
     are keyed as the state dict keys its parameters (by number, or by name: the checkpoint
     may key them the other way). Parameters are matched by name where both sides name
     every one (state keyed by name, as ``get_state_dict`` keys it, or param groups with
-    ``param_names``), whatever their order and whichever of them each side holds (an
-    optimizer of some of the saved parameters gets theirs; the others are missing or
-    unexpected keys); else by position in the param groups, as
+    ``param_names``) and some names are on both sides, whatever their order and whichever
+    of them each side holds (an optimizer of some of the saved parameters gets theirs; the
+    others are missing or unexpected keys); else by position in the param groups, as
     ``Optimizer.load_state_dict`` matches them. They get the checkpoint's shapes and dtypes,
     on the device and in the layout of their parameter (a DTensor, ``Shard`` or
     ``FlatShard`` like it; scalars such as Adam's ``step`` whole), so that
@@ -397,10 +397,11 @@ class _Planner:
             translate, unmatched = self._translation(opt)
             if any(s != t for s, t in translate.items()) or unmatched:
                 kept |= {f"{opt.prefix}param_groups.{g}.params" for g in range(len(opt.groups))}
-            state = (*opt.path, "state")
-            for leaf_key, leaf in self.leaves.items():  # (not another parameter's state of the same number)
-                if leaf.path[: len(state)] == state and len(leaf.path) > len(state) and leaf.path[len(state)] in unmatched:
-                    self.stored_key[leaf_key] = None
+            if unmatched:  # their state is missing, not another parameter's of the same number
+                state = (*opt.path, "state")
+                for leaf_key, leaf in self.leaves.items():
+                    if leaf.path[: len(state)] == state and len(leaf.path) > len(state) and leaf.path[len(state)] in unmatched:
+                        self.stored_key[leaf_key] = None
             spelled = {str(s): s for s in translate}
             for key in self.saved:
                 split = self._split_state_key(key, opt, spelled)

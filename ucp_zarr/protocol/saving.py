@@ -97,10 +97,12 @@ def _report_at_exit() -> None:
     nobody told."""
     for fut in list(_unreported):
         wait([fut])
-        if not fut.asked and Future.exception(fut) is not None:
-            error = Future.exception(fut)
+        error = Future.exception(fut)  # (the base class's: not asking)
+        if not fut.asked and error is not None:
             print(f"ucp_zarr: {fut.what} failed, and nothing asked for its outcome before exit:", file=sys.stderr)
             traceback.print_exception(error, file=sys.stderr)
+
+
 _async_groups: dict[tuple[int, ...], tuple[Any, Any]] = {}
 """Background groups by the global ranks of the group they serve: (default group, group)."""
 
