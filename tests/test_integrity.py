@@ -531,6 +531,30 @@ def test_a_changed_record_is_refused_by_its_digest(tmp_path, change) -> None:
     assert ucp_zarr.read_state_dict(ck)["step"] == 100
 
 
+@pytest.mark.parametrize("value_changed", [False, True])
+def test_a_record_whose_digest_lost_its_name_is_refused(tmp_path, value_changed) -> None:
+    """A flipped bit in the member name ``record_digest`` (``secord_digest``) left the record
+    as unchecked as one of an older version: a second flip then changed step 100 to 900
+    unnoticed. A record with a member this reader does not know carries a digest, so it is refused."""
+    ck = tmp_path / "ck"
+    ucp_zarr.save({"w": torch.ones(3), "step": 100}, ck)
+    raw = (ck / "zarr.json").read_bytes()
+    assert raw.count(b'"record_digest"') == 1
+    raw = raw.replace(b'"record_digest"', b'"secord_digest"')
+    (ck / "zarr.json").write_bytes(raw.replace(b'"step":100', b'"step":900') if value_changed else raw)
+    for read in (lambda: ucp_zarr.read_state_dict(ck), lambda: ucp_zarr.load({"w": torch.empty(3), "step": 0}, ck)):
+        with pytest.raises(ucp_zarr.FormatError, match="no record_digest but members.*'secord_digest'"):
+            read()
+
+
+def test_the_record_members_are_the_schemas() -> None:
+    """The members a reader knows (the rest need a record_digest) are the schema's."""
+    from ucp_zarr.format.commit_record import RECORD_MEMBERS
+
+    schema = json.loads((Path(__file__).parents[1] / "schema" / "checkpoint.schema.json").read_text())
+    assert set(schema["$defs"]["ucpAttributes"]["properties"]) == RECORD_MEMBERS
+
+
 def test_a_manager_skips_a_step_whose_record_was_changed(tmp_path) -> None:
     """A step whose commit record fails its digest is an unreadable step, like any other
     malformed record: ``latest`` gives the step before, ``list_steps`` says so, and a save

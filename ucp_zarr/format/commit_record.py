@@ -30,6 +30,13 @@ from .statedict import Structure, from_json
 from .integrity import check_record_digest
 
 
+RECORD_MEMBERS = frozenset({
+    "format_version", "created", "library", "save_id", "world_size", "layout", "tensors", "values", "rank_values",
+    "documents", "structure", "ties", "signature", "record_digest",
+})
+"""The members of ``attributes.ucp_zarr`` this library writes and reads."""
+
+
 @dataclass(frozen=True)
 class ArrayRef:
     """Where one stored array lives and the digest of its data."""
@@ -193,7 +200,7 @@ class CheckpointMeta:
         except (KeyError, TypeError):
             raise FormatError(f"{where} is a Zarr group but not a ucp_zarr checkpoint") from None
         check_version(attrs, where)
-        check_record_digest(attrs, where)
+        check_record_digest(attrs, where, RECORD_MEMBERS)
         try:
             save_id = attrs["save_id"]
             if not (isinstance(save_id, str) and re.fullmatch(r"[0-9a-f]{32}", save_id)):

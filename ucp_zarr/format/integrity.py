@@ -52,11 +52,21 @@ def record_digest(attrs: dict[str, Any]) -> str:
     return document_digest(canonical({k: v for k, v in attrs.items() if k not in (RECORD_DIGEST, "signature")}))
 
 
-def check_record_digest(attrs: dict[str, Any], where: str) -> None:
-    """Raise :class:`FormatError` unless ``attrs`` match their ``record_digest`` (records
-    written before it existed have none: nothing to check). A FormatError, as for any other
-    unreadable record: a manager skips the step, an overwrite leaves its objects in place."""
+def check_record_digest(attrs: dict[str, Any], where: str, members: frozenset[str]) -> None:
+    """Raise :class:`FormatError` unless ``attrs`` match their ``record_digest``. Records
+    written before it existed have none (nothing to check), but only ``members`` (the ones
+    this reader knows): every record with a member added later carries one, so a record with
+    an unknown member and none had its ``record_digest``'s name changed (a flipped bit). A
+    FormatError, as for any other unreadable record: a manager skips the step, an overwrite
+    leaves its objects in place."""
     if RECORD_DIGEST not in attrs:
+        if unknown := sorted(set(attrs) - members):
+            raise FormatError(
+                f"{where}: the commit record has no record_digest but members this library does not know "
+                f"({', '.join(map(repr, unknown[:3]))}); a record with newer members always carries one, so it was "
+                "changed after it was written (a flipped bit in a member's name?) and cannot be trusted; restore it "
+                "from a copy"
+            )
         return
     try:
         same = record_digest(attrs) == attrs[RECORD_DIGEST]
