@@ -1053,6 +1053,26 @@ def test_a_save_warns_of_vocabulary_padding_it_does_not_store(tmp_path: Path) ->
     assert torch.equal(back, padded)
 
 
+def test_a_save_of_the_padded_vocabulary_loads_into_a_layout_that_pads_less(tmp_path: Path) -> None:
+    """A save with vocab_size its padded size (8 rows, as for a bit-exact resume) loads with rules
+    of a smaller size (6: another degree's padded size; 5: the tokenizer's, the rest zero-filled):
+    the first rows, with a warning naming the rows left out (before: refused as another form, and
+    with allow_other_rules a shape mismatch). A larger size is still refused, as any other form."""
+    def rules(size: int) -> Rules:
+        return Rules(params=(ParamRule("split", (r"emb",)),), vocab_patterns=(r"emb",), vocab_size=size)
+
+    padded = torch.arange(16.0).reshape(8, 2)
+    ucp_zarr.save(place({"emb": padded, "step": 3}, rules(8)), tmp_path / "ck")
+    for size, local in ((6, 6), (5, 6)):
+        back = torch.full((local, 2), -1.0)
+        with pytest.warns(UserWarning, match=rf"'emb': the checkpoint stores 8 rows, the rules loading it {size}: "
+                                             rf"rows {size} to 7 are left out as padding"):
+            ucp_zarr.load(place({"emb": back, "step": 0}, rules(size)), tmp_path / "ck")
+        assert torch.equal(back[:size], padded[:size]) and not back[size:].any()
+    with pytest.raises(ucp_zarr.LayoutError, match="another consolidated form"):
+        ucp_zarr.load(place({"emb": torch.zeros(10, 2), "step": 0}, rules(10)), tmp_path / "ck")
+
+
 def test_values_of_uneven_pipeline_stages_are_renamed_all_at_once(tmp_path: Path) -> None:
     """A stage of uneven pipeline stages whose offset is below its layer count (Megatron-core's
     num_layers_in_first_pipeline_stage=1: stage 1 holds global layers 1 and 2 as local 0 and 1)

@@ -36,6 +36,12 @@ class LayoutHooks:
         ``allow_other_rules``)."""
         return True
 
+    def stored_padding(self, saved: Mapping[str, Any] | None, loading: Mapping[str, Any] | None) -> int | None:
+        """Where a tensor stored in form ``saved`` holds, beyond the rows of dim 0 that form
+        ``loading`` expects, only padding of the saving layout (a load then reads the first
+        rows and leaves the rest out): that row count, or None."""
+        return None
+
     def combine(self, key: str, copies: list[torch.Tensor]) -> torch.Tensor:
         """The one tensor stored for ``key``, whose holders' copies may differ
         (:attr:`~ucp_zarr.Placed.average`), from every holder's copy in rank order (on the

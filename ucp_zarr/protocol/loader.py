@@ -364,12 +364,17 @@ class _Planner:
             raise DtypeMismatchError(f"key {key!r}: the checkpoint holds a tensor, the state dict a {type(value).__name__}")
         frag = to_fragment(key, value)
         hooks = value.hooks if isinstance(value, Placed) else None
-        if not other_rules and hooks is not None and not hooks.same_form(entry.rule, frag.meaning):
+        rows = None if hooks is None else hooks.stored_padding(entry.rule, frag.meaning)
+        if rows is not None and frag.shape == (rows, *entry.shape[1:]):
+            if self.comm.rank == 0:
+                warnings.warn(f"tensor {key!r}: the checkpoint stores {entry.shape[0]} rows, the rules loading it "
+                              f"{rows}: rows {rows} to {entry.shape[0] - 1} are left out as padding", stacklevel=4)
+        elif not other_rules and hooks is not None and not hooks.same_form(entry.rule, frag.meaning):
             raise LayoutError(
                 f"tensor {key!r} was saved as {entry.rule} and the rules loading it ({frag.rule!r}) make it "
                 f"{frag.meaning}: another consolidated form (pass allow_other_rules=True to load it anyway)"
             )
-        if frag.shape != entry.shape:
+        elif frag.shape != entry.shape:
             raise ShapeMismatchError(f"tensor {key!r}: checkpoint shape {list(entry.shape)}, state dict shape {list(frag.shape)}")
         saved_dtype = stored_dtype_by_name(entry.dtype).torch_dtype
         if not lossy and not is_lossless_cast(saved_dtype, frag.dtype):

@@ -175,6 +175,18 @@ class RulesHooks(LayoutHooks):
     def same_form(self, saved: Mapping[str, Any] | None, loading: Mapping[str, Any] | None) -> bool:
         return same_meaning(saved, loading)
 
+    def stored_padding(self, saved: Mapping[str, Any] | None, loading: Mapping[str, Any] | None) -> int | None:
+        """The loading rules' vocabulary size, where it is smaller than the saved one (the
+        rows stored beyond it are padding to the loading rules: a checkpoint saved with
+        the padded size, as a bit-exact resume saves it, loads into a layout that pads less)
+        and the forms are otherwise the same."""
+        if not saved or not loading or "vocab" not in saved or "vocab" not in loading:
+            return None
+        rows = loading["vocab"]
+        if not rows < saved["vocab"] or not same_meaning(dict(saved) | {"vocab": rows}, loading):
+            return None
+        return int(rows)
+
 
 def _same_fact(a: Any, b: Any) -> bool:
     """Equal, numbers within a relative 1e-6 (rotary frequencies computed on another device
