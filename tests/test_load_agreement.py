@@ -7,6 +7,7 @@ others a ``SaveError`` naming it. A load of whole tensors stays one rank's own, 
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 
@@ -74,3 +75,24 @@ def _alone(rank: int, world: int, base: str) -> None:
 def test_a_load_of_whole_tensors_is_one_ranks_own(tmp_path: Path) -> None:
     ucp_zarr.save(STATE, tmp_path / "ck")
     run(3, _alone, str(tmp_path), timeout_s=60)
+
+
+def _other_paths(rank: int, world: int, base: str) -> None:
+    target = _target(rank, world)
+    path = Path(base) / ("other" if rank == 1 else "ck")
+    with pytest.raises(ucp_zarr.OptionError, match=r"the ranks opened different checkpoints \(rank 0: .*ck \(save "
+                                                   r"[0-9a-f]{32}\); rank 1: .*other .*pass the same path on every rank"):
+        ucp_zarr.load(target, path)
+    assert not target["a"].to_local().any()  # (nothing read)
+    same = Path(base) / ("copy" if rank == 1 else "ck")  # (another path to the same checkpoint: loads)
+    assert torch.equal(ucp_zarr.load(target, same)["a"].full_tensor(), STATE["a"])
+
+
+def test_ranks_that_pass_different_checkpoints_are_refused(tmp_path: Path) -> None:
+    """A sharded load whose rank 1 passed another checkpoint's path filled each rank's part
+    from its own (the replicated state then differed between ranks, nothing said): refused
+    on every rank, naming each rank's checkpoint; a copy of the same save loads."""
+    ucp_zarr.save(STATE, tmp_path / "ck")
+    ucp_zarr.save({"a": STATE["a"] + 100, "step": 8}, tmp_path / "other")
+    shutil.copytree(tmp_path / "ck", tmp_path / "copy")
+    run(3, _other_paths, str(tmp_path), timeout_s=60)

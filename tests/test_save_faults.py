@@ -177,6 +177,23 @@ def case_plain_tensor_differs(root: Path, rank: int) -> None:
         Transaction.abort = original  # type: ignore[method-assign]
 
 
+def case_paths_differ(root: Path, rank: int) -> None:
+    # rank 2 names another path (a manager's step that differs: another step folder)
+    from ucp_zarr import CheckpointManager
+
+    try:
+        ucp_zarr.save({"w": _rows(rank)}, root / ("paths_differ" if rank != 2 else "paths_differ_other"))
+    except ucp_zarr.OptionError as e:
+        assert "ranks [2] passed another path than rank 0" in str(e), str(e)
+    else:
+        raise AssertionError("the save to different paths returned")
+    manager = CheckpointManager(root / "paths_differ_steps")
+    try:
+        manager.save(3 if rank == 2 else 2, {"w": _rows(rank)})
+    finally:
+        manager.close()
+
+
 def case_redo_after_failures(root: Path, rank: int) -> None:
     """A new save onto each path a failed save left behind works at once (the failed
     save's claim is aborted, so it counts as dead), and loads bit-exactly."""
@@ -234,6 +251,7 @@ CASES: list[tuple[str, Callable[[Path, int], None]]] = [
     ("claim_refused", case_claim_refused),
     ("writer_fails", case_writer_fails),
     ("plain_differs", case_plain_tensor_differs),
+    ("paths_differ", case_paths_differ),
     ("redo", case_redo_after_failures),
     ("async_subgroups", case_async_subgroups),
     ("async_given", case_async_given_group),
@@ -334,6 +352,19 @@ def test_plain_tensor_that_differs_between_ranks_is_refused_naming_it_and_the_ra
     _assert_failed_everywhere(records, "LayoutError", "'emb'", "ranks [0, 1, 2] vs ranks [3]", "PerRank")
     # refused before anything was written, and given back before any rank raised
     assert all(rec["after"] == rec["right_after"] == "nothing" for rec in records), records
+
+
+def test_ranks_that_pass_different_paths_are_refused(results):
+    """Ranks passing different paths (a rank's manager at another step) were not compared: the
+    plain save failed with a lost claim, leaving an incomplete folder; the manager's saves of
+    steps 2 and 3 both returned metrics, and step 2 held rank 2's rows of step 3. Refused on
+    every rank before anything is written."""
+    records = _records(results, "paths_differ")
+    _assert_failed_everywhere(records, "OptionError", "ranks [2] passed another path than rank 0",
+                              "step_00000002", "pass the same path on every rank")
+    root = results[0]
+    assert not (root / "paths_differ").exists() and not (root / "paths_differ_other").exists()
+    assert not list((root / "paths_differ_steps").glob("*"))  # (no step folder)
 
 
 def test_a_failed_save_leaves_a_path_the_next_save_can_use_at_once(results):

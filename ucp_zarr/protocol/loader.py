@@ -22,7 +22,9 @@ import torch
 from .reader import CheckpointReader, check_destination, open_store_reader
 from .distributed import Comm
 from ..format.dtypes import is_lossless_cast, stored_dtype_by_name
-from ..errors import DtypeMismatchError, KeyMismatchError, LayoutError, PerRankStateError, ShapeMismatchError
+from ..errors import (
+    DtypeMismatchError, KeyMismatchError, LayoutError, OptionError, PerRankStateError, ShapeMismatchError,
+)
 from .fragments import FlatShard, PerRank, Placed, Shard, is_dtensor, is_fragment_value, is_sharded_tensor, to_fragment
 from ..format.statedict import ListIndex, Path, from_json, hashable, iter_leaves, key_of, put_path, typed_path
 from ..io.factory import open_store
@@ -128,7 +130,10 @@ def load(
         matched = planner.match(strict)
     except Exception as e:
         error = e
-    placements = agreeing.agree(error, what, matched.placements if error is None else None, own=True)
+    opened = agreeing.agree(error, what, (ck.store.url, ck.meta.save_id, matched.placements) if error is None else None,
+                            own=True)
+    _check_same_checkpoint(opened, what)
+    placements = [p for _, _, p in opened]
     try:
         plan = planner.plan(matched, placements, strict, allow_new_ranks, allow_lossy_cast, allow_other_rules)
         fill(ck, plan.reads, comm.rank, allow_lossy_cast, max_workers)
@@ -143,6 +148,15 @@ def load(
     if not strict and (skipped.missing_keys or skipped.unexpected_keys):
         warnings.warn(IncompatibleKeysWarning(skipped, ck.store.url), stacklevel=2)
     return state_dict
+
+
+def _check_same_checkpoint(opened: list[tuple[str, str, Any]], what: str) -> None:
+    """Refuse, on every rank, a collective load whose ranks opened different checkpoints
+    (each rank's ``(url, save id, placements)``): each would fill its part from its own."""
+    if len({save_id for _, save_id, _ in opened}) > 1:
+        seen = "; ".join(f"rank {r}: {url} (save {save_id})" for r, (url, save_id, _) in enumerate(opened))
+        raise OptionError(f"{what}: the ranks opened different checkpoints ({seen}); a load of a sharded state dict is "
+                          "a collective: pass the same path on every rank")
 
 
 class IncompatibleKeys(NamedTuple):

@@ -22,6 +22,7 @@ no rank is left waiting in a collective.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import threading
@@ -35,7 +36,7 @@ from ..io.arrayio import Seal, write_shard
 from ..io.pace import Pace
 from ..io.writer_process import DocumentJob, ShardJob, WriterProcess
 from .distributed import Comm, describe, raise_failures
-from ..errors import LayoutError
+from ..errors import LayoutError, OptionError
 from .exchange import Exchange, build_exchange, check_sizes
 from ..format.documents import METADATA_FILE, dump_consolidated, dump_document, group_zarr_json
 from ..format.commit_record import ArrayRef, CheckpointMeta, TensorEntry
@@ -389,6 +390,20 @@ def _agreed_rules(per_rank: list[tuple[dict[str, Any] | None, frozenset[str]]], 
     return first
 
 
+def _digest_of_path(url: str) -> bytes:
+    """8 bytes that tell one rank's path from another's (sent by every rank to the coordinator)."""
+    return hashlib.blake2b(url.encode(), digest_size=8).digest()
+
+
+def _check_one_path(digests: list[bytes], url: str) -> None:
+    """Refuse a save whose ranks passed different paths (the coordinator's is ``url``): each
+    would claim and write its own, and none could commit every rank's part."""
+    others = [r for r, d in enumerate(digests) if d != digests[0]]
+    if others:
+        raise OptionError(f"saving {url}: ranks {others[:8]}{' ...' if len(others) > 8 else ''} passed another path than "
+                          f"rank 0 ({url}); a save is a collective: pass the same path on every rank")
+
+
 def prepare(
     collected: Callable[[], Collected],
     store: Store,
@@ -420,6 +435,7 @@ def prepare(
     coordinator: dict[str, Any] = {}
 
     def plan_all(payloads: list[Any], groups: list[range]) -> list[Any]:
+        _check_one_path([g[9] for g in payloads], store.url)
         hooks = next((g[8] for g in payloads if g[8] is not None), None) or LayoutHooks()  # (the layout's, once)
         rules = _agreed_rules([(g[3], g[4]) for g in payloads], hooks)
         combined = combine_replicas([g[5] for g in payloads], hooks)
@@ -443,7 +459,8 @@ def prepare(
     plan, combined = comm.coordinate(
         error,
         "preparing the save",
-        (infos, col.values, col.per_rank_values, col.rules, col.used, differing, col.structure, col.ties, col.hooks),
+        (infos, col.values, col.per_rank_values, col.rules, col.used, differing, col.structure, col.ties, col.hooks,
+         _digest_of_path(store.url)),
         plan_all,
         split,
         lambda payloads: [(i, *p[1:]) for i, p in zip(shared_infos([p[0] for p in payloads]), payloads)],
