@@ -211,3 +211,30 @@ def test_a_wait_that_timed_out_does_not_count_as_asking(tmp_path) -> None:
         with pytest.raises(OSError):
             fut.result(timeout=30)
     assert fut.asked and fut not in api._unreported
+
+
+def test_a_process_group_destroyed_under_a_background_save_is_named(tmp_path) -> None:
+    """A script ending ``async_save(...); dist.destroy_process_group()`` (torch's usual last
+    line): the save cannot commit, and its report at exit named only torch's "Group ... is not
+    registered". It now says the group was destroyed while the save was in flight, and the fix."""
+    code = textwrap.dedent(f"""
+        import time, torch, torch.distributed as dist, ucp_zarr
+        from ucp_zarr.io import local
+        write = local.LocalStore.write
+        def slow(self, *args, **kwargs):
+            time.sleep(1.0)  # (the save is still writing when the group goes)
+            return write(self, *args, **kwargs)
+        local.LocalStore.write = slow
+        dist.init_process_group("gloo")
+        r = dist.get_rank()
+        ucp_zarr.async_save({{"w": ucp_zarr.Shard(torch.full((2, 8), float(r)), (4, 8), (2 * r, 0))}},
+                            {str(tmp_path / "ck")!r}, writer="thread")
+        dist.destroy_process_group()
+    """)
+    (tmp_path / "job.py").write_text(code)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(tmp_path / "job.py")], capture_output=True, text=True, timeout=300)
+    assert "the process group was destroyed (destroy_process_group) while this asynchronous save was in flight, so " \
+           "it was not committed: wait for the save" in done.stderr, done.stderr[-3000:]
+    with pytest.raises(ucp_zarr.IncompleteCheckpointError):
+        ucp_zarr.open(tmp_path / "ck")

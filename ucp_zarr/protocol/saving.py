@@ -301,7 +301,18 @@ def _in_background(finish: Any, comm: Comm, caller_nice: int | None) -> SaveResu
     priority (Linux: per thread, and inherited by the worker threads it starts)."""
     if caller_nice is not None:
         writer_process.set_thread_nice(min(caller_nice + BACKGROUND_NICE, MAX_NICE))
-    return finish(comm)
+    try:
+        return finish(comm)
+    except Exception as e:
+        import torch.distributed as dist
+
+        if comm.active and not dist.is_initialized():  # (torch's own error names only a group)
+            raise CheckpointError(
+                "the process group was destroyed (destroy_process_group) while this asynchronous save was in flight, "
+                "so it was not committed: wait for the save (its future's result(), or the CheckpointManager's "
+                f"wait() or close()) before destroy_process_group ({type(e).__name__}: {e})"
+            ) from e
+        raise
 
 
 def wait_for_pending_save() -> None:
