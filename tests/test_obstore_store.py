@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import threading
 import time
 import uuid
@@ -24,6 +25,7 @@ import ucp_zarr
 import ucp_zarr.io.obstore as O
 from ucp_zarr.io.factory import open_store
 from ucp_zarr.io.fsspec import FsspecStore
+from ucp_zarr.io.store import ShortReadError
 from ucp_zarr.protocol.liveness import MARKER
 
 BUCKET = "objstore"
@@ -910,3 +912,44 @@ def test_an_http_endpoint_from_the_environment(seaweed: Any, monkeypatch: pytest
     url = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck"
     ucp_zarr.save({"w": torch.arange(6.0)}, url, storage_options=options)
     assert torch.equal(ucp_zarr.open(url, storage_options=options)["w"][...], torch.arange(6.0))
+
+
+def test_a_store_failing_under_a_load_is_no_damage_and_a_cut_shard_is(seaweed, monkeypatch) -> None:
+    """The store failing under a load (the connection reset on every shard read) was reported
+    as damage: ``CorruptChunkError`` "truncated", and ``verify`` exited 1, though the data was
+    intact. It is the store's ``OSError`` now (verify: 2); a shard really cut short (an object
+    shorter than its index says, a range beyond its end: HTTP 416) is still damage."""
+    from ucp_zarr.cli import main
+
+    url, options = f"s3://{BUCKET}/{uuid.uuid4().hex[:8]}/ck", seaweed.storage_options()
+    state = {"w": torch.randn(300, 200)}
+    ucp_zarr.save(state, url, storage_options=options, chunk_bytes=4096)
+    real = {name: getattr(O.obstore, name) for name in ("get", "get_ranges")}
+
+    def failing(name: str) -> Any:
+        def call(store: Any, path: str, *args: Any, **kwargs: Any) -> Any:
+            if "/c/" in path:
+                raise ConnectionError("injected: connection reset by peer")
+            return real[name](store, path, *args, **kwargs)
+        return call
+
+    for name in real:
+        monkeypatch.setattr(O.obstore, name, failing(name))
+    with pytest.raises(OSError, match="injected: connection reset") as raised:
+        ucp_zarr.load({"w": torch.zeros(300, 200)}, url, storage_options=options)
+    assert not isinstance(raised.value, ucp_zarr.CorruptChunkError)
+    assert main(["verify", url, "--storage-options", json.dumps(options)]) == 2
+    monkeypatch.undo()
+    ck = ucp_zarr.open(url, storage_options=options)
+    shard = f"{ck.array_path('w')}/c/0/0"
+    store = open_store(url, options)
+    whole = store.read(shard)
+    for cut in (whole[: len(whole) // 2], whole[-100:]):  # (the index read from the end points beyond it)
+        store.write_atomic(shard, cut)
+        with pytest.raises(ucp_zarr.CorruptChunkError):
+            ucp_zarr.load({"w": torch.zeros(300, 200)}, url, storage_options=options)
+        assert main(["verify", url, "--storage-options", json.dumps(options)]) == 1
+    store.write("ten", [b"x" * 10])
+    for start in (5, 15):  # (a range running past the end; one starting beyond it: HTTP 416)
+        with pytest.raises(ShortReadError):
+            store.readv("ten", [(start, [np.zeros(10, dtype=np.uint8)])])

@@ -39,7 +39,7 @@ from ..errors import CorruptChunkError, FormatError
 from ..format.documents import ArrayMeta
 from ..layout import Box, ChunkGrid
 from .direct import aligned_empty, reserve
-from .store import Store, WriteGuard, copy_bytes
+from .store import ShortReadError, Store, WriteGuard, copy_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -430,7 +430,7 @@ def read_shard_head(store: Store, path: str, meta: ArrayMeta, shard: Sequence[in
         raise CorruptChunkError(f"{where} (tensor {meta.key!r}) is missing") from None
     except FormatError as e:  # a directory or special file where the shard belongs
         raise CorruptChunkError(f"{where} (tensor {meta.key!r}): {e}") from None
-    except OSError as e:
+    except ShortReadError as e:  # (any other OSError is the store's: no damage found)
         raise CorruptChunkError(f"{where} (tensor {meta.key!r}) is truncated: {e}") from None
     return decode_shard_head(store, path, meta, shard, seal, raw)
 
@@ -793,10 +793,8 @@ def _reading(store: Store, key: str, where: str, meta: ArrayMeta, read: Callable
         raise CorruptChunkError(f"tensor {meta.key!r}: {where} is missing") from None
     except FormatError as e:
         raise CorruptChunkError(f"tensor {meta.key!r}: {e}") from None
-    except OSError as e:
-        if "short read" in str(e):
-            raise CorruptChunkError(f"tensor {meta.key!r}: {where} is truncated ({e})") from None
-        raise
+    except ShortReadError as e:
+        raise CorruptChunkError(f"tensor {meta.key!r}: {where} is truncated ({e})") from None
 
 
 def verify_shard(store: Store, path: str, meta: ArrayMeta, shard: Sequence[int], seal: Seal) -> bytes:

@@ -12,7 +12,9 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 import fsspec
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
-from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, check_document_size, fill, folders_of, no_parent
+from .store import (
+    Buffer, IOStats, ReadRequest, ShortReadError, Store, WriteGuard, check_document_size, fill, folders_of, no_parent,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -164,7 +166,7 @@ class FsspecStore(Store):
     def read_tail(self, key: str, nbytes: int) -> bytes:
         data = self.retry.call(f"reading {self.url}/{key}", lambda: self.fs.cat_file(self._path(key), start=-nbytes))
         if len(data) != nbytes:
-            raise OSError(f"{self._path(key)} is shorter than the {nbytes} bytes read from its end")
+            raise ShortReadError(f"{self._path(key)} is shorter than the {nbytes} bytes read from its end")
         self.stats.add_read(len(data))
         return data
 

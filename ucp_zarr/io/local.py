@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import FormatError, NotACheckpointError
 from . import direct
-from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, check_document_size, temp_name
+from .store import Buffer, IOStats, ReadRequest, ShortReadError, Store, WriteGuard, check_document_size, temp_name
 
 
 """Fill these writable buffers, one after another, from this byte offset of an object."""
@@ -229,7 +229,7 @@ class LocalStore(Store):
         fd, size = _open_regular_sized(self._path(key))
         try:
             if size < nbytes:
-                raise OSError(f"{self._path(key)} has {size} bytes, fewer than its {nbytes}-byte index")
+                raise ShortReadError(f"{self._path(key)} has {size} bytes, fewer than its {nbytes}-byte index")
             data = os.pread(fd, nbytes, size - nbytes)
         finally:
             os.close(fd)
@@ -264,7 +264,7 @@ class LocalStore(Store):
             if size is not None and actual != size:
                 return None
             if offset + nbytes > actual:
-                raise OSError(f"{path}: short read of {max(0, actual - offset)} bytes at {offset}, wanted {nbytes}")
+                raise ShortReadError(f"{path}: short read of {max(0, actual - offset)} bytes at {offset}, wanted {nbytes}")
             start, end = direct.aligned(offset, nbytes)
             if self._direct and nbytes >= direct.MIN_DIRECT_BYTES and (
                 self.direct_reads or direct.cached_fraction(fd, start, min(end, actual)) < 0.5
@@ -279,7 +279,7 @@ class LocalStore(Store):
                 else:
                     if got < offset + nbytes - start:
                         got -= offset - start
-                        raise OSError(f"{path}: short read of {got} bytes at {offset}, wanted {nbytes}")
+                        raise ShortReadError(f"{path}: short read of {got} bytes at {offset}, wanted {nbytes}")
                     self.stats.add_read(got, direct=True)
                     return memoryview(buf)[offset - start : offset - start + nbytes]
             view = memoryview(stage(nbytes)[:nbytes])
@@ -303,7 +303,7 @@ class LocalStore(Store):
                 want = sum(b.nbytes for b in part)
                 got = _preadv_all(fd, part, offset)
                 if got != want:
-                    raise OSError(f"{path}: short read of {got} bytes at {offset}, wanted {want}")
+                    raise ShortReadError(f"{path}: short read of {got} bytes at {offset}, wanted {want}")
                 offset += got
                 total += got
                 calls += 1

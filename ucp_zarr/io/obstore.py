@@ -48,7 +48,9 @@ from obstore.exceptions import (
 
 from ..errors import Keyword, OwnershipError
 from .fsspec import FsspecStore
-from .store import Buffer, IOStats, ReadRequest, Store, WriteGuard, at_once, check_document_size, fill, folders_of, no_parent
+from .store import (
+    Buffer, IOStats, ReadRequest, ShortReadError, Store, WriteGuard, at_once, check_document_size, fill, folders_of, no_parent,
+)
 
 T = TypeVar("T")
 
@@ -103,6 +105,18 @@ def open_url(url: str, storage_options: dict[str, Any] | None = None) -> Store:
     return ObstoreStore(url, options)
 
 
+def _message(e: Exception) -> str:
+    """obstore's message, without the debug dump of its Rust error it appends."""
+    return str(e).split("\n\nDebug source:", 1)[0]
+
+
+def _beyond_the_end(e: Exception) -> bool:
+    """Whether obstore's error says a ranged read started at or after the object's end (HTTP
+    416 from S3, GCS and Azure; the message of its local and in-memory stores)."""
+    text = str(e)
+    return any(s in text for s in ("416 Range Not Satisfiable", "<Code>InvalidRange</Code>", "Invalid range: Wanted range"))
+
+
 class ObstoreStore(Store):
     """A prefix of a bucket (container) of S3, GCS or Azure, through one obstore client
     shared with its siblings. Every object is durable once its request returned."""
@@ -154,7 +168,9 @@ class ObstoreStore(Store):
         except (PermissionDeniedError, UnauthenticatedError) as e:
             raise PermissionError(f"{what}: {e}") from e
         except Exception as e:  # obstore's GenericError and the like: the store failed, after retries
-            raise OSError(f"{what} failed: {e}") from e
+            if _beyond_the_end(e):
+                raise ShortReadError(f"{what}: the object ends before the bytes asked for: {_message(e)}") from e
+            raise OSError(f"{what} failed: {_message(e)}") from e
 
     def write(self, key: str, buffers: Iterable[Buffer | bytes], guard: WriteGuard | None = None) -> int:
         if guard is not None:  # a PUT cannot be made conditional on the owner: check just before it
@@ -251,7 +267,7 @@ class ObstoreStore(Store):
     def read_tail(self, key: str, nbytes: int) -> bytes:
         data = self._get(key, {"range": {"suffix": nbytes}})
         if len(data) != nbytes:
-            raise OSError(f"{self.url}/{key} is shorter than the {nbytes} bytes read from its end")
+            raise ShortReadError(f"{self.url}/{key} is shorter than the {nbytes} bytes read from its end")
         return data
 
     def readv(self, key: str, requests: Sequence[ReadRequest]) -> None:

@@ -194,7 +194,7 @@ class Store:
         ``n >= nbytes``) and returned as a view of it. With ``size``, as
         :meth:`readv_whole`: None, reading nothing, unless the object has exactly ``size``
         bytes. A local store reads a large span the page cache does not hold around it
-        (:mod:`.direct`); :class:`OSError` ("short read") when the object ends first."""
+        (:mod:`.direct`); :class:`ShortReadError` when the object ends first."""
         buf = memoryview(stage(nbytes)[:nbytes])
         if size is None:
             self.readv(key, [(offset, [buf])])
@@ -350,13 +350,18 @@ def in_order(store: Store, fn: Callable[[T], R], items: Iterable[T]) -> Generato
         pool.shutdown(cancel_futures=True)
 
 
+class ShortReadError(OSError):
+    """An object ended before the bytes a read asked for (a truncated object: damage, unlike
+    an OSError of the store itself, which a retry may get past)."""
+
+
 def fill(where: str, requests: Sequence[ReadRequest], datas: Sequence[Any]) -> None:
     """Copy each request's bytes (``datas[i]``, any buffer) into its buffers, one after
-    another; :class:`OSError` naming ``where`` for a short read."""
+    another; :class:`ShortReadError` naming ``where`` for a short read."""
     for (offset, bufs), data in zip(requests, datas):
         view, want = memoryview(data), sum(b.nbytes for b in bufs)
         if view.nbytes != want:
-            raise OSError(f"{where}: short read of {view.nbytes} bytes at {offset}, wanted {want}")
+            raise ShortReadError(f"{where}: short read of {view.nbytes} bytes at {offset}, wanted {want}")
         pos = 0
         for b in bufs:
             copy_bytes(b, view[pos : pos + b.nbytes])
