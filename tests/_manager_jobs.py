@@ -77,6 +77,24 @@ def interrupted_save(root: str, step: int) -> None:
     CheckpointManager(root).save(step, crash_state(step), chunk_bytes=CHUNK_BYTES, shard_bytes=SHARD_BYTES)
 
 
+def overwrite_dying(root: str, step: int, adopted: int) -> None:
+    """Overwrite ``step`` through a manager and die (no clean-up) while its staging copy is put
+    in place, after ``adopted`` objects were."""
+    from ucp_zarr.io import local
+
+    adopt, done = local.LocalStore.adopt, [0]
+
+    def dying(self: Any, *args: Any, **kwargs: Any) -> None:
+        if done[0] == adopted:
+            os._exit(0)
+        done[0] += 1
+        adopt(self, *args, **kwargs)
+
+    local.LocalStore.adopt = dying  # type: ignore[method-assign]
+    CheckpointManager(root).save(step, crash_state(step + 100), overwrite=True, chunk_bytes=CHUNK_BYTES,
+                                 shard_bytes=SHARD_BYTES)
+
+
 def hold_lease(folder: str) -> None:
     """Take a reader lease on the step folder and keep it (until the process dies)."""
     ReadLease(LocalStore(folder)).__enter__()

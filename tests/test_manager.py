@@ -26,6 +26,7 @@ from _manager_jobs import (
     empty_state,
     hold_lease,
     interrupted_save,
+    overwrite_dying,
     save_until_killed,
     vanish,
 )
@@ -196,6 +197,62 @@ def test_interrupted_saves_of_dead_owners_are_cleaned_live_ones_kept(tmp_path):
     assert list_steps(root)[-1].state == "interrupted"
     _save(m, 6)
     _assert_loads(m, 6)
+
+
+def test_a_step_whose_overwrite_died_is_still_retired(tmp_path):
+    """A step whose overwrite was killed while its staging copy was put in place: retention
+    skipped it for good (its replace record stays until a save of that very step, which a run
+    that moved on never makes), so keep_last=1 kept it and its full staging copy forever,
+    saying nothing. Retention finishes the dead overwrite, as the next save there would, and
+    then deletes the step."""
+    root = str(tmp_path)
+    m = CheckpointManager(root)
+    _save(m, 1)
+    _save(m, 2)
+    _in_child(overwrite_dying, root, 2, 2)
+    assert any(n.startswith(f".{step_name(2)}.") for n in os.listdir(root))  # (its staging copy)
+    m = CheckpointManager(root, keep_last=1)
+    for step in (3, 4):
+        metrics = _save(m, step)
+        assert metrics.retention_error is None, metrics.retention_error
+    assert sorted(os.listdir(root)) == [step_name(4)] and metrics.deleted == (3,)
+    _assert_loads(m, 4)
+
+
+def test_a_file_named_like_a_step_stops_no_retention(tmp_path):
+    """A file named like a step in the root (``step_00000001``: not the manager's) failed every
+    retention at it: the interrupted save of step 3 was never cleaned, and ``deleted`` said
+    () though steps had been deleted. The file is left alone, the rest done and reported."""
+    root = str(tmp_path)
+    (tmp_path / step_name(1)).write_text("someone's notes")
+    _in_child(interrupted_save, root, 3)
+    m = CheckpointManager(root, keep_last=1)
+    deleted = [(_save(m, s).deleted, m.history()[-1].retention_error) for s in (4, 5)]
+    assert deleted == [((), None), ((4,), None)]
+    assert sorted(os.listdir(root)) == [step_name(1), step_name(5)]
+    assert (tmp_path / step_name(1)).read_text() == "someone's notes"
+
+
+def test_a_step_retention_cannot_delete_stops_no_other(tmp_path, monkeypatch):
+    """One step's deletion failing (here step 1's) stopped the retention there and lost the
+    list of the steps it had deleted: each is tried, and the metrics say both."""
+    import ucp_zarr.ops.manager as manager
+
+    keep_all = CheckpointManager(str(tmp_path))
+    _save(keep_all, 1)
+    _save(keep_all, 2)
+    m = CheckpointManager(str(tmp_path), keep_last=1)
+    delete = manager.delete_step
+
+    def failing(store: Any, **kwargs: Any) -> bool:
+        if store.url.endswith(step_name(1)):
+            raise OSError("injected: permission denied")
+        return delete(store, **kwargs)
+
+    monkeypatch.setattr(manager, "delete_step", failing)
+    metrics = _save(m, 3)
+    assert metrics.deleted == (2,) and "deleting step 1: OSError: injected: permission denied" in metrics.retention_error
+    assert _folders(str(tmp_path)) == [step_name(1), step_name(3)]
 
 
 def test_deletion_crash_points(tmp_path):

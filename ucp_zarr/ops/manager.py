@@ -72,6 +72,15 @@ class SaveMetrics:
         return asdict(self)
 
 
+class RetentionFailed(Exception):
+    """Retention that failed for some steps (the message names each failure), after it
+    deleted the steps ``deleted``."""
+
+    def __init__(self, deleted: tuple[int, ...], message: str) -> None:
+        super().__init__(message)
+        self.deleted = deleted
+
+
 class CheckpointManager:
     """Save steps under ``root``, keep some, find the newest complete one, resume from it.
 
@@ -250,7 +259,9 @@ class CheckpointManager:
             t1 = time.perf_counter()
             try:
                 deleted = self._retain(step, kept)
-            except Exception as e:  # the checkpoint is committed; keep training
+            except RetentionFailed as e:  # the checkpoint is committed; keep training
+                deleted, error = e.deleted, str(e)
+            except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 log.warning("ucp_zarr: retention under %s failed after saving step %d: %s", self.root, step, error)
             retention_s = time.perf_counter() - t1
@@ -280,17 +291,34 @@ class CheckpointManager:
                           f"{' ...' * (len(newer) > 3)}: steps are ordered by number, so latest() and load_latest() "
                           "name those (a crash resumes the run that was rolled back), and retention keeps them over "
                           "this run's steps; remove them to go on from this run", stacklevel=2)
-        deleted = []
-        for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protected=set(kept)):
+        deleted: list[int] = []
+        failed: list[str] = []
+
+        def each(what: str, fn: Callable[[], Any]) -> None:  # (one step's failure stops no other's)
+            try:
+                fn()
+            except Exception as e:
+                failed.append(f"{what}: {type(e).__name__}: {e}")
+
+        def delete(s: int) -> None:
             if delete_step(self._step(s), lease_s=self.lease_s):
                 deleted.append(s)
                 self._stores.pop(s, None)
+
+        def clean(s: int) -> None:
+            folder = inspect_step(self._step(s), s, liveness)
+            # (no entries: an empty folder, or a file named like a step, which is not the manager's)
+            if folder.names and not folder.committed and clean_folder(folder, lease_s=self.lease_s):
+                log.info("ucp_zarr: removed the %s step folder %s", folder.state, folder.store.url)
+
+        for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protected=set(kept)):
+            each(f"deleting step {s}", lambda: delete(s))
         liveness = self._liveness()
         for s in sorted(set(numbers) - set(committed)):
-            folder = inspect_step(self._step(s), s, liveness)
-            if not folder.committed and clean_folder(folder, lease_s=self.lease_s):
-                log.info("ucp_zarr: removed the %s step folder %s", folder.state, folder.store.url)
-        collect_staging_copies(self._store, liveness)
+            each(f"cleaning step {s}", lambda: clean(s))
+        each("collecting staging copies", lambda: collect_staging_copies(self._store, liveness))
+        if failed:
+            raise RetentionFailed(tuple(deleted), "; ".join(failed))
         return tuple(deleted)
 
     def wait(self) -> SaveMetrics | None:

@@ -54,7 +54,9 @@ from ..protocol.liveness import (
     read_owner,
     try_mark_aborted,
 )
-from ..protocol.transaction import Transaction, collect_staging, committed_store, delete_owned, read_owned
+from ..protocol.transaction import (
+    Transaction, collect_staging, committed_store, delete_owned, read_owned, settle_replacement,
+)
 
 log = logging.getLogger(__name__)
 
@@ -287,8 +289,15 @@ def delete_step(store: Store, *, lease_s: float = DEFAULT_LEASE_S, liveness: Liv
     """Delete the step folder ``store`` crash-safely (see the module docstring); False
     (nothing deleted) while a live reader, deleter or replacement holds it."""
     liveness = liveness or Liveness.here()
-    if REPLACE_RECORD in store.child_names():  # an overwrite in progress: the transaction's business
-        return False
+    if REPLACE_RECORD in store.child_names():  # an overwrite: a live one's business; a dead one's is finished first
+        record = read_owner(store, REPLACE_RECORD)
+        if record is None:
+            if store.exists(REPLACE_RECORD):  # (unreadable: not ours to judge)
+                return False
+        elif _alive(store, record, liveness):
+            return False
+        else:
+            settle_replacement(store, record)
     me = Owner.this_process(uuid.uuid4().hex, lease_s)
     try:
         store.create_exclusive(DELETING, me.to_bytes())

@@ -430,13 +430,7 @@ class Transaction:
             return
         if self._alive(self.store, record):
             raise OwnershipError(f"{self.store.url} is being replaced by {record.describe()}")
-        staged = staged_store(self.store, record)
-        if staged is not None:
-            roll_forward(self.store, staged)
-            finish_replacement(self.store, staged, record.save_id)
-        else:  # it names no committed staging copy of its own save: garbage
-            self.store.delete(HEARTBEAT + record.save_id)
-            self.store.delete(REPLACE_RECORD)
+        settle_replacement(self.store, record)
 
     def _replace(self, root: bytes) -> None:
         record = Owner.this_process(self.save_id, self.lease_s, staged=self.staged)
@@ -650,6 +644,18 @@ def release_committed(store: Store, save_id: str) -> None:
     a dead save, which the next save there releases or takes over)."""
     store.delete_many([OWNED + save_id, HEARTBEAT + save_id])
     store.delete(MARKER)
+
+
+def settle_replacement(store: Store, record: Owner) -> None:
+    """Finish the overwrite of ``store`` whose replace record ``record`` names a dead save:
+    put its committed staging copy in place; a record naming none is garbage, removed."""
+    staged = staged_store(store, record)
+    if staged is not None:
+        roll_forward(store, staged)
+        finish_replacement(store, staged, record.save_id)
+    else:
+        store.delete(HEARTBEAT + record.save_id)
+        store.delete(REPLACE_RECORD)
 
 
 def finish_replacement(store: Store, staged: Store, save_id: str) -> None:
