@@ -421,3 +421,34 @@ def test_pipeline_buffers_that_differ_between_data_parallel_replicas_are_saved_a
     assert torch.equal(ours.read(key), theirs.read(key))
     other = torch.load(tmp_path / "dp1.pt", weights_only=True)  # data-parallel rank 1's copy: not saved
     assert not torch.equal(other[key.removeprefix("model.")], ours.read(key))
+
+
+@pytest.mark.parametrize("reader", ["adapter", "export"])
+def test_a_multisteplr_resumes_with_its_milestones(reader: str) -> None:
+    """A scheduler's state is one JSON value, whose objects key by text: ``MultiStepLR``'s
+    milestones (``Counter({3: 1})``) came back as ``{'3': 1}``, ``last_epoch in milestones``
+    never held, and the resumed lr never decayed (the adapter's load, and DeepSpeed's own
+    load_universal of the ds-universal export). The adapter takes the key types from the live
+    scheduler, the export restores integer keys; the lr follows torch's uninterrupted run."""
+    from ucp_zarr.adapters.deepspeed import _like
+    from ucp_zarr.converters.base import int_keys, plain
+    from ucp_zarr.format.statedict import from_json, to_json
+
+    def scheduler() -> torch.optim.lr_scheduler.MultiStepLR:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        return torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[3, 5], gamma=0.1)
+
+    def lrs(sched: torch.optim.lr_scheduler.MultiStepLR, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            sched.optimizer.step()
+            sched.step()
+            out.append(sched.get_last_lr()[0])
+        return out
+
+    run = scheduler()
+    lrs(run, 2)
+    stored = from_json(json.loads(json.dumps(to_json(plain(run.state_dict()), "lr_scheduler"))))
+    resumed = scheduler()
+    resumed.load_state_dict(_like(resumed.state_dict(), stored) if reader == "adapter" else int_keys(stored))
+    assert lrs(resumed, 4) == lrs(run, 4) == pytest.approx([0.1, 0.1, 0.01, 0.01])

@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -516,11 +517,19 @@ def _groups_by_names(groups: list[Any], names: list[list[str]]) -> list[int] | N
 
 
 def _like(current: Any, loaded: Any) -> Any:
-    """``loaded`` (from JSON) in the container types of ``current`` (tuples stay tuples)."""
+    """``loaded`` (from JSON) in the container types of ``current``: tuples stay tuples, a
+    ``Counter`` a ``Counter``, and the keys of a mapping keyed by integers (``MultiStepLR``'s
+    milestones) integers again (JSON objects key by text)."""
     if isinstance(current, tuple) and isinstance(loaded, list) and len(current) == len(loaded):
         return tuple(_like(c, v) for c, v in zip(current, loaded))
     if isinstance(current, dict) and isinstance(loaded, dict):
-        return {k: _like(current.get(k), v) for k, v in loaded.items()}
+        from ..converters.base import int_key
+
+        out = {}
+        for k, v in loaded.items():
+            k = int_key(k) if current and all(type(c) is int for c in current) else k
+            out[k] = _like(current.get(k), v)
+        return Counter(out) if isinstance(current, Counter) else out
     if isinstance(current, list) and isinstance(loaded, list) and len(current) == len(loaded):
         return [_like(c, v) for c, v in zip(current, loaded)]
     return loaded

@@ -8,6 +8,7 @@ import functools
 import mmap as mmap_module
 import os
 import pickle
+import re
 import shutil
 import uuid
 from contextlib import contextmanager
@@ -135,6 +136,25 @@ def plain(v: Any) -> Any:
     if hasattr(v, "__dict__") and not isinstance(v, type):  # an object of a trusted file: the same record
         cls = type(v)
         return {"class": f"{cls.__module__}.{cls.__qualname__}", "args": [], "state": plain(vars(v))}
+    return v
+
+
+def int_key(key: Any) -> Any:
+    """``key`` as the integer it spells (:func:`plain` keys every mapping by text), else as is."""
+    return int(key) if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key) else key
+
+
+def int_keys(v: Any) -> Any:
+    """``v`` (made by :func:`plain`) with each mapping whose keys all spell integers keyed by
+    the integers again: a ``MultiStepLR``'s milestones, for a reader with no live object to
+    take the key types from."""
+    if isinstance(v, dict):
+        ints = bool(v) and all(isinstance(k, str) and re.fullmatch(r"-?[0-9]+", k) for k in v)
+        return {(int(k) if ints else k): int_keys(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [int_keys(x) for x in v]
+    if type(v) is tuple:
+        return tuple(int_keys(x) for x in v)
     return v
 
 

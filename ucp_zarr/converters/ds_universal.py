@@ -91,7 +91,7 @@ from ..layout.zero import FlatPiece
 from ..format.safe_paths import check_name, inside
 from ..io.store import at_once
 from ..protocol.writer import InMemory
-from .base import Imported, Opaque, atomic_folder, plain, read_ahead, release_pages, torch_load, torch_load_mapped
+from .base import Imported, Opaque, atomic_folder, int_keys, plain, read_ahead, release_pages, torch_load, torch_load_mapped
 from .deepspeed_files import _EXPERT, OPAQUE, _check_rank_numbers, _get, _load, _rank, _scalar, parallel_degrees
 from .deepspeed_zero import FlatParam, Mapped, _other_state, _rows
 
@@ -581,7 +581,7 @@ def _model_state(ck: Any, values: dict[str, Any], shapes: list[OrderedDict[str, 
         "frozen_param_shapes": None if frozen is None else OrderedDict((n, torch.Size(s)) for n, s in frozen.items()),
         "shared_params": dict(values.get("deepspeed.shared_params") or {}),
         "frozen_param_fragments": None,
-        "lr_scheduler": values.get("lr_scheduler"),
+        "lr_scheduler": int_keys(values.get("lr_scheduler")),  # (MultiStepLR's milestones: keyed by int)
         "data_sampler": values.get("deepspeed.data_sampler"),
         "random_ltd": values.get("deepspeed.random_ltd"),
         "skipped_steps": values.get("deepspeed.skipped_steps", 0),
