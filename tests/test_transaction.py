@@ -86,7 +86,10 @@ def test_a_live_owner_is_never_disturbed(tmp_path):
     a.begin()
     a.target.write("a/x/c/0", [b"a's data"])
     b = _txn(_store(tmp_path))
-    with pytest.raises(OwnershipError, match=f"being written by save {a.save_id}.*still alive"):
+    # (one process: the message says the claim is this process's own, perhaps of a save that
+    # failed and could not withdraw it, and how to take it over: before, "still alive" alone)
+    with pytest.raises(OwnershipError, match=f"claimed by save {a.save_id}.*this process, whose save there failed "
+                                             "without withdrawing.*if none runs now, pass overwrite_incomplete=True"):
         b.begin()
     assert store.read("a/x/c/0") == b"a's data"  # nothing of a's was touched
     a.commit(_root("a"))

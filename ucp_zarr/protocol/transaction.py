@@ -357,6 +357,12 @@ class Transaction:
                 if holder is None:
                     continue  # it was just released: try again
                 if not self.overwrite_incomplete and self._alive(store, holder):
+                    if (holder.pid, holder.host, holder.boot_id) == (self.me.pid, self.me.host, self.me.boot_id):
+                        raise OwnershipError(
+                            f"{store.url} is claimed by {holder.describe()}: this process, whose save there failed "
+                            "without withdrawing its claim (the storage failed then too), or runs in another thread; "
+                            "if none runs now, pass ", Keyword("overwrite_incomplete", True), " to take it over",
+                        ) from None
                     raise OwnershipError(
                         f"{store.url} is being written by {holder.describe()}, which is still alive; "
                         "wait for it, choose another path, or pass ", Keyword("overwrite_incomplete", True),
