@@ -409,7 +409,7 @@ def test_a_claim_whose_records_cannot_be_written_is_given_back(tmp_path, monkeyp
     ck = tmp_path / "ck"
     if overwrite:
         ucp_zarr.save(_state(1.0), ck)
-    leases = {t for t in threading.enumerate() if t.name == "ucp_zarr-heartbeat"}
+    leases = {t for t in threading.enumerate() if t.name.startswith("ucp_zarr-heartbeat-")}
     write_atomic = LocalStore.write_atomic
 
     def failing(self: LocalStore, key: str, data: bytes) -> None:
@@ -421,7 +421,7 @@ def test_a_claim_whose_records_cannot_be_written_is_given_back(tmp_path, monkeyp
     with pytest.raises(Exception, match="injected"):
         ucp_zarr.save(_state(2.0), ck, overwrite=overwrite)
     monkeypatch.setattr(LocalStore, "write_atomic", write_atomic)
-    assert {t for t in threading.enumerate() if t.name == "ucp_zarr-heartbeat"} <= leases
+    assert {t for t in threading.enumerate() if t.name.startswith("ucp_zarr-heartbeat-")} <= leases
     assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".")], list(tmp_path.rglob("*"))
     if overwrite:
         _assert_holds(ck, 1.0)
@@ -431,12 +431,14 @@ def test_a_claim_whose_records_cannot_be_written_is_given_back(tmp_path, monkeyp
 
 @pytest.mark.parametrize("failing", ["record", "adopt"])
 def test_an_overwrite_that_fails_while_put_in_place_leaves_the_path_to_the_next_save(tmp_path, monkeypatch, failing):
-    """A store failing while an overwrite puts its committed staging copy in place (creating
-    the replace record, a copy back) fails the save; readers still find a complete
-    checkpoint (the old one, or the new one through the record), and the next save at the
-    path (this process's own: a manager or Lightning saving the same name again) finishes
-    the replacement or collects the copy, and goes on at once. Before, the replace record
-    named a live process: every later save there was refused until it ended."""
+    """A store failing while an overwrite puts its committed staging copy in place: creating
+    the replace record fails the save, and readers find the old checkpoint; a copy back, after
+    the old commit record is gone (readers find the new one through the record) does not: the
+    save has succeeded (a save that raises never leaves its checkpoint in place: before, it
+    raised). The next save at the path (this process's own: a manager or Lightning saving the
+    same name again) finishes the replacement or collects the copy, and goes on at once.
+    Before, the replace record named a live process: every later save there was refused until
+    it ended."""
     from ucp_zarr.protocol.liveness import REPLACE_RECORD
 
     ck = tmp_path / "ck"
@@ -452,7 +454,10 @@ def test_an_overwrite_that_fails_while_put_in_place_leaves_the_path_to_the_next_
         return original(self, *args)
 
     monkeypatch.setattr(LocalStore, name, fails)
-    with pytest.raises(Exception, match="injected"):
+    if failing == "record":
+        with pytest.raises(Exception, match="injected"):
+            ucp_zarr.save(_state(2.0), ck, overwrite=True)
+    else:
         ucp_zarr.save(_state(2.0), ck, overwrite=True)
     monkeypatch.setattr(LocalStore, name, original)
     _assert_holds(ck, 1.0 if failing == "record" else 2.0)
@@ -502,7 +507,8 @@ def test_a_save_whose_records_cannot_be_removed_after_its_commit_succeeds(tmp_pa
 def test_an_overwrite_may_change_a_tensors_number_of_dims(tmp_path, monkeypatch, shapes, fail_at):
     """An overwrite whose tensor has another number of dims puts shards ``c/0`` where the old
     checkpoint had folders ``c/0/`` (or the reverse): the old shards in the way go first. Also
-    when the overwrite fails while putting its copy in place (the ``fail_at``-th copy back):
+    when the storage fails while the overwrite puts its copy in place (the ``fail_at``-th copy
+    back, after the old commit record is gone: the save has succeeded, and says so in a warning)
     the next save rolls it forward and completes. Before: IsADirectoryError (or "a file is in
     the way") after the old commit record was gone, at every later save: the path stuck."""
     first, second = shapes
@@ -520,8 +526,7 @@ def test_an_overwrite_may_change_a_tensors_number_of_dims(tmp_path, monkeypatch,
             adopt(self, *args)
 
         monkeypatch.setattr(LocalStore, "adopt", failing)
-        with pytest.raises(OSError, match="injected"):
-            ucp_zarr.save({"x": new}, ck, overwrite=True, **small)
+        ucp_zarr.save({"x": new}, ck, overwrite=True, **small)
         monkeypatch.setattr(LocalStore, "adopt", adopt)
         assert torch.equal(ucp_zarr.read_state_dict(ck)["x"], new)  # (through the replace record)
         new = torch.randn(first)

@@ -86,14 +86,69 @@ def test_a_live_owner_is_never_disturbed(tmp_path):
     a.begin()
     a.target.write("a/x/c/0", [b"a's data"])
     b = _txn(_store(tmp_path))
-    # (one process: the message says the claim is this process's own, perhaps of a save that
-    # failed and could not withdraw it, and how to take it over: before, "still alive" alone)
-    with pytest.raises(OwnershipError, match=f"claimed by save {a.save_id}.*this process, whose save there failed "
-                                             "without withdrawing.*if none runs now, pass overwrite_incomplete=True"):
+    # (in one process: the message says it runs in another thread)
+    with pytest.raises(OwnershipError, match=f"being written by save {a.save_id}.*a save running in another thread "
+                                             "of this process"):
         b.begin()
     assert store.read("a/x/c/0") == b"a's data"  # nothing of a's was touched
     a.commit(_root("a"))
     assert _content(store)["zarr.json"] == _root("a")
+
+
+class _Outage(FaultyStore):
+    """Storage that goes down at the first operation ``at`` (an object put in place, written),
+    until told otherwise."""
+
+    down: list[bool] = []
+    at = "adopt"
+
+    def _op(self, name: str, key: str = "") -> None:
+        if name == self.at and self.down == []:
+            self.down.append(True)
+        if self.down == [True]:
+            raise OSError(f"injected: the storage is down ({name} {key})")
+        super()._op(name, key)
+
+
+def test_an_overwrite_whose_storage_fails_once_the_old_record_is_gone_has_succeeded(tmp_path):
+    """Storage failing while an overwrite's staging copy is put in place, after the old commit
+    record was deleted (readers follow the replace record to the new checkpoint from then on):
+    the save raised though its checkpoint was the one at the path, and, marking itself aborted
+    failing too, its live-looking replace record refused every later save of this process
+    ("being replaced by ... of process <this one>"). The save has succeeded; the next save of
+    this process finishes the replacement and goes on."""
+    _save(_txn(_store(tmp_path)), OLD, _root("old", OLD))
+    outage = _Outage(LocalStore(str(tmp_path / "ck")))
+    outage.down = []
+    _save(_txn(outage, overwrite=True), NEW, _root("new", NEW))  # (returns: no error)
+    assert outage.down == [True]  # (the storage did fail under it)
+    outage.down.append(False)  # (back)
+    store = _store(tmp_path)
+    assert REPLACE_RECORD in store.child_names()
+    assert _content(store)["zarr.json"] == _root("new", NEW)
+    _save(_txn(store, overwrite=True), OLD, _root("again", OLD))
+    assert _content(store) == {**OLD, "zarr.json": _root("again", OLD)}
+    assert REPLACE_RECORD not in store.child_names()
+
+
+def test_a_claim_this_process_could_not_withdraw_is_taken_at_once(tmp_path):
+    """A save whose storage failed after its claim, and failed again when the claim was to be
+    given back: this process's next save at the path was refused until the process ended (its
+    own claim looked alive: "which is still alive"). No thread here renews that claim any more:
+    the next save takes it over at once."""
+    outage = _Outage(LocalStore(str(tmp_path / "ck")))
+    outage.down, outage.at = [], "write"
+    txn = _txn(outage)
+    txn.begin()
+    with pytest.raises(OSError, match="injected"):
+        outage.write("a/x/c/0", [b"data"])
+    with pytest.raises(OSError, match="injected"):
+        txn.abort()
+    outage.down.append(False)  # (back)
+    store = _store(tmp_path)
+    assert read_owner(store, MARKER).save_id == txn.save_id
+    _save(_txn(store), NEW, _root("new", NEW))
+    assert _content(store) == {**NEW, "zarr.json": _root("new", NEW)}
 
 
 def test_a_committed_root_is_never_replaced(tmp_path):

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -65,6 +66,7 @@ from dataclasses import asdict
 from typing import Any, Callable, NamedTuple
 
 from ..errors import (
+    CheckpointError,
     CheckpointExistsError,
     FormatError,
     IncompleteCheckpointError,
@@ -94,6 +96,7 @@ from .liveness import (
     last_heartbeat,
     mark_aborted,
     read_owner,
+    renewing_here,
     try_mark_aborted,
 )
 
@@ -334,6 +337,15 @@ class Transaction:
     def _alive(self, store: Store, owner: Owner) -> bool:
         return not self.liveness.is_dead(owner, last_heartbeat(store, owner.save_id))
 
+    def _holds(self, store: Store, owner: Owner) -> bool:
+        """Whether ``owner`` of a claim or a replacement still holds it: :meth:`_alive`, but
+        one of this very process whose lease no thread here renews does not (its save failed
+        and could not withdraw it, the storage failing too: this process's next save goes on
+        at once, as after a withdrawal)."""
+        if (owner.pid, owner.host, owner.boot_id) == (self.me.pid, self.me.host, self.me.boot_id):
+            return renewing_here(owner.save_id)
+        return self._alive(store, owner)
+
     def _claim(self, store: Store, empty: bool = False) -> bool:
         """Own ``store``'s marker; False (and the marker given back) when the path turned
         out committed once we held it: a save never writes into a committed path. ``empty``:
@@ -356,12 +368,11 @@ class Transaction:
                 holder = read_owner(store, MARKER)
                 if holder is None:
                     continue  # it was just released: try again
-                if not self.overwrite_incomplete and self._alive(store, holder):
+                if not self.overwrite_incomplete and self._holds(store, holder):
                     if (holder.pid, holder.host, holder.boot_id) == (self.me.pid, self.me.host, self.me.boot_id):
                         raise OwnershipError(
-                            f"{store.url} is claimed by {holder.describe()}: this process, whose save there failed "
-                            "without withdrawing its claim (the storage failed then too), or runs in another thread; "
-                            "if none runs now, pass ", Keyword("overwrite_incomplete", True), " to take it over",
+                            f"{store.url} is being written by {holder.describe()}: a save running in another thread "
+                            "of this process; wait for it, or choose another path",
                         ) from None
                     raise OwnershipError(
                         f"{store.url} is being written by {holder.describe()}, which is still alive; "
@@ -434,7 +445,7 @@ class Transaction:
         record = read_owner(self.store, REPLACE_RECORD)
         if record is None:
             return
-        if self._alive(self.store, record):
+        if self._holds(self.store, record):
             raise OwnershipError(f"{self.store.url} is being replaced by {record.describe()}")
         settle_replacement(self.store, record)
 
@@ -442,6 +453,7 @@ class Transaction:
         record = Owner.this_process(self.save_id, self.lease_s, staged=self.staged)
         assert self.staged is not None
         lease: Heartbeat | None = None
+        replaced = threading.Event()
         try:
             for _ in range(16):
                 try:
@@ -457,13 +469,21 @@ class Transaction:
                 self.store, self.save_id, min(FENCE_INTERVAL_S, self.lease_s / 4), lease=lease, key=REPLACE_RECORD,
                 checked=created_at,
             )
-            roll_forward(self.store, self.target, fence, root=root)
-        except BaseException:
+            roll_forward(self.store, self.target, fence, root=root, replaced=replaced)
+        except BaseException as e:
             if lease is not None:
                 lease.stop()
             self._stop_heartbeat()
             self._give_up_replacement()
-            raise
+            if not replaced.is_set() or not isinstance(e, Exception) or isinstance(e, CheckpointError):
+                raise
+            # the storage failed once the old commit record was gone: the new checkpoint is the
+            # one at the path (readers follow the replace record to its staging copy), so the save
+            # succeeded (a refusal, a lost claim: raised, as the path cannot take it)
+            log.warning("ucp_zarr: the checkpoint at %s is committed (in its staging copy %s), but putting it in "
+                        "place failed (%s); the next save or retention there finishes it", self.store.url,
+                        self.target.url, e)
+            return
         lease.stop()
         self._stop_heartbeat()  # (the staging copy's lease: a renewal after its removal would put it back)
         try:
@@ -576,11 +596,13 @@ def _left_behind(store: Store, error: Exception) -> None:
     )
 
 
-def roll_forward(store: Store, staged: Store, fence: Fence | None = None, *, root: bytes | None = None) -> None:
+def roll_forward(store: Store, staged: Store, fence: Fence | None = None, *, root: bytes | None = None,
+                 replaced: threading.Event | None = None) -> None:
     """Put the committed checkpoint of ``staged`` (named by the replace record of ``store``)
     in place at ``store``, idempotently (then :func:`finish_replacement`). ``fence`` (the
     replacing save's own) is checked before every change; ``root``: the staged commit record,
-    where the caller has it."""
+    where the caller has it. ``replaced`` is set once the old commit record is gone: from then
+    on readers follow the record to ``staged``, the new checkpoint."""
     check = fence.check if fence is not None else (lambda: None)
     if root is None:
         root = staged.read(METADATA_FILE)
@@ -593,12 +615,12 @@ def roll_forward(store: Store, staged: Store, fence: Fence | None = None, *, roo
         if current == root:
             listing.cancel()
         else:
-            _put_in_place(store, staged, root, current, listing.result, check)
+            _put_in_place(store, staged, root, current, listing.result, check, replaced)
 
 
 def _put_in_place(
     store: Store, staged: Store, root: bytes, current: bytes | None, listing: Callable[[], list[str]],
-    check: Callable[[], None],
+    check: Callable[[], None], replaced: threading.Event | None = None,
 ) -> None:
     """:func:`roll_forward`'s work where ``store``'s commit record is ``current`` (None when
     gone), not yet ``root``; ``listing()``: the keys of ``staged``."""
@@ -608,6 +630,8 @@ def _put_in_place(
         retired = _owned_by_root(store, current)
         store.write_atomic(RETIRED, retired.to_bytes())
         store.delete(METADATA_FILE)
+    if replaced is not None:
+        replaced.set()
     new = [k for k in listing() if _FINAL_OBJECT.fullmatch(k)]
     tag = staged.name.rpartition(STAGING_INFIX)[2]  # the replacing save's id
     if retired is None:
