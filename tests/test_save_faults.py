@@ -187,6 +187,12 @@ def case_paths_differ(root: Path, rank: int) -> None:
         assert "ranks [2] passed another path than rank 0" in str(e), str(e)
     else:
         raise AssertionError("the save to different paths returned")
+    import torch.distributed as dist
+
+    if rank == 0:
+        (root / "paths_link").symlink_to(root)
+    dist.barrier()  # (rank 1 spells the same folder through a symbolic link: one path)
+    ucp_zarr.save({"w": _rows(rank)}, (root / "paths_link" if rank == 1 else root) / "paths_same")
     manager = CheckpointManager(root / "paths_differ_steps")
     try:
         manager.save(3 if rank == 2 else 2, {"w": _rows(rank)})
@@ -365,6 +371,8 @@ def test_ranks_that_pass_different_paths_are_refused(results):
     root = results[0]
     assert not (root / "paths_differ").exists() and not (root / "paths_differ_other").exists()
     assert not list((root / "paths_differ_steps").glob("*"))  # (no step folder)
+    want = torch.cat([_rows(r).local for r in range(WORLD)])
+    assert torch.equal(ucp_zarr.open(root / "paths_same")["w"][...], want)
 
 
 def test_a_failed_save_leaves_a_path_the_next_save_can_use_at_once(results):

@@ -25,6 +25,7 @@ import datetime
 import hashlib
 import json
 import logging
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -390,9 +391,12 @@ def _agreed_rules(per_rank: list[tuple[dict[str, Any] | None, frozenset[str]]], 
     return first
 
 
-def _digest_of_path(url: str) -> bytes:
-    """8 bytes that tell one rank's path from another's (sent by every rank to the coordinator)."""
-    return hashlib.blake2b(url.encode(), digest_size=8).digest()
+def _digest_of_path(store: Store) -> bytes:
+    """8 bytes that tell one rank's path from another's (sent by every rank to the coordinator):
+    a local path as the file system resolves it (a symbolic link in one rank's spelling of it
+    is the same path), a URL as given."""
+    where = os.path.realpath(store.local_path) if store.local_path is not None else store.url
+    return hashlib.blake2b(where.encode(), digest_size=8).digest()
 
 
 def _check_one_path(digests: list[bytes], url: str) -> None:
@@ -460,7 +464,7 @@ def prepare(
         error,
         "preparing the save",
         (infos, col.values, col.per_rank_values, col.rules, col.used, differing, col.structure, col.ties, col.hooks,
-         _digest_of_path(store.url)),
+         _digest_of_path(store)),
         plan_all,
         split,
         lambda payloads: [(i, *p[1:]) for i, p in zip(shared_infos([p[0] for p in payloads]), payloads)],
