@@ -409,7 +409,7 @@ def test_a_claim_whose_records_cannot_be_written_is_given_back(tmp_path, monkeyp
     ck = tmp_path / "ck"
     if overwrite:
         ucp_zarr.save(_state(1.0), ck)
-    leases = {t for t in threading.enumerate() if t.name.startswith("ucp_zarr-heartbeat-")}
+    leases = {t for t in threading.enumerate() if t.name == "ucp_zarr-heartbeat"}
     write_atomic = LocalStore.write_atomic
 
     def failing(self: LocalStore, key: str, data: bytes) -> None:
@@ -421,7 +421,7 @@ def test_a_claim_whose_records_cannot_be_written_is_given_back(tmp_path, monkeyp
     with pytest.raises(Exception, match="injected"):
         ucp_zarr.save(_state(2.0), ck, overwrite=overwrite)
     monkeypatch.setattr(LocalStore, "write_atomic", write_atomic)
-    assert {t for t in threading.enumerate() if t.name.startswith("ucp_zarr-heartbeat-")} <= leases
+    assert {t for t in threading.enumerate() if t.name == "ucp_zarr-heartbeat"} <= leases
     assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".")], list(tmp_path.rglob("*"))
     if overwrite:
         _assert_holds(ck, 1.0)
@@ -765,3 +765,38 @@ def test_the_objects_of_a_record_without_consolidated_metadata(tmp_path: Path) -
     assert owned == full and len(arrays) == 7
     assert sorted(k.removesuffix("/zarr.json") for k in asked) == sorted(arrays)
     assert set(full.documents) > set(asked)  # (the groups' documents are owned, and not read)
+
+
+def test_a_live_claim_of_another_thread_is_never_taken_over(tmp_path, monkeypatch):
+    """Two saves of one path in two threads of one process, the first claim's lease slow to
+    start (its first renewal a slow request): the second save is refused and the first
+    commits. (A claim of this process counts as held while its transaction runs: judged by
+    the threads renewing leases, the second save took a live claim over.)"""
+    from ucp_zarr.protocol.liveness import HEARTBEAT
+
+    write, slowed = LocalStore.write_atomic, []
+
+    def slow(self: LocalStore, key: str, data: bytes) -> None:
+        if key.startswith(HEARTBEAT) and not slowed:
+            slowed.append(key)
+            time.sleep(1.0)
+        write(self, key, data)
+
+    monkeypatch.setattr(LocalStore, "write_atomic", slow)
+    ck, said = tmp_path / "ck", {}
+
+    def save(name: str, value: float, delay: float) -> None:
+        time.sleep(delay)
+        try:
+            ucp_zarr.save(_state(value), ck)
+            said[name] = "ok"
+        except ucp_zarr.CheckpointError as e:
+            said[name] = str(e)
+
+    threads = [threading.Thread(target=save, args=a) for a in (("first", 1.0, 0.0), ("second", 2.0, 0.4))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert said["first"] == "ok" and "a save running in another thread of this process" in said["second"], said
+    _assert_holds(ck, 1.0)

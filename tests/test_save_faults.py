@@ -279,7 +279,7 @@ def _job(rank: int, world: int, root: str) -> None:
                       "trace": traceback.format_exc()}
         record["elapsed"] = time.perf_counter() - start
         record["right_after"] = _state(Path(root) / name)  # as this rank found it when its save returned
-        record["leases"] = sum(t.name.startswith("ucp_zarr-heartbeat-") for t in threading.enumerate())  # renewing now
+        record["leases"] = sum(t.name == "ucp_zarr-heartbeat" for t in threading.enumerate())  # renewing now
         dist.barrier()
         record["after"] = _state(Path(root) / name)  # what the case left at its path
         (out / f"{name}.{rank}.json").write_text(json.dumps(record))

@@ -243,15 +243,6 @@ def try_mark_aborted(store: Store, save_id: str, what: str) -> None:
 # --- the lease and the fence ----------------------------------------------------------------------
 
 
-HEARTBEAT_THREAD = "ucp_zarr-heartbeat-"
-"""The name of a :class:`Heartbeat`'s thread, before its save id."""
-
-
-def renewing_here(save_id: str) -> bool:
-    """Whether a thread of this process renews save ``save_id``'s lease (the save runs here)."""
-    return any(t.name == HEARTBEAT_THREAD + save_id and t.is_alive() for t in threading.enumerate())
-
-
 class Heartbeat:
     """Renews ``.ucp_zarr_heartbeat.<id>`` every ``lease_s / 4`` until stopped, and knows
     when the lease may have lapsed: no renewal succeeded for :data:`SELF_FENCE` of the lease
@@ -268,7 +259,7 @@ class Heartbeat:
         self._lapsed = False
         self._stop = threading.Event()
         self._beat()
-        self._thread = threading.Thread(target=self._run, name=f"{HEARTBEAT_THREAD}{save_id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="ucp_zarr-heartbeat", daemon=True)
         self._thread.start()
 
     def lapsed(self) -> bool:

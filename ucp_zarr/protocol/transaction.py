@@ -96,7 +96,6 @@ from .liveness import (
     last_heartbeat,
     mark_aborted,
     read_owner,
-    renewing_here,
     try_mark_aborted,
 )
 
@@ -217,6 +216,13 @@ def require_exclusive_create(store: Store, allow: bool) -> None:
 
 # --- the transaction (run by the coordinating rank) -------------------------------------------
 
+_RUNNING: set[str] = set()
+"""The save ids of this process's transactions from the start of their claim to its release
+(commit, abort): a claim or replace record naming this process and a save id not here is left
+by a save that failed and could not give it back (the process's own liveness, which the
+process id cannot tell)."""
+_RUNNING_LOCK = threading.Lock()
+
 
 class _Look(NamedTuple):
     """What a save saw at its path before claiming it (:meth:`Transaction._look`)."""
@@ -275,6 +281,8 @@ class Transaction:
         will write, or raise :class:`CheckpointExistsError` / :class:`OwnershipError`. A
         failure once the claim may be this save's gives it back (its records and lease too),
         as :meth:`abort` does for a save that wrote nothing: no live lease is left behind."""
+        with _RUNNING_LOCK:
+            _RUNNING.add(self.save_id)
         try:
             self._claim_path()
             self.claimed = True
@@ -291,6 +299,7 @@ class Transaction:
                     self.abort(wrote=False)
                 except Exception as e:  # the failure itself is what the caller needs to see
                     log.warning("ucp_zarr: could not give back the claim on %s: %s", self.target.url, e)
+            self._end()
             raise
 
     def _claim_path(self) -> None:
@@ -339,12 +348,15 @@ class Transaction:
 
     def _holds(self, store: Store, owner: Owner) -> bool:
         """Whether ``owner`` of a claim or a replacement still holds it: :meth:`_alive`, but
-        one of this very process whose lease no thread here renews does not (its save failed
-        and could not withdraw it, the storage failing too: this process's next save goes on
-        at once, as after a withdrawal)."""
+        one of this very process holds it only while its transaction runs (:data:`_RUNNING`):
+        a save that failed and could not give it back, the storage failing too, leaves no
+        obstacle to this process's next save, as after a withdrawal."""
+        if not self._alive(store, owner):
+            return False
         if (owner.pid, owner.host, owner.boot_id) == (self.me.pid, self.me.host, self.me.boot_id):
-            return renewing_here(owner.save_id)
-        return self._alive(store, owner)
+            with _RUNNING_LOCK:
+                return owner.save_id in _RUNNING
+        return True
 
     def _claim(self, store: Store, empty: bool = False) -> bool:
         """Own ``store``'s marker; False (and the marker given back) when the path turned
@@ -532,6 +544,7 @@ class Transaction:
                 self._replace(root)  # the staging sibling keeps its marker and lease until removed
             finally:
                 self._stop_heartbeat()
+            self._end()
             return
         self._stop_heartbeat()
         try:
@@ -539,6 +552,7 @@ class Transaction:
         except Exception as e:  # committed: the save succeeded
             try_mark_aborted(self.target, self.save_id, "the records of a committed save")
             _left_behind(self.target, e)
+        self._end()
 
     def _landed(self, root: bytes, error: BaseException) -> bool:
         """After the commit record's create failed with ``error``: whether the record is in
@@ -562,6 +576,12 @@ class Transaction:
         reads as an incomplete checkpoint rather than as nothing. A staging sibling is
         removed whole. A save that wrote nothing yet (``wrote=False``: refused while it
         prepared) gives the path back as it found it."""
+        try:
+            self._abort(wrote)
+        finally:
+            self._end()
+
+    def _abort(self, wrote: bool) -> None:
         self._stop_heartbeat()
         if not self.claimed:
             return
@@ -587,6 +607,11 @@ class Transaction:
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None
+
+    def _end(self) -> None:
+        """This transaction no longer runs (committed, aborted, or failed to begin)."""
+        with _RUNNING_LOCK:
+            _RUNNING.discard(self.save_id)
 
 
 def _left_behind(store: Store, error: Exception) -> None:
