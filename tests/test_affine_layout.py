@@ -243,3 +243,19 @@ def test_an_affine_map_takes_precedence_over_the_categories() -> None:
         for p in ucp_zarr.place({"w": shard}, rules, tp_rank=rank, tp_size=2)["w"].pieces:
             out[p.dst.slices()] = shard[p.src.slices()]
     assert torch.equal(out, full)
+
+
+def test_what_an_affine_map_does_not_name_is_whole_on_every_rank() -> None:
+    """AutoTP's map names every parameter it splits or keeps; a buffer and a tied weight's
+    alias (``lm_head.weight`` of a tied Falcon: DeepSpeed maps the embedding alone) it leaves
+    whole on every rank. They were placed by the default rule, split on dim 0: saved stacked
+    twice ((200, 32) for a (100, 32) head), nothing said. Now whole, compared at save."""
+    emb, w = torch.randn(100, 32), torch.randn(8, 4)
+    maps = {r"^emb$": _json(A.replicated_map((100, 32), 2)), r"^w$": _json(A.contiguous_split_map((8, 4), [4, 4], 0))}
+    rules = ucp_zarr.Rules.from_deepspeed({"universal_checkpoint_version": 0.4, "affine_map": {"version": 1, "params": maps}})
+    for rank in range(2):
+        placed = ucp_zarr.place({"emb": emb, "head": emb, "buf": torch.ones(3, 4), "w": w[4 * rank : 4 * rank + 4]}, rules,
+                                tp_rank=rank, tp_size=2)
+        shapes = {k: placed[k].global_shape for k in ("emb", "head", "buf", "w")}
+        assert shapes == {"emb": (100, 32), "head": (100, 32), "buf": (3, 4), "w": (8, 4)}, shapes
+    assert ucp_zarr.Rules.from_deepspeed({"universal_checkpoint_version": 0.4}).default == "split"  # (Megatron-DeepSpeed's)

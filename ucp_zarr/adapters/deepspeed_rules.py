@@ -115,6 +115,10 @@ def rules_from_deepspeed(rules_type: Callable[..., R], info: Mapping[str, Any], 
         vocab_size=size if vocab else None,
         pipeline="global",  # (DeepSpeed's pipeline modules name their layers by the global index)
         pipeline_replicated=patterns("pipeline_replicated_parameter_patterns"),
+        # AutoTP's affine map names every parameter it splits or keeps whole; what it does not
+        # name (a buffer, the alias of a tied weight) AutoTP leaves whole on every rank: stored
+        # once, its copies compared at save. Megatron-DeepSpeed's keys: split on dim 0 by default
+        default="replicated" if info.get("affine_map") else "split",
         strict=strict,
     )
 
