@@ -179,7 +179,9 @@ class FsspecStore(Store):
                 [path] * len(requests), [o for o, _ in requests], [o + n for (o, _), n in zip(requests, sizes)]
             )
             for data in datas:
-                if isinstance(data, Exception):
+                if isinstance(data, OSError) and data.errno == errno.EINVAL and "range" in str(data).lower():
+                    raise ShortReadError(f"{path}: the object ends before the bytes asked for: {data}") from data
+                if isinstance(data, Exception):  # (s3fs: HTTP 416 is an OSError(EINVAL) naming the range)
                     raise data
             return datas
 
