@@ -798,5 +798,29 @@ def test_a_live_claim_of_another_thread_is_never_taken_over(tmp_path, monkeypatc
         t.start()
     for t in threads:
         t.join()
-    assert said["first"] == "ok" and "a save running in another thread of this process" in said["second"], said
+    assert said["first"] == "ok" and "a save of this process that has not ended" in said["second"], said
     _assert_holds(ck, 1.0)
+
+
+def test_an_overwrite_whose_old_record_is_gone_but_its_delete_failed_has_succeeded(tmp_path, monkeypatch):
+    """The old commit record unlinked, then the directory's fsync failing (EIO): the save raised,
+    though readers found the new checkpoint through the replace record. It has succeeded."""
+    import errno
+
+    ck = tmp_path / "ck"
+    ucp_zarr.save(_state(1.0), ck)
+    delete, failed = LocalStore.delete, []
+
+    def failing(self: LocalStore, key: str) -> None:
+        delete(self, key)
+        if key == "zarr.json" and not failed:
+            failed.append(key)
+            raise OSError(errno.EIO, "injected: the directory's fsync failed")
+
+    monkeypatch.setattr(LocalStore, "delete", failing)
+    ucp_zarr.save(_state(2.0), ck, overwrite=True)
+    assert failed
+    monkeypatch.setattr(LocalStore, "delete", delete)
+    _assert_holds(ck, 2.0)
+    ucp_zarr.save(_state(3.0), ck, overwrite=True)
+    _assert_holds(ck, 3.0)

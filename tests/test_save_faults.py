@@ -19,6 +19,7 @@ the claim still there, and a failure in the claim's agreement left it held by a 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -414,3 +415,52 @@ def _uneven_groups(rank: int, world: int, root: str) -> None:
 
 def test_async_save_with_ranks_in_different_numbers_of_groups(tmp_path) -> None:
     run(4, _uneven_groups, str(tmp_path), timeout_s=60)
+
+
+_DIES_WRITING = """
+import datetime, os, sys, torch, torch.distributed as dist, ucp_zarr
+from ucp_zarr.protocol import saver
+rank, path, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=30))
+if rank == 1:
+    saver.PreparedSave._write_data = lambda *a, **k: os._exit(3)  # (killed while writing)
+try:
+    ucp_zarr.save({"w": ucp_zarr.Shard(torch.ones(2, 8), (4, 8), (2 * rank, 0))}, path)
+    print("the save returned")
+except RuntimeError:  # (gloo: the peer is gone)
+    dist.destroy_process_group()
+    ucp_zarr.save({"w": torch.zeros(8)}, path)  # (the same process, alone, at the same path)
+    print("saved again")
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_a_save_whose_peer_died_leaves_the_path_to_this_process(tmp_path) -> None:
+    """Rank 1 killed while writing: rank 0's collective raised outside the save's clean-up, so
+    its claim was never given back (its lease renewed until the process ended) and this
+    process's next save at the path was refused. The coordinator gives the claim back."""
+    from s3server import free_ports
+
+    port = str(free_ports(1)[0])
+    script, path = tmp_path / "job.py", str(tmp_path / "ck")
+    script.write_text(_DIES_WRITING)
+    peer = subprocess.Popen([sys.executable, str(script), "1", path, port])
+    done = subprocess.run([sys.executable, str(script), "0", path, port], capture_output=True, text=True, timeout=240)
+    peer.wait(timeout=60)
+    assert "saved again" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert torch.equal(ucp_zarr.read_state_dict(path)["w"], torch.zeros(8))
+
+
+def test_one_path_is_the_same_absolute_path_or_the_same_resolved_one() -> None:
+    """Ranks passing one absolute path that their hosts resolve differently (a link on one node,
+    a mount on another) save to one path (7ce249b compared the resolved paths alone and refused
+    them); so do ranks whose spellings resolve alike; others are refused."""
+    from ucp_zarr.protocol.saver import _check_one_path
+
+    a, b, c = b"a" * 8, b"b" * 8, b"c" * 8
+    _check_one_path([(a, b), (a, c)], "P")  # (the same path, resolved otherwise on rank 1)
+    _check_one_path([(a, b), (c, b)], "P")  # (another spelling, resolved alike)
+    with pytest.raises(ucp_zarr.OptionError, match=r"ranks \[1\] passed another path than rank 0 \(P\)"):
+        _check_one_path([(a, b), (c, a)], "P")

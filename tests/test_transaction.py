@@ -87,8 +87,8 @@ def test_a_live_owner_is_never_disturbed(tmp_path):
     a.target.write("a/x/c/0", [b"a's data"])
     b = _txn(_store(tmp_path))
     # (in one process: the message says it runs in another thread)
-    with pytest.raises(OwnershipError, match=f"being written by save {a.save_id}.*a save running in another thread "
-                                             "of this process"):
+    with pytest.raises(OwnershipError, match=f"being written by save {a.save_id}.*a save of this process that has "
+                                             "not ended.*overwrite_incomplete=True if none runs"):
         b.begin()
     assert store.read("a/x/c/0") == b"a's data"  # nothing of a's was touched
     a.commit(_root("a"))

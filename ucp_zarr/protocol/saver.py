@@ -177,12 +177,17 @@ class PreparedSave:
             seals = self._write_data(comm.rank, received, fence)
         except BaseException as e:  # every rank must learn of it before anyone commits
             error = e
-        if not any(comm.all_gather(describe(error))):  # every rank's data is durable: now the documents
-            try:
-                self._write_documents(comm.rank, fence)
-            except BaseException as e:
-                error = e
-        gathered = comm.gather((describe(error), seals))
+        try:
+            if not any(comm.all_gather(describe(error))):  # every rank's data is durable: now the documents
+                try:
+                    self._write_documents(comm.rank, fence)
+                except BaseException as e:
+                    error = e
+            gathered = comm.gather((describe(error), seals))
+        except BaseException:  # a collective failed (a rank died): the coordinator gives the claim back
+            if comm.rank == 0 and self.txn is not None:
+                self._abort()
+            raise
         outcome: dict[int, tuple[str, str]] = {}
         if comm.rank == 0:
             assert gathered is not None and self.txn is not None
@@ -391,18 +396,22 @@ def _agreed_rules(per_rank: list[tuple[dict[str, Any] | None, frozenset[str]]], 
     return first
 
 
-def _digest_of_path(store: Store) -> bytes:
-    """8 bytes that tell one rank's path from another's (sent by every rank to the coordinator):
-    a local path as the file system resolves it (a symbolic link in one rank's spelling of it
-    is the same path), a URL as given."""
-    where = os.path.realpath(store.local_path) if store.local_path is not None else store.url
-    return hashlib.blake2b(where.encode(), digest_size=8).digest()
+def _digest_of_path(store: Store) -> tuple[bytes, bytes]:
+    """16 bytes that tell one rank's path from another's (sent by every rank to the
+    coordinator): the path as given (absolute) and as this host's file system resolves it."""
+    given = store.url
+    resolved = os.path.realpath(store.local_path) if store.local_path is not None else given
+    return tuple(hashlib.blake2b(w.encode(), digest_size=8).digest() for w in (given, resolved))  # type: ignore[return-value]
 
 
-def _check_one_path(digests: list[bytes], url: str) -> None:
+def _check_one_path(digests: list[tuple[bytes, bytes]], url: str) -> None:
     """Refuse a save whose ranks passed different paths (the coordinator's is ``url``): each
-    would claim and write its own, and none could commit every rank's part."""
-    others = [r for r, d in enumerate(digests) if d != digests[0]]
+    would claim and write its own, and none could commit every rank's part. One path: the
+    same absolute path on every rank (whatever each host mounts there), or paths that every
+    rank's file system resolves to the same (a symbolic link in one rank's spelling)."""
+    if any(all(d[i] == digests[0][i] for d in digests) for i in (0, 1)):
+        return
+    others = [r for r, d in enumerate(digests) if d[0] != digests[0][0]]
     if others:
         raise OptionError(f"saving {url}: ranks {others[:8]}{' ...' if len(others) > 8 else ''} passed another path than "
                           f"rank 0 ({url}); a save is a collective: pass the same path on every rank")

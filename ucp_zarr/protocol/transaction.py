@@ -383,8 +383,9 @@ class Transaction:
                 if not self.overwrite_incomplete and self._holds(store, holder):
                     if (holder.pid, holder.host, holder.boot_id) == (self.me.pid, self.me.host, self.me.boot_id):
                         raise OwnershipError(
-                            f"{store.url} is being written by {holder.describe()}: a save running in another thread "
-                            "of this process; wait for it, or choose another path",
+                            f"{store.url} is being written by {holder.describe()}: a save of this process that has not "
+                            "ended (running in another thread, or left waiting by a failed collective); wait for it, "
+                            "choose another path, or pass ", Keyword("overwrite_incomplete", True), " if none runs",
                         ) from None
                     raise OwnershipError(
                         f"{store.url} is being written by {holder.describe()}, which is still alive; "
@@ -654,7 +655,12 @@ def _put_in_place(
         check()
         retired = _owned_by_root(store, current)
         store.write_atomic(RETIRED, retired.to_bytes())
-        store.delete(METADATA_FILE)
+        try:
+            store.delete(METADATA_FILE)
+        except BaseException:  # (gone all the same, a directory's fsync failing after the unlink: replaced)
+            if replaced is not None and _gone(store, METADATA_FILE):
+                replaced.set()
+            raise
     if replaced is not None:
         replaced.set()
     new = [k for k in listing() if _FINAL_OBJECT.fullmatch(k)]
@@ -682,6 +688,14 @@ def _put_in_place(
     except FileExistsError:
         if store.read(METADATA_FILE) != root:
             raise OwnershipError(f"{store.url} was committed by another save while being replaced") from None
+
+
+def _gone(store: Store, key: str) -> bool:
+    """Whether ``key`` is known to be absent (False where that cannot be read)."""
+    try:
+        return not store.exists(key)
+    except Exception:
+        return False
 
 
 def _in_the_way(retired: Owned, new: list[str]) -> list[str]:
