@@ -238,3 +238,19 @@ def test_a_process_group_destroyed_under_a_background_save_is_named(tmp_path) ->
            "it was not committed: wait for the save" in done.stderr, done.stderr[-3000:]
     with pytest.raises(ucp_zarr.IncompleteCheckpointError):
         ucp_zarr.open(tmp_path / "ck")
+
+
+def _background_timeout(rank: int, world: int) -> None:
+    import datetime
+
+    made = api._background_group(None)
+    assert made._get_backend(torch.device("cpu")).options._timeout == datetime.timedelta(seconds=37)
+
+
+def test_the_background_group_keeps_the_jobs_timeout() -> None:
+    """The background saves' group was made with torch's default timeout (30 minutes), whatever
+    the job gave its own: a background save waiting on a peer that left (its group destroyed
+    under it) waited that long, at exit too. It takes the job's."""
+    from _dist import run
+
+    run(2, _background_timeout, timeout_s=37)

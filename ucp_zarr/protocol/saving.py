@@ -332,6 +332,18 @@ def wait_for_pending_save() -> None:
 threading._register_atexit(_report_at_exit)  # type: ignore[attr-defined]
 
 
+def _timeout_of(group: Any) -> Any:
+    """The timeout the job gave ``group`` (a ``timedelta``), for its background group: else torch's
+    default (30 minutes), which a save waiting on a peer that left would wait out, at exit too.
+    None where torch does not say (it reads its backend's options)."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # (no such backend in this group, or another torch)
+            continue
+    return None
+
+
 def _background_group(group: Any) -> Any:
     """A gloo group of the ranks of ``group`` for background saves, so that their
     collectives never interleave with training's; created on first use, and again after
@@ -350,8 +362,9 @@ def _background_group(group: Any) -> Any:
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else default))
     held = _async_groups.get(ranks)
     if held is None or held[0] is not default:
+        timeout = _timeout_of(group if group is not None else default)
         if len(ranks) == dist.get_world_size():
-            made = dist.new_group(ranks=list(ranks), backend="gloo")
+            made = dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout)
         else:
             counts: list[Any] = [None] * len(ranks)
             dist.all_gather_object(counts, len(dist.distributed_c10d._world.pg_names), group=group)
@@ -362,7 +375,7 @@ def _background_group(group: Any) -> Any:
                     "on each (a hang); pass async_group=dist.new_group(<those ranks>, backend='gloo'), created on "
                     "every rank of the job, once"
                 )
-            made = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=True)
+            made = dist.new_group(ranks=list(ranks), backend="gloo", timeout=timeout, use_local_synchronization=True)
         held = (default, made)
         _async_groups[ranks] = held
     return held[1]
