@@ -525,9 +525,10 @@ def _like(current: Any, loaded: Any) -> Any:
     if isinstance(current, dict) and isinstance(loaded, dict):
         from ..converters.base import int_key
 
+        ints = bool(current) and all(type(c) is int for c in current)
         out = {}
         for k, v in loaded.items():
-            k = int_key(k) if current and all(type(c) is int for c in current) else k
+            k = int_key(k) if ints else k
             out[k] = _like(current.get(k), v)
         return Counter(out) if isinstance(current, Counter) else out
     if isinstance(current, list) and isinstance(loaded, list) and len(current) == len(loaded):

@@ -139,9 +139,13 @@ def plain(v: Any) -> Any:
     return v
 
 
+def _spells_int(key: Any) -> bool:
+    return isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key) is not None
+
+
 def int_key(key: Any) -> Any:
     """``key`` as the integer it spells (:func:`plain` keys every mapping by text), else as is."""
-    return int(key) if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key) else key
+    return int(key) if _spells_int(key) else key
 
 
 def int_keys(v: Any) -> Any:
@@ -149,7 +153,7 @@ def int_keys(v: Any) -> Any:
     the integers again: a ``MultiStepLR``'s milestones, for a reader with no live object to
     take the key types from."""
     if isinstance(v, dict):
-        ints = bool(v) and all(isinstance(k, str) and re.fullmatch(r"-?[0-9]+", k) for k in v)
+        ints = bool(v) and all(map(_spells_int, v))
         return {(int(k) if ints else k): int_keys(x) for k, x in v.items()}
     if isinstance(v, list):
         return [int_keys(x) for x in v]

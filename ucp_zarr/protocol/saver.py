@@ -411,10 +411,9 @@ def _check_one_path(digests: list[tuple[bytes, bytes]], url: str) -> None:
     rank's file system resolves to the same (a symbolic link in one rank's spelling)."""
     if any(all(d[i] == digests[0][i] for d in digests) for i in (0, 1)):
         return
-    others = [r for r, d in enumerate(digests) if d[0] != digests[0][0]]
-    if others:
-        raise OptionError(f"saving {url}: ranks {others[:8]}{' ...' if len(others) > 8 else ''} passed another path than "
-                          f"rank 0 ({url}); a save is a collective: pass the same path on every rank")
+    others = [r for r, d in enumerate(digests) if d[0] != digests[0][0]]  # (some: the given paths differ)
+    raise OptionError(f"saving {url}: ranks {others[:8]}{' ...' if len(others) > 8 else ''} passed another path than "
+                      f"rank 0 ({url}); a save is a collective: pass the same path on every rank")
 
 
 def prepare(

@@ -353,10 +353,14 @@ class Transaction:
         obstacle to this process's next save, as after a withdrawal."""
         if not self._alive(store, owner):
             return False
-        if (owner.pid, owner.host, owner.boot_id) == (self.me.pid, self.me.host, self.me.boot_id):
+        if self._mine(owner):
             with _RUNNING_LOCK:
                 return owner.save_id in _RUNNING
         return True
+
+    def _mine(self, owner: Owner) -> bool:
+        """Whether ``owner`` is this process."""
+        return (owner.pid, owner.host, owner.boot_id) == (self.me.pid, self.me.host, self.me.boot_id)
 
     def _claim(self, store: Store, empty: bool = False) -> bool:
         """Own ``store``'s marker; False (and the marker given back) when the path turned
@@ -381,7 +385,7 @@ class Transaction:
                 if holder is None:
                     continue  # it was just released: try again
                 if not self.overwrite_incomplete and self._holds(store, holder):
-                    if (holder.pid, holder.host, holder.boot_id) == (self.me.pid, self.me.host, self.me.boot_id):
+                    if self._mine(holder):
                         raise OwnershipError(
                             f"{store.url} is being written by {holder.describe()}: a save of this process that has not "
                             "ended (running in another thread, or left waiting by a failed collective); wait for it, "
