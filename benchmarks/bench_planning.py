@@ -46,14 +46,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import sim_layout as S  # noqa: E402
 
-from ucp_zarr.format.documents import ArrayMeta, consolidated_nodes, dump_document
+from ucp_zarr.format.documents import METADATA_FILE, ArrayMeta, dump_consolidated, dump_document
 from ucp_zarr.format.commit_record import CheckpointMeta, TensorEntry
 from ucp_zarr.format.integrity import document_digest  # noqa: E402
 from ucp_zarr.protocol.distributed import gc_paused, leader_groups  # noqa: E402
 from ucp_zarr.layout import Box  # noqa: E402
 from ucp_zarr.protocol.planner import SavePlan, plan_save, shared_infos  # noqa: E402
 from ucp_zarr.protocol.replicas import check_replicas  # noqa: E402
-from ucp_zarr.protocol.saver import document_dicts  # noqa: E402
+from ucp_zarr.io.local import LocalStore  # noqa: E402
+from ucp_zarr.protocol.saver import _check_one_path, _digest_of_path, document_dicts  # noqa: E402
 
 WORLDS = (64, 256, 1024, 4096, 8192, 16384, 32768)
 DIGEST = "sha256:" + "0" * 64
@@ -77,12 +78,13 @@ def two_level(world: int, messages: list[bytes]) -> dict:
     groups = leader_groups(world)
 
     def gather(group: range) -> bytes:
-        payloads = shared_infos([pickle.loads(messages[r])[1] for r in group])
-        return _dumps(({}, payloads))
+        got = [pickle.loads(messages[r])[1] for r in group]
+        return _dumps(({}, list(zip(shared_infos([i for i, _ in got]), (d for _, d in got)))))
 
     def root(merged: list[bytes]) -> tuple[SavePlan, list[bytes]]:
         payloads = [p for m in merged for p in pickle.loads(m)[1]]
-        plan = plan_save(payloads)
+        _check_one_path([d for _, d in payloads], "/ckpt")
+        plan = plan_save([i for i, _ in payloads])
         return plan, [_dumps(({}, part)) for part in plan.parts(groups)]
 
     def split(group: range, answer: bytes) -> list[SavePlan]:
@@ -125,7 +127,8 @@ def replica_check(plan: SavePlan, parts: list[SavePlan]) -> float:
 
 def measure(world: int, samples: int = 16) -> dict[str, float]:
     infos = S.all_infos(world)
-    messages = [_dumps((None, i)) for i in infos]
+    path = _digest_of_path(LocalStore("/ckpt"))  # (what every rank sends with its fragments)
+    messages = [_dumps((None, (i, path))) for i in infos]
     sent = [len(m) for m in messages]
     run = two_level(world, messages)
     plan: SavePlan = run["plan"]
@@ -144,9 +147,9 @@ def measure(world: int, samples: int = 16) -> dict[str, float]:
     meta = CheckpointMeta(
         tensors={k: TensorEntry(p, m.shape, m.dtype.name, DIGEST) for k, (p, m) in plan.arrays.items()},
         values={}, created="2026-01-01T00:00:00+00:00", library="ucp_zarr", save_id="0" * 32, world_size=world,
-        documents={p: document_digest(r) for p, r in raw.items()}, consolidated=consolidated_nodes(docs),
+        documents={p: document_digest(r) for p, r in raw.items()},
     )
-    root = dump_document(meta.to_zarr_json())
+    root = dump_consolidated(meta.to_zarr_json(), list(raw.items()), {f"{g}/{METADATA_FILE}" for g in plan.groups})
     load_s, read_x = _load_plan(root, load_world(world), samples)
     return {
         "world": world,
