@@ -28,13 +28,17 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import agreed_error
+from ..errors import OptionError, agreed_error
 
 
 def describe(error: BaseException | None) -> tuple[str, str] | None:
     """An error as the (class name, message) sent to the other ranks."""
     return None if error is None else (type(error).__name__, str(error))
 
+
+OPERATIONS = ("save", "async_save", "load")
+"""The collective operations :meth:`Comm.start` tells apart (a save, an asynchronous save
+and a sharded load each run their own sequence of collectives)."""
 
 FLAT_MAX_WORLD = 64
 """Up to this many ranks, one group: every rank sends its payload to rank 0 directly."""
@@ -198,6 +202,32 @@ class Comm:
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         return {src: t.cpu() for src, t in recvs.items()}
+
+    def start(self, operation: str, what: str, error: BaseException | None = None) -> None:
+        """The first collective of every collective operation (:data:`OPERATIONS`): one
+        all-reduce of three integers, the same whatever the operation, so that ranks calling
+        different ones (one saving while another loads) are told apart and refused on every
+        rank at once, where each would otherwise wait in its own next collective until the
+        group times out. ``error`` (this rank's failure before it, such as opening its store)
+        is raised here, and the others raise one naming the highest failing rank."""
+        if not self.active:
+            if error is not None:
+                raise error
+            return
+        code = OPERATIONS.index(operation) + 1
+        votes = torch.tensor([code, -code, 0 if error is None else self.rank + 1], dtype=torch.int64, device=self.device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self.group)
+        high, low, failed = int(votes[0]), -int(votes[1]), int(votes[2])
+        if error is not None:
+            raise error
+        if high != low:
+            raise OptionError(
+                f"{what}: the ranks of the process group called different operations at once ({OPERATIONS[low - 1]} "
+                f"and {OPERATIONS[high - 1]}; this rank {operation}): each is a collective, every rank must call the same"
+            )
+        if failed:
+            raise agreed_error(f"{what} failed on rank {failed - 1} (and maybe others) before it began: see that rank's error",
+                               {failed - 1: ("Exception", "failed before the collective began")})
 
     def agree(self, error: BaseException | None, what: str, payload: Any = None, *, own: bool = False) -> list[Any]:
         """All-gather ``(error, payload)``; return every rank's payload, or raise on every

@@ -123,6 +123,7 @@ def load(
     # rank, so that no rank goes on (into the next collective, or resumed while another starts
     # fresh); a load of whole tensors is one rank's own, as torch.load is
     agreeing = comm if _sharded(state_dict) else Comm(local=True)
+    agreeing.start("load", what)
     error: Exception | None = None
     try:
         ck = open_store_reader(open_store(path, storage_options), hmac_key, shared=comm.world > 1)

@@ -181,11 +181,16 @@ def save(
             chunk_bytes=chunk_bytes, shard_bytes=shard_bytes, max_workers=max_workers, lease_s=lease_s, model=model,
             unsafe_non_exclusive_store=unsafe_non_exclusive_store,
         )
-    wait_for_pending_save()
     comm = Comm(process_group)
-    store = open_store(path, storage_options)
-    options = _options(store, chunk_bytes, shard_bytes, max_workers, overwrite, overwrite_incomplete, lease_s, hmac_key,
-                       unsafe_non_exclusive_store)
+    error: Exception | None = None
+    try:
+        wait_for_pending_save()
+        store = open_store(path, storage_options)
+        options = _options(store, chunk_bytes, shard_bytes, max_workers, overwrite, overwrite_incomplete, lease_s,
+                           hmac_key, unsafe_non_exclusive_store)
+    except Exception as e:
+        error = e
+    comm.start("save", f"saving {os.fspath(path)!r}", error)
     return prepare(lambda: collect(state_dict, model), store, comm, options, copy=False).finish()
 
 
@@ -228,14 +233,19 @@ def async_save(
     the step during the write 1.08x the step before unpaced, 1.04x at 300 MB/s, the write
     0.8 s -> 1.5 s; ``benchmarks/results/table.md``). Choose a rate that finishes well
     within the save interval. The other arguments are :func:`save`'s."""
-    if writer not in ("process", "thread"):
-        raise ValueError(f"writer must be 'process' or 'thread', not {writer!r}")
-    Pace(write_bytes_per_s)  # (refuses a rate that is not a positive number, before anything is done)
-    wait_for_pending_save()
     comm = Comm(process_group)
-    store = open_store(path, storage_options)
-    options = _options(store, chunk_bytes, shard_bytes, max_workers, overwrite, overwrite_incomplete, lease_s, hmac_key,
-                       unsafe_non_exclusive_store)
+    error: Exception | None = None
+    try:
+        if writer not in ("process", "thread"):
+            raise ValueError(f"writer must be 'process' or 'thread', not {writer!r}")
+        Pace(write_bytes_per_s)  # (refuses a rate that is not a positive number, before anything is done)
+        wait_for_pending_save()
+        store = open_store(path, storage_options)
+        options = _options(store, chunk_bytes, shard_bytes, max_workers, overwrite, overwrite_incomplete, lease_s,
+                           hmac_key, unsafe_non_exclusive_store)
+    except Exception as e:
+        error = e
+    comm.start("async_save", f"saving {os.fspath(path)!r} in the background", error)
     store.write_in_background()
     background = comm
     if comm.active:
