@@ -182,15 +182,8 @@ def save(
             unsafe_non_exclusive_store=unsafe_non_exclusive_store,
         )
     comm = Comm(process_group)
-    error: Exception | None = None
-    try:
-        wait_for_pending_save()
-        store = open_store(path, storage_options)
-        options = _options(store, chunk_bytes, shard_bytes, max_workers, overwrite, overwrite_incomplete, lease_s,
-                           hmac_key, unsafe_non_exclusive_store)
-    except Exception as e:
-        error = e
-    comm.start("save", f"saving {os.fspath(path)!r}", error)
+    store, options = _begin(comm, "save", path, storage_options, lambda: None, chunk_bytes, shard_bytes, max_workers,
+                            overwrite, overwrite_incomplete, lease_s, hmac_key, unsafe_non_exclusive_store)
     return prepare(lambda: collect(state_dict, model), store, comm, options, copy=False).finish()
 
 
@@ -233,19 +226,15 @@ def async_save(
     the step during the write 1.08x the step before unpaced, 1.04x at 300 MB/s, the write
     0.8 s -> 1.5 s; ``benchmarks/results/table.md``). Choose a rate that finishes well
     within the save interval. The other arguments are :func:`save`'s."""
-    comm = Comm(process_group)
-    error: Exception | None = None
-    try:
+
+    def check() -> None:
         if writer not in ("process", "thread"):
             raise ValueError(f"writer must be 'process' or 'thread', not {writer!r}")
         Pace(write_bytes_per_s)  # (refuses a rate that is not a positive number, before anything is done)
-        wait_for_pending_save()
-        store = open_store(path, storage_options)
-        options = _options(store, chunk_bytes, shard_bytes, max_workers, overwrite, overwrite_incomplete, lease_s,
-                           hmac_key, unsafe_non_exclusive_store)
-    except Exception as e:
-        error = e
-    comm.start("async_save", f"saving {os.fspath(path)!r} in the background", error)
+
+    comm = Comm(process_group)
+    store, options = _begin(comm, "async_save", path, storage_options, check, chunk_bytes, shard_bytes, max_workers,
+                            overwrite, overwrite_incomplete, lease_s, hmac_key, unsafe_non_exclusive_store)
     store.write_in_background()
     background = comm
     if comm.active:
@@ -271,6 +260,23 @@ def save_workers(store: Store, max_workers: int | None) -> dict[str, int | None]
     ``max_workers`` its caller gave: unset, ``DEFAULT_WORKERS``, with as many writers as
     ``store`` keeps requests in flight where it says (:attr:`Store.request_concurrency`)."""
     return {"max_workers": max_workers or DEFAULT_WORKERS, "write_workers": max_workers or store.request_concurrency}
+
+
+def _begin(comm: Comm, operation: str, path: str | os.PathLike[str], storage_options: dict[str, Any] | None,
+           check: Callable[[], None], *option_args: Any) -> tuple[Store, SaveOptions]:
+    """The store and options of a save (``option_args``: :func:`_options`'s after the store),
+    once the previous asynchronous save is done and ``check`` passed, and the save's first
+    collective (:meth:`Comm.start`): a failure of any of these on one rank fails every rank."""
+    error: Exception | None = None
+    try:
+        check()
+        wait_for_pending_save()
+        store = open_store(path, storage_options)
+        options = _options(store, *option_args)
+    except Exception as e:
+        error = e
+    comm.start(operation, f"saving {os.fspath(path)!r}", error)
+    return store, options
 
 
 def _options(
