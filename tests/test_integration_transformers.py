@@ -209,36 +209,73 @@ def test_a_resume_from_an_object_store_is_the_trainers_own(tmp_path: Path, seawe
     assert {k for k in own if not H.same(own[k], ours[k])} == set(), (own["losses"], ours["losses"])
 
 
-def test_the_best_step_is_named_and_kept_by_retention(tmp_path: Path) -> None:
+def _own_steps(out: Path) -> list[int]:
+    """The steps of the Trainer's own checkpoint-N folders under ``out``."""
+    return sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3])
+def test_the_best_step_is_named_and_kept_by_retention(tmp_path: Path, limit: int) -> None:
     """metric_for_best_model without load_best_model_at_end: the state names the best step's
-    checkpoint (the Trainer names its checkpoint-N) and keep_last never deletes it (the
-    Trainer's rotation keeps it). Before: best_model_checkpoint stayed None and keep_last=2
-    deleted step 2, the best. save_total_limit, which applies to the Trainer's own folders,
-    is refused unless it is the callback's keep_last."""
+    checkpoint (the Trainer names its checkpoint-N) and retention keeps the steps the Trainer's
+    own rotation keeps with save_total_limit = keep_last (run beside it: the best counts
+    within the limit, the newest always kept). Before: best_model_checkpoint stayed None and
+    keep_last=2 deleted step 2, the best; then the best was kept beside keep_last steps (3
+    for a limit of 2). save_total_limit, which applies to the Trainer's own folders, is
+    refused unless it is the callback's keep_last."""
     import _hf_resume as H
 
     from ucp_zarr.integrations.transformers import ZarrCheckpointCallback
 
     args = dict(max_steps=8, save_steps=2, eval_strategy="steps", eval_steps=2, metric_for_best_model="score",
                 greater_is_better=False)
-    callback = ZarrCheckpointCallback(tmp_path / "ckpt", keep_last=2)
-    t = H.trainer(tmp_path / "out", args, seed=0, callbacks=[callback], scores={2: 1.0, 4: 2.0, 6: 3.0, 8: 4.0})
-    t.train(resume_from_checkpoint=callback.resume(t))
-    assert callback.manager.steps() == [2, 6, 8] and t.state.best_model_checkpoint == callback.manager.path(2)
-    # the best evaluation between saves (step 3): step 2 stays named, as the Trainer's own keeps checkpoint-2,
-    # and kept (before: step 3 was protected, which has no checkpoint, and step 2 deleted)
-    between = ZarrCheckpointCallback(tmp_path / "between", keep_last=2)
-    t = H.trainer(tmp_path / "out3", args | {"eval_steps": 1}, seed=0, callbacks=[between],
-                  scores={2: 4.0, 3: 1.0, 4: 5.0, 6: 5.0, 8: 5.0})
-    t.train(resume_from_checkpoint=between.resume(t))
-    assert between.manager.steps() == [2, 6, 8] and t.state.best_model_checkpoint == between.manager.path(2)
+    for name, extra, scores in [("first", {}, {2: 1.0, 4: 2.0, 6: 3.0, 8: 4.0}),
+                                # the best evaluation between saves (step 3): step 2 stays named, as the Trainer's
+                                # own keeps checkpoint-2, and kept (before: step 3 was protected, step 2 deleted)
+                                ("between", {"eval_steps": 1}, {2: 4.0, 3: 1.0, 4: 5.0, 6: 5.0, 8: 5.0}),
+                                ("newest", {}, {2: 4.0, 4: 3.0, 6: 2.0, 8: 1.0})]:
+        own = H.trainer(tmp_path / f"own-{name}", args | extra | {"save_total_limit": limit}, seed=0, callbacks=[],
+                        scores=scores)
+        own.train()
+        callback = ZarrCheckpointCallback(tmp_path / name, keep_last=limit)
+        t = H.trainer(tmp_path / f"out-{name}", args | extra, seed=0, callbacks=[callback], scores=scores)
+        t.train(resume_from_checkpoint=callback.resume(t))
+        assert callback.manager.steps() == _own_steps(tmp_path / f"own-{name}"), name
+        best = int(own.state.best_model_checkpoint.rsplit("-", 1)[1])
+        assert t.state.best_model_checkpoint == callback.manager.path(best), name
+    if limit != 2:
+        return
     # a Trainer whose callback was removed saves its own checkpoint-N again
+    kept = callback.manager.steps()
     t.remove_callback(ZarrCheckpointCallback)
     t.args.output_dir = str(tmp_path / "own")
     t.train()
-    assert (tmp_path / "own" / "checkpoint-8").is_dir() and between.manager.steps() == [2, 6, 8]
+    assert (tmp_path / "own" / "checkpoint-8").is_dir() and callback.manager.steps() == kept
     other = ZarrCheckpointCallback(tmp_path / "ckpt2", keep_last=2)
     t = H.trainer(tmp_path / "out2", args | {"save_total_limit": 3}, seed=0, callbacks=[other], scores={})
     with pytest.raises(ValueError, match=r"give ZarrCheckpointCallback\(keep_last=3\)"):
         t.train(resume_from_checkpoint=other.resume(t))
 
+
+
+def test_retention_within_the_limit_keeps_what_the_trainers_rotation_keeps(tmp_path: Path) -> None:
+    """``steps_to_delete(..., within_limit=(best,))`` against transformers' own
+    ``rotate_checkpoints`` on folders named like the Trainer's, over random runs: the same
+    steps survive (the best counted within the limit, the newest always kept)."""
+    import random
+
+    from transformers.trainer_utils import rotate_checkpoints
+
+    from ucp_zarr.ops.retention import steps_to_delete
+
+    rng = random.Random(0)
+    for case in range(300):
+        steps = sorted(rng.sample(range(1, 60), rng.randint(1, 8)))
+        limit, best = rng.randint(1, 5), rng.choice(steps + [None])
+        out = tmp_path / str(case)
+        for s in steps:
+            (out / f"checkpoint-{s}").mkdir(parents=True)
+        rotate_checkpoints(str(out), limit, None if best is None else str(out / f"checkpoint-{best}"))
+        theirs = sorted(int(p.name.split("-")[1]) for p in out.iterdir())
+        gone = steps_to_delete(steps, keep_last=limit, within_limit=() if best is None else (best,))
+        assert sorted(set(steps) - set(gone)) == theirs, (steps, limit, best)

@@ -24,7 +24,8 @@ writes no ``checkpoint-N`` folder (no pickled ``optimizer.pt``), and the
 save happens exactly where the Trainer's own would: after the step's logging, every
 evaluation (one per eval dataset), the ``ReduceLROnPlateau`` step and the best metric, with
 the state brought up to date as the Trainer does it (``store_flos``, the stateful callbacks,
-``best_model_checkpoint``, which names the manager's step and is kept by its retention).
+``best_model_checkpoint``, which names the manager's step; retention counts it within
+``keep_last``, as the Trainer's ``save_total_limit`` does).
 ``save_strategy="best"`` and ``load_best_model_at_end``, which read the Trainer's own
 folders, are refused; ``save_total_limit`` is the callback's ``keep_last``.
 
@@ -205,6 +206,12 @@ class ZarrCheckpointCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._remove_folder()
         self.manager.wait()
+        best = state.best_model_checkpoint
+        if self._manager_options["keep_last"] == 1 and best is not None and Comm().rank == 0:
+            # as the Trainer's own with save_total_limit=1: once training ends only the best is kept
+            for s in self.manager.steps():
+                if self.manager.path(s) != best:
+                    self.manager.delete(s)
 
     def _save(self, trainer: Any, trial: Any) -> None:
         """The Trainer's ``_save_checkpoint`` (every rank), through the manager: the state
@@ -230,7 +237,8 @@ class ZarrCheckpointCallback(TrainerCallback):
         scaler = _scaler(trainer)
         if scaler is not None:
             checkpoint["scaler"] = scaler.state_dict()
-        self.manager.save(state.global_step, checkpoint, async_save=self.async_save, protect=() if kept is None else (kept,))
+        self.manager.save(state.global_step, checkpoint, async_save=self.async_save,  # (the limit counts the best, as the
+                          protect_within_limit=() if kept is None else (kept,))  # Trainer's save_total_limit does)
 
     def _best(self, state: TrainerState) -> tuple[int | None, int | None]:
         """As the Trainer's own save: the best step when it has a checkpoint (this save's, or a

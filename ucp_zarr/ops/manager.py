@@ -209,10 +209,13 @@ class CheckpointManager:
     # --- saving ---------------------------------------------------------------------------
 
     def save(self, step: int, state_dict: MutableMapping[str, Any], *, async_save: bool = False,
-             protect: Iterable[int] = (), **save_kwargs: Any) -> SaveMetrics | Future:
+             protect: Iterable[int] = (), protect_within_limit: Iterable[int] = (),
+             **save_kwargs: Any) -> SaveMetrics | Future:
         """Save ``state_dict`` as ``step`` (every rank calls it); ``save_kwargs`` go to
         :func:`ucp_zarr.save`. Waits for the previous async save first and raises its error.
-        The retention after it keeps the steps of ``protect`` too (a Trainer's best step).
+        The retention after it keeps the steps of ``protect`` too, beside the ``keep_last``
+        newest, and those of ``protect_within_limit`` counted among them (as the Hugging Face
+        Trainer's ``save_total_limit`` counts its best checkpoint).
 
         Returns the :class:`SaveMetrics`, or with ``async_save`` (:func:`ucp_zarr.async_save`) a future of them, resolved
         after the commit and retention (its error also surfaces on the next call)."""
@@ -230,7 +233,7 @@ class CheckpointManager:
         )
         blocking = time.perf_counter() - t0
         self._saved(step, blocking)
-        kept = frozenset(protect) | {step}
+        kept = (frozenset(protect) | {step}, frozenset(protect_within_limit))
         if async_save:
             self._inflight = run_reported(self._executor, f"the asynchronous save of step {step} to {url}", self._complete,
                                           step, url, out, t0, blocking, True, kept)
@@ -250,7 +253,7 @@ class CheckpointManager:
             log.warning("ucp_zarr: could not clear the leftovers at %s: %s", self.path(step), e)
 
     def _complete(self, step: int, url: str, out: Any, t0: float, blocking: float, is_async: bool,
-                  kept: frozenset[int]) -> SaveMetrics:
+                  kept: tuple[frozenset[int], frozenset[int]]) -> SaveMetrics:
         result = out.result() if is_async else out
         total = time.perf_counter() - t0
         deleted: tuple[int, ...] = ()
@@ -278,9 +281,10 @@ class CheckpointManager:
             self.on_saved(metrics)
         return metrics
 
-    def _retain(self, step: int, kept: frozenset[int]) -> tuple[int, ...]:
-        """Apply the retention policy (never to the steps ``kept``: the one just saved, and those
-        the save protects; :func:`delete_step` backs off from steps being read) and remove
+    def _retain(self, step: int, kept: tuple[frozenset[int], frozenset[int]]) -> tuple[int, ...]:
+        """Apply the retention policy (never to the steps ``kept``: the one just saved and those
+        the save protects, and those it protects within the limit; :func:`delete_step` backs
+        off from steps being read) and remove
         uncommitted folders nobody alive works on. Warns when ``step``, just saved, is not the
         newest: a run rolled back to an older step resumes from the newer ones."""
         numbers = step_numbers(self._store)
@@ -301,9 +305,8 @@ class CheckpointManager:
                 failed.append(f"{what}: {type(e).__name__}: {e}")
 
         def delete(s: int) -> None:
-            if delete_step(self._step(s), lease_s=self.lease_s):
+            if self._delete(s):
                 deleted.append(s)
-                self._stores.pop(s, None)
 
         def clean(s: int) -> None:
             folder = inspect_step(self._step(s), s, liveness)
@@ -311,7 +314,8 @@ class CheckpointManager:
             if folder.names and not folder.committed and clean_folder(folder, lease_s=self.lease_s):
                 log.info("ucp_zarr: removed the %s step folder %s", folder.state, folder.store.url)
 
-        for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protected=set(kept)):
+        for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protected=kept[0],
+                                 within_limit=kept[1]):
             each(f"deleting step {s}", lambda: delete(s))
         liveness = self._liveness()
         for s in sorted(set(numbers) - set(committed)):
@@ -320,6 +324,20 @@ class CheckpointManager:
         if failed:
             raise RetentionFailed(tuple(deleted), "; ".join(failed))
         return tuple(deleted)
+
+    def delete(self, step: int) -> bool:
+        """Delete the committed ``step`` now, crash-safely (one process calls it, as retention
+        runs on rank 0 alone); False where it backs off (a live reader or writer holds it).
+        The async save in flight is waited for first."""
+        self._check_open()
+        self.wait()
+        return self._delete(step)
+
+    def _delete(self, step: int) -> bool:
+        done = delete_step(self._step(step), lease_s=self.lease_s)
+        if done:
+            self._stores.pop(step, None)
+        return done
 
     def wait(self) -> SaveMetrics | None:
         """Wait for the async save in flight (and its retention); raise its error. Returns
