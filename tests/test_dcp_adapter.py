@@ -523,3 +523,23 @@ def test_dcp_rebuilds_the_nesting_of_a_ucp_zarr_save(tmp_path):
     assert all(torch.equal(a["b"], b["b"]) for a, b in zip(got["model"]["layers"], want["model"]["layers"]))
     part = _load_state_dict_from_keys(keys={"model.w"}, storage_reader=ucp_zarr.ZarrStorageReader(tmp_path / "ck"))
     assert list(part) == ["model"] and torch.equal(part["model"]["w"], state()["model"]["w"])
+
+
+def _subgroup_saves(rank: int, world: int, base: str) -> None:
+    sub = dist.new_group([0])  # (every rank makes it; only rank 0 saves, as one replica group does)
+    if rank != 0:
+        return
+    state = {"w": torch.arange(4.0)}
+    with pytest.raises(CheckpointException, match=r"dcp.save runs over 1 ranks, ZarrStorageWriter's process group has "
+                                                  r"2: pass dcp.save's process_group"):
+        dcp.save(state, storage_writer=ucp_zarr.ZarrStorageWriter(f"{base}/default"), process_group=sub)
+    dcp.save(state, storage_writer=ucp_zarr.ZarrStorageWriter(f"{base}/sub", process_group=sub), process_group=sub)
+    assert torch.equal(ucp_zarr.read_state_dict(f"{base}/sub")["w"], state["w"])
+
+
+def test_a_save_over_a_subgroup_with_the_writers_default_group_is_refused_at_once(tmp_path):
+    """``dcp.save(process_group=<ranks [0]>)`` with a writer on the default group (2 ranks):
+    the writer's collectives waited for rank 1, which does not save, until the group's
+    timeout, ending in a bare gloo error (DCP's own writer saves). Refused at once, naming the
+    fix; the writer given the same group saves. (Group timeout 60 s: a wait fails the job.)"""
+    run(2, _subgroup_saves, str(tmp_path), timeout_s=60)

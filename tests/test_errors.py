@@ -35,6 +35,17 @@ def test_tensor_inside_a_json_value_is_named_with_the_way_out(tmp_path):
         ucp_zarr.save({"w": torch.ones(2), "rng": ucp_zarr.PerRank({"torch": torch.ones(2), "seen": 3})}, tmp_path / "ck2")
     ucp_zarr.save({"rng": {"np": ["MT19937", torch.arange(3)]}}, tmp_path / "ck3")
     assert torch.equal(ucp_zarr.read_state_dict(tmp_path / "ck3")["rng"]["np"][1], torch.arange(3))
+    # a 0-d tensor too (Adam's betas given as tensors, a PerRank's epoch): before, it was saved as a number and
+    # loaded as a float, silently (Adam's next steps then differed from a resume through torch.load)
+    betas = {"optim": {"param_groups": [{"lr": 0.1, "betas": (torch.tensor(0.9), torch.tensor(0.99))}]}}
+    with pytest.raises(ucp_zarr.NotJSONableError, match=r"'optim\.param_groups\.0\.betas\.0' is a tensor inside"):
+        ucp_zarr.save(betas, tmp_path / "ck4")
+    with pytest.raises(ucp_zarr.NotJSONableError, match=r"'data\.epoch' is a tensor inside"):
+        ucp_zarr.save({"data": ucp_zarr.PerRank({"epoch": torch.tensor(3)})}, tmp_path / "ck5")
+    assert not (tmp_path / "ck4").exists() and not (tmp_path / "ck5").exists()
+    betas["optim"]["param_groups"][0]["betas"] = list(betas["optim"]["param_groups"][0]["betas"])  # (the way out)
+    ucp_zarr.save(betas, tmp_path / "ck6")
+    assert ucp_zarr.read_state_dict(tmp_path / "ck6")["optim"]["param_groups"][0]["betas"][0].dtype == torch.float32
 
 
 def test_incomplete_checkpoint_is_refused(tmp_path):

@@ -137,6 +137,12 @@ def test_plain_tensor_differing_between_ranks_is_an_error_naming_the_ranks():
         check_replicas(plan, digests)
     check_replicas(plan, [[7]] * 4)
     assert [[(r.key, r.boxes) for r in p.replicas] for p in plan.split(4)] == [[("emb", ((whole, (r,)),))] for r in range(4)]
+    # per-rank tensors of other shapes: the error says what PerRank needs (it spoke of a "global shape")
+    pending = [[FragmentInfo("pending", (r + 2,), "int64", (Box.whole((r + 2,)),), plain=True, per_rank=True)]
+               for r in range(2)]
+    with pytest.raises(LayoutError, match=r"'pending' \(per-rank state, PerRank\): rank 0 has shape \[2\].*rank 1 has "
+                                          r"\[3\].*needs the same on every rank: pad it"):
+        plan_save(pending)
     mixed = [[FragmentInfo("rng", (4,), "uint8", (Box.whole((4,)),), plain=True, per_rank=r == 0)] for r in range(2)]
     with pytest.raises(LayoutError, match=r"'rng': ranks \[0\] wrap it in PerRank, ranks \[1\] do not"):
         plan_save(mixed)

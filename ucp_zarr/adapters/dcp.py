@@ -328,6 +328,12 @@ class ZarrStorageWriter(_CheckpointPath, StorageWriter):
         """Keep the merged ``planner_data`` (coordinator only), as ``DefaultSavePlanner``
         merges it into DCP's ``Metadata``, for the commit record (used when the planner does
         not hold that ``Metadata`` itself)."""
+        comm = Comm(self.process_group)
+        if comm.active and len(plans) != comm.world:  # (its collectives would wait for ranks that do not save)
+            raise ValueError(
+                f"dcp.save runs over {len(plans)} ranks, ZarrStorageWriter's process group has {comm.world}: pass "
+                "dcp.save's process_group to ZarrStorageWriter(process_group=...) too"
+            )
         self._planner_data = merged_planner_data([p.planner_data for p in plans])
         return plans
 

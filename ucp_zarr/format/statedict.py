@@ -195,6 +195,12 @@ def _to_json(value: Any, key: str, depth: int) -> Any:
                 "(it stores one nan): store it as a tensor to keep its bits"
             )
         return {"$float": "nan"}
+    if is_tensor(value):  # (a 0-d one too: as a number it would load as a float, not a tensor)
+        raise NotJSONableError(
+            f"value at key {key!r} is a tensor inside a value stored as JSON (a tuple, or what one PerRank wraps): "
+            "tensors are leaves of the state dict's dicts and lists only (a tuple is one value, as in torch DCP); "
+            "in a state dict to save, make the tuple a list, or wrap each tensor in a PerRank of its own"
+        )
     if hasattr(value, "item") and hasattr(value, "dtype") and getattr(value, "ndim", 1) == 0:
         return _to_json(value.item(), key, depth)  # numpy scalars
     if isinstance(value, list):
@@ -209,12 +215,6 @@ def _to_json(value: Any, key: str, depth: int) -> Any:
             _check_text(k, key)
             out["$" + k if k.startswith("$") else k] = _to_json(v, f"{key}.{k}", depth + 1)
         return out
-    if is_tensor(value):
-        raise NotJSONableError(
-            f"value at key {key!r} is a tensor inside a value stored as JSON (a tuple, or what one PerRank wraps): "
-            "tensors are leaves of the state dict's dicts and lists only (a tuple is one value, as in torch DCP); "
-            "in a state dict to save, make the tuple a list, or wrap each tensor in a PerRank of its own"
-        )
     raise NotJSONableError(
         f"value at key {key!r} of type {type(value).__name__} is neither a tensor nor JSON-able "
         "(None, bool, int, float, str, bytes, lists and str-keyed dicts of them)"

@@ -245,6 +245,13 @@ def _check_consistent(key: str, held: list[tuple[int, FragmentInfo]]) -> None:
             continue
         checked.add(id(f))
         if (f.shape, f.dtype) != (f0.shape, f0.dtype):
+            if f.per_rank and f0.per_rank:
+                raise LayoutError(
+                    f"tensor {key!r} (per-rank state, PerRank): rank {r0} has shape {list(f0.shape)} {f0.dtype}, rank {r} "
+                    f"has {list(f.shape)} {f.dtype}; the checkpoint records one shape and dtype for every rank's copy, "
+                    "so a PerRank tensor needs the same on every rank: pad it to one shape (and keep its length "
+                    "beside it), or save it as a list of numbers in a PerRank value"
+                )
             raise LayoutError(
                 f"tensor {key!r}: rank {r0} has global shape {list(f0.shape)} {f0.dtype}, "
                 f"rank {r} has {list(f.shape)} {f.dtype}"
