@@ -254,3 +254,32 @@ def test_the_background_group_keeps_the_jobs_timeout() -> None:
     from _dist import run
 
     run(2, _background_timeout, timeout_s=37)
+
+
+def _child_saves(path: str) -> None:
+    ucp_zarr.save({"y": torch.ones(3)}, path)
+
+
+def test_a_process_forked_during_a_background_save_exits_and_saves_its_own(tmp_path):
+    """A process forked while a background save runs (a DataLoader worker) inherited that save's
+    future: its exit waited for it for ever (DataLoader killed its workers after 5 s each), and
+    a save of its own waited likewise. The parent's save is not the child's: it exits at once,
+    and its own save commits, as with dcp.async_save. (Paced: the write takes ~2 s.)"""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    fut = ucp_zarr.async_save({"x": torch.randn(512, 1024)}, tmp_path / "parent", write_bytes_per_s=1e6)
+    idle = ctx.Process(target=int)
+    saving = ctx.Process(target=_child_saves, args=(str(tmp_path / "child"),))
+    idle.start()
+    saving.start()
+    exercised = not fut.done()  # (the parent's save still running when both were forked)
+    for p in (idle, saving):
+        p.join(timeout=20)
+    hung = [p for p in (idle, saving) if p.is_alive()]
+    for p in hung:
+        p.kill()
+    fut.result()
+    assert exercised, "the parent's save ended before the children were forked: the case was not exercised"
+    assert not hung and idle.exitcode == saving.exitcode == 0, (idle.exitcode, saving.exitcode)
+    assert torch.equal(ucp_zarr.read_state_dict(tmp_path / "child")["y"], torch.ones(3))

@@ -193,6 +193,9 @@ def test_failed_save_raises_everywhere_and_commits_nothing(runs: dict[str, Any])
     # the failed save left no committed checkpoint at Y; the retry then committed one there
     assert all(f["open_after_failure"] != "ok" for f in faults)
     assert faults[0]["retry"] == "ok"
+    # a tensor nested in a client_state entry: refused on every rank, naming the entry (before: saved as a float)
+    for f in faults:
+        assert "NotJSONableError" in f["nested"] and "client_state['metrics'] holds a tensor inside a dict" in f["nested"]
     ck = ucp_zarr.open(runs["Y"])
     assert ck.meta.values["deepspeed.global_steps"] == STEPS
     # and training went on unharmed after it (the uninterrupted losses are A's)
@@ -346,6 +349,11 @@ def _train(task: dict[str, Any], rank: int, world: int) -> None:
         fault["retry"] = "ok"
     except Exception as e:  # noqa: BLE001
         fault["retry"] = f"{type(e).__name__}: {e}"
+    try:  # (DeepSpeed's own save keeps a tensor nested in a client_state entry; ours stores each entry as one value)
+        ucp_ds.save_checkpoint(engine, task["y"] + "_nested", client_state={"metrics": {"loss": torch.tensor(0.5)}})
+        fault["nested"] = "saved"
+    except Exception as e:  # noqa: BLE001
+        fault["nested"] = f"{type(e).__name__}: {e}"
     Path(task["out"] + f".fault{rank}").write_text(json.dumps(fault))
     lrs = [g["lr"] for g in engine.optimizer.param_groups]
     scheduler = engine.lr_scheduler.state_dict()

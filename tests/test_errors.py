@@ -153,3 +153,17 @@ def test_missing_shard_is_an_error_not_zeros(tmp_path):
     shutil.rmtree(tmp_path / "ck" / ck.array_path("w") / "c")
     with pytest.raises(ucp_zarr.CorruptChunkError, match="missing"):
         ucp_zarr.open(tmp_path / "ck").verify()
+
+
+def test_ranks_failing_with_a_bare_checkpoint_error_agree_on_a_save_error():
+    """Every failing rank raised a plain CheckpointError (an async save's writer process
+    killed): the agreed error was built as a class of bases (CheckpointError, SaveError),
+    which Python cannot order, and every rank raised a TypeError about an MRO instead of the
+    cause. Now a SaveError naming the ranks and their messages; other classes as before."""
+    from ucp_zarr.errors import agreed_error
+
+    e = agreed_error("saving x failed on 2 of 2 ranks", {0: ("CheckpointError", "writer killed"), 1: ("CheckpointError", "w")})
+    assert type(e) is ucp_zarr.SaveError and "saving x failed" in str(e)
+    assert e.failures == {0: "CheckpointError: writer killed", 1: "CheckpointError: w"}
+    layout = agreed_error("m", {1: ("LayoutError", "bad")})
+    assert isinstance(layout, ucp_zarr.LayoutError) and isinstance(layout, ucp_zarr.SaveError)

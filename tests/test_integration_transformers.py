@@ -258,6 +258,32 @@ def test_the_best_step_is_named_and_kept_by_retention(tmp_path: Path, limit: int
 
 
 
+def test_the_best_step_of_async_saves_and_keep_every_survive_the_end_of_training(tmp_path: Path) -> None:
+    """keep_last=1 with async saves: the best step (still being written when the next save
+    named it) was not protected, and the end of training, deleting every step but the best
+    as the Trainer does at save_total_limit=1, then deleted every step; with keep_every, the
+    steps it keeps were deleted at the end. Now: the steps of the Trainer's own run, and the
+    keep_every steps beside the best."""
+    import _hf_resume as H
+
+    from ucp_zarr.integrations.transformers import ZarrCheckpointCallback
+
+    args = dict(max_steps=10, save_steps=2, eval_strategy="steps", eval_steps=1, metric_for_best_model="score",
+                greater_is_better=False)
+    scores = {2: 5.0, 3: 1.0, 4: 6.0, 5: 7.0, 6: 0.5, 7: 9.0, 8: 9.0, 10: 9.0}  # (the best: step 6, a save step)
+    own = H.trainer(tmp_path / "own", args | {"save_total_limit": 1}, seed=0, callbacks=[], scores=scores)
+    own.train()
+    callback = ZarrCheckpointCallback(tmp_path / "async", keep_last=1, async_save=True)
+    t = H.trainer(tmp_path / "out", args, seed=0, callbacks=[callback], scores=scores)
+    t.train(resume_from_checkpoint=callback.resume(t))
+    assert callback.manager.steps() == _own_steps(tmp_path / "own") == [6]
+    every = ZarrCheckpointCallback(tmp_path / "every", keep_last=1, keep_every=4)
+    t = H.trainer(tmp_path / "out2", args | {"max_steps": 8, "eval_steps": 2}, seed=0, callbacks=[every],
+                  scores={2: 1.0, 4: 2.0, 6: 3.0, 8: 4.0})
+    t.train(resume_from_checkpoint=every.resume(t))
+    assert every.manager.steps() == [2, 4, 8]
+
+
 def test_retention_within_the_limit_keeps_what_the_trainers_rotation_keeps(tmp_path: Path) -> None:
     """``steps_to_delete(..., within_limit=(best,))`` against transformers' own
     ``rotate_checkpoints`` on folders named like the Trainer's, over random runs: the same

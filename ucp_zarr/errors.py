@@ -197,7 +197,8 @@ def agreed_error(message: str, failures: dict[int, tuple[str, str]]) -> SaveErro
     failing ranks' error class when they all failed with the same ucp_zarr error."""
     names = {name for name, _ in failures.values()}
     cls = _error_class(names.pop()) if len(names) == 1 else None
-    if not (isinstance(cls, type) and issubclass(cls, CheckpointError)) or cls in (SaveError, KeyMismatchError, PerRankStateError):
+    if (not (isinstance(cls, type) and issubclass(cls, CheckpointError)) or issubclass(SaveError, cls)  # (CheckpointError)
+            or cls in (SaveError, KeyMismatchError, PerRankStateError)):
         return SaveError(message, {r: f"{n}: {m}" for r, (n, m) in failures.items()})
     if cls not in _AGREED:
         # registered under its name in this module, so that it pickles (DCP gathers errors)

@@ -99,11 +99,11 @@ from ..protocol.saving import wait_for_pending_save
 from ..protocol.reader import open_reader
 from ..protocol.distributed import Comm
 from ..format.dtypes import stored_dtype_by_name
-from ..errors import KeyMismatchError, LayoutError
+from ..errors import KeyMismatchError, LayoutError, NotJSONableError
 from ..protocol.fragments import FlatShard, PerRank
 from ..protocol.collect import collect
 from ..protocol.saver import SaveOptions, SaveResult, prepare
-from ..format.statedict import from_json, to_json
+from ..format.statedict import from_json, holds_tensor, to_json
 from ..io.factory import open_store
 from .deepspeed_layout import _Layout, _Param, _layout, _writes_tie
 
@@ -276,6 +276,11 @@ def _save_state(engine: Any, layout: _Layout, client_state: dict[str, Any]) -> t
         k = f"client_state.{key}"
         if isinstance(v, (torch.Tensor, FlatShard, PerRank)):
             tensors[k] = v
+        elif holds_tensor(v):
+            raise NotJSONableError(
+                f"client_state[{key!r}] holds a tensor inside a {type(v).__name__}: each client_state entry is stored as "
+                "one JSON value, or as a tensor where the entry is one: give each tensor a client_state key of its own"
+            )
         else:
             values[k] = v
     values["optim.param_groups"] = [

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import ConversionError
+from ..format.statedict import holds_tensor
 from ..layout import Box
 from ..layout.pieces import Piece
 from ..layout.zero import (
@@ -244,7 +245,7 @@ def _other_state(out: Imported, model: dict[str, Any], osd: dict[str, Any], name
             continue
         if isinstance(v, torch.Tensor):
             out.tensors[f"client_state.{key}"] = Mapped(v)
-        elif _holds_tensor(v):
+        elif holds_tensor(v):
             raise ConversionError(
                 f"{out.layout['source']['folder']}: client_state[{key!r}] holds tensors inside a "
                 f"{type(v).__name__}; only a tensor that is a client_state entry itself is kept as a tensor (as the "
@@ -261,14 +262,6 @@ def _other_state(out: Imported, model: dict[str, Any], osd: dict[str, Any], name
         if key in osd:
             v = osd[key]
             out.values[f"deepspeed.{key}"] = _scalar(v) if key == "zero_stage" else plain(v)
-
-
-def _holds_tensor(v: Any) -> bool:
-    if isinstance(v, torch.Tensor):
-        return True
-    if isinstance(v, dict):
-        return any(_holds_tensor(x) for x in v.values())
-    return isinstance(v, (list, tuple)) and any(_holds_tensor(x) for x in v)
 
 
 def _param_groups(osd: dict[str, Any]) -> list[dict[str, Any]] | None:

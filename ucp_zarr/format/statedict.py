@@ -37,6 +37,15 @@ def is_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
+def holds_tensor(value: Any) -> bool:
+    """Whether ``value`` is a tensor or holds one in its dicts, lists and tuples."""
+    if is_tensor(value):
+        return True
+    if isinstance(value, Mapping):
+        return any(holds_tensor(v) for v in value.values())
+    return isinstance(value, (list, tuple)) and any(holds_tensor(v) for v in value)
+
+
 MAX_DEPTH = 100
 """How deeply a state dict (and a JSON value inside it) may nest: far beyond any real one,
 and well within what a JSON reader parses without running out of stack."""

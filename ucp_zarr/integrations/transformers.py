@@ -206,11 +206,14 @@ class ZarrCheckpointCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._remove_folder()
         self.manager.wait()
-        best = state.best_model_checkpoint
-        if self._manager_options["keep_last"] == 1 and best is not None and Comm().rank == 0:
-            # as the Trainer's own with save_total_limit=1: once training ends only the best is kept
-            for s in self.manager.steps():
-                if self.manager.path(s) != best:
+        if self._manager_options["keep_last"] == 1 and state.best_model_checkpoint is not None and Comm().rank == 0:
+            # as the Trainer's own with save_total_limit=1: once training ends only the best is kept (with the steps
+            # keep_every keeps); nothing is deleted unless the best is one of the steps
+            steps = self.manager.steps()
+            best = [s for s in steps if self.manager.path(s) == state.best_model_checkpoint]
+            every = self._manager_options["keep_every"]
+            for s in steps if best else ():
+                if s != best[0] and not (every is not None and s % every == 0):
                     self.manager.delete(s)
 
     def _save(self, trainer: Any, trial: Any) -> None:
@@ -221,6 +224,7 @@ class ZarrCheckpointCallback(TrainerCallback):
             trainer.store_flos()  # (with DDP a collective, on every rank)
         kept = None
         if state.best_global_step or state.best_model_checkpoint:
+            self.manager.wait(every_rank=True)  # (the best may be the step still being written: committed first)
             comm = Comm()
             named, kept = comm.broadcast(self._best(state) if comm.rank == 0 else None)
             if named is not None:

@@ -310,8 +310,10 @@ class CheckpointManager:
 
         def clean(s: int) -> None:
             folder = inspect_step(self._step(s), s, liveness)
-            # (no entries: an empty folder, or a file named like a step, which is not the manager's)
-            if folder.names and not folder.committed and clean_folder(folder, lease_s=self.lease_s):
+            if not folder.names:  # an empty folder (what a deletion killed before its last step leaves) goes;
+                folder.store.prune(())  # a file named like a step, which is not the manager's, stays
+                return
+            if not folder.committed and clean_folder(folder, lease_s=self.lease_s):
                 log.info("ucp_zarr: removed the %s step folder %s", folder.state, folder.store.url)
 
         for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protected=kept[0],
@@ -339,9 +341,12 @@ class CheckpointManager:
             self._stores.pop(step, None)
         return done
 
-    def wait(self) -> SaveMetrics | None:
+    def wait(self, *, every_rank: bool = False) -> SaveMetrics | None:
         """Wait for the async save in flight (and its retention); raise its error. Returns
-        its metrics, or None when none was in flight."""
+        its metrics, or None when none was in flight. With ``every_rank`` (every rank of the
+        group calls it), an error raised on any rank is raised on every rank."""
+        if every_rank:
+            return self._wait_agreed("waiting for the asynchronous save")
         fut = self._inflight
         if fut is None:
             return None
@@ -354,20 +359,20 @@ class CheckpointManager:
         self._inflight = None
         return metrics
 
-    def _wait_agreed(self, what: str) -> None:
+    def _wait_agreed(self, what: str) -> SaveMetrics | None:
         """:meth:`wait`, raising on every rank if it raises on any: an async save's error is
         raised on every rank, but one rank may have had it already (from :meth:`latest` or
         :meth:`wait` called there alone) and would go on into the collectives the others left."""
         comm = self._comm
         if comm.world == 1:
-            self.wait()
-            return
-        error = None
+            return self.wait()
+        error, metrics = None, None
         try:
-            self.wait()
+            metrics = self.wait()
         except Exception as e:
             error = e
         comm.agree(error, what, own=True)
+        return metrics
 
     def _raise_failed(self) -> None:
         """Raise the error of a finished async save (once), without waiting for a running one."""

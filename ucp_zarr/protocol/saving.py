@@ -339,6 +339,18 @@ def wait_for_pending_save() -> None:
         wait([pending])  # (not asking for its outcome: that stays the caller's, see SaveFuture)
 
 
+def _forget_the_parents_saves() -> None:
+    """In a process forked while a background save ran (a DataLoader worker): that save is the
+    parent's, and no thread here finishes it; waiting for it (at exit, or before a save of the
+    child's own) would wait for ever."""
+    global _background, _pending, _pending_lock
+    _unreported.clear()
+    _background = ThreadPoolExecutor(1, thread_name_prefix="ucp_zarr-save")
+    _pending, _pending_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_saves)
+
 # At interpreter exit the pending background save runs to its end before concurrent.futures
 # refuses new work (an overwrite's staged swap submits some: the save was lost, its staging
 # folder left beside the old checkpoint). threading's exit hooks run in reverse order of
