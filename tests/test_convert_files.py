@@ -401,3 +401,40 @@ def test_a_file_that_is_no_pickle_is_not_sent_to_trust(tmp_path: Path) -> None:
         with pytest.raises(ConversionError, match="not a torch file") as e:
             ucp_zarr.convert(tmp_path / f, tmp_path / "ck", source="torch")
         assert not isinstance(e.value, UntrustedInputError)
+
+
+def test_a_safetensors_file_is_opened_once_for_all_its_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each tensor opened the file again (safe_open parses the whole header): a file of n
+    tensors took time quadratic in n (6,000 tensors 42 s against 6 s for a torch file; 20,000
+    more than 10 minutes). One opening per file now; the values as load_file gives them."""
+    import safetensors
+
+    state = {f"layer.{i}.w": torch.full((2,), float(i)) for i in range(300)}
+    save_file(state, tmp_path / "m.safetensors")
+    opened = collections.Counter()
+    real = safetensors.safe_open
+
+    def counting(path: str, *args, **kwargs):
+        opened[Path(path).name] += 1
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors, "safe_open", counting)
+    ucp_zarr.convert(tmp_path / "m.safetensors", tmp_path / "ck")
+    assert opened == {"m.safetensors": 1}
+    loaded = ucp_zarr.read_state_dict(tmp_path / "ck")
+    assert all(torch.equal(loaded[k], v) for k, v in load_file(tmp_path / "m.safetensors").items())
+
+
+def test_a_shard_safetensors_refuses_is_named(tmp_path: Path) -> None:
+    """A shard with bytes past its last tensor (safetensors refuses it: "not fully covered")
+    raised safetensors' own error, which names no file: now a ConversionError naming the shard."""
+    save_file({"a": torch.ones(2)}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"b": torch.ones(2)}, tmp_path / "model-00002-of-00002.safetensors")
+    with open(tmp_path / "model-00002-of-00002.safetensors", "ab") as f:
+        f.write(bytes(8))
+    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConversionError, match=r"model-00002-of-00002\.safetensors: safetensors cannot read it"):
+        ucp_zarr.convert(tmp_path / "model.safetensors.index.json", tmp_path / "ck")
+    with pytest.raises(ucp_zarr.IncompleteCheckpointError):  # (nothing committed)
+        ucp_zarr.open(tmp_path / "ck")
