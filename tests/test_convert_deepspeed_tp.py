@@ -114,3 +114,39 @@ def test_rules_that_do_not_fit_are_named(checkpoints, tmp_path: Path) -> None:
     with pytest.raises(ConversionError, match=r"tensor-parallel rank 0: .*q_proj"):
         ucp_zarr.convert(src, tmp_path / "ck", rules=rules)
     assert not (tmp_path / "ck" / "zarr.json").exists()
+
+
+def test_a_replicated_tensor_that_differs_between_tensor_parallel_ranks_is_refused(checkpoints, tmp_path: Path) -> None:
+    """Megatron-DeepSpeed's form of the same checkpoint (its universal_checkpoint_info as
+    patterns: row-parallel projections, a vocabulary-parallel embedding and head, replicated
+    norms, no affine map): the converter took TP rank 0's copy of a replicated tensor without
+    a look, where DeepSpeed's ds_to_universal asserts the copies equal. The copies of the
+    final norm made to differ in TP rank 1's file: refused, naming the tensor and the rank;
+    as DeepSpeed wrote them, the same values as DeepSpeed's own universal output."""
+    import shutil
+
+    src, uni = checkpoints[(1, "fp32")]
+    info = {"universal_checkpoint_version": 0.2, "original_vocab_size": 100, "padded_vocab_size": 100,
+            "tp_replicated_parameter_patterns": [r".*norm\.weight"],
+            "parameter_with_row_parallelism_patterns": [r".*o_proj\.weight", r".*down_proj\.weight"],
+            "vocabulary_parameter_patterns": [r".*embed_tokens\.weight", r"lm_head\.weight"]}
+    for name, change in (("patterns", False), ("bad", True)):
+        folder = tmp_path / name
+        shutil.copytree(src, folder)
+        step = folder / (folder / "latest").read_text().strip()
+        for tp in range(2):
+            file = step / f"mp_rank_{tp:02d}_model_states.pt"
+            states = torch.load(file, weights_only=False)  # (this test's own file)
+            states["universal_checkpoint_info"] = info
+            if change and tp == 1:
+                states["module"]["model.norm.weight"] += 1.0
+            torch.save(states, file)
+        if not change:
+            ucp_zarr.convert(folder, tmp_path / "ck")
+            ck = ucp_zarr.open(tmp_path / "ck")
+            assert not ck.meta.layout["rules"].get("affine_map")
+            wanted = {D.converted_key(ck, n, k): w for n, k, w in D.universal_tensors(uni)}
+            assert all(torch.equal(ck.read(k), w) for k, w in wanted.items()) and len(wanted) >= 57
+            continue
+        with pytest.raises(ConversionError, match=r"'model\.model\.norm\.weight': tensor-parallel rank 1 holds other"):
+            ucp_zarr.convert(folder, tmp_path / "ck_bad")

@@ -388,10 +388,9 @@ def _consolidate(folder: Path, parts: list[Imported], rules: Any) -> Imported:
         first = held[0][0]
         if first.average:
             raise ConversionError(f"{folder}: tensor {key!r} is averaged over tensor-parallel ranks, which the converter does not do")
-        if first.replicated:
-            out.tensors[key] = held[0][1]  # (TP rank 0's copy)
-        else:
-            out.tensors[key] = Consolidated(first.global_shape, first.local.dtype, [(p.pieces, src) for p, src in held], key)
+        # (a replicated tensor too: each rank's copy covers it whole, and must equal the first, as
+        # DeepSpeed's ds_to_universal asserts of its TP-replicated parameters)
+        out.tensors[key] = Consolidated(first.global_shape, first.local.dtype, [(p.pieces, src) for p, src in held], key)
     out.ties = {a: c for a, c in parts[0].ties.items() if c in out.tensors}
     return out
 
