@@ -6,6 +6,7 @@ or one ``syncfs`` of the file system for a batch of small objects."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import errno
 import os
 import re
@@ -20,6 +21,8 @@ import numpy as np
 from ..errors import FormatError, NotACheckpointError
 from . import direct
 from .store import Buffer, IOStats, ReadRequest, ShortReadError, Store, WriteGuard, check_document_size, temp_name
+
+log = logging.getLogger(__name__)
 
 
 """Fill these writable buffers, one after another, from this byte offset of an object."""
@@ -326,29 +329,49 @@ class LocalStore(Store):
             return []
 
     def sibling_names(self, prefix: str) -> list[str]:
+        parent = os.path.dirname(self.root)
         try:
-            return sorted(n for n in os.listdir(os.path.dirname(self.root)) if n.startswith(prefix))
+            return sorted(n for n in os.listdir(parent) if n.startswith(prefix) and not os.path.islink(os.path.join(parent, n)))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
     def delete(self, key: str) -> None:
-        try:
-            os.remove(self._path(key))
-        except _NO_OBJECT:
-            return
-        fsync_dir(os.path.dirname(self._path(key)))
+        folder = self._remove(key, {})
+        if folder is not None:
+            fsync_dir(folder)
 
     def delete_many(self, keys: Sequence[str]) -> None:
         """(Each folder fsynced once, after its last removal.)"""
-        folders = set()
-        for key in keys:
-            try:
-                os.remove(path := self._path(key))
-            except _NO_OBJECT:
-                continue
-            folders.add(os.path.dirname(path))
-        for folder in sorted(folders):
+        linked: dict[str, bool] = {}
+        for folder in sorted({f for key in keys if (f := self._remove(key, linked)) is not None}):
             fsync_dir(folder)
+
+    def _remove(self, key: str, linked: dict[str, bool]) -> str | None:
+        """Remove ``key``'s file; its folder, or None where nothing was there. Never through a
+        symbolic link below the root: an object in a linked folder is the link target's, and
+        stays (the link too, with a warning naming it)."""
+        if self._link_on_the_way(key, linked) is not None:
+            return None
+        try:
+            os.remove(path := self._path(key))
+        except _NO_OBJECT:
+            return None
+        return os.path.dirname(path)
+
+    def _link_on_the_way(self, key: str, linked: dict[str, bool]) -> str | None:
+        """The first folder of ``key``'s path below the root that is a symbolic link, or None
+        (``linked`` caches the answers for the folders seen; each link found is logged once)."""
+        cur = self.root
+        for part in key.split("/")[:-1]:
+            cur = os.path.join(cur, part)
+            if cur not in linked:
+                linked[cur] = os.path.islink(cur)
+                if linked[cur]:
+                    log.warning("ucp_zarr: left %s and what it links to in place (nothing is deleted through a symbolic "
+                                "link inside a checkpoint): remove it yourself if it is no longer needed", cur)
+            if linked[cur]:
+                return cur
+        return None
 
     def prune(self, folders: Iterable[str]) -> None:
         for d in [*sorted(set(folders), key=lambda f: (-f.count("/"), f)), ""]:
@@ -362,6 +385,13 @@ class LocalStore(Store):
             with self._dirs_lock:
                 self._dirs.pop(path, None)
             fsync_dir(os.path.dirname(path))
+
+    def remove_link(self) -> bool:
+        if not os.path.islink(self.root):
+            return False
+        os.unlink(self.root)
+        fsync_dir(os.path.dirname(self.root))
+        return True
 
     def remove(self) -> None:
         if os.path.isdir(self.root):  # (what another remover took first is gone, as wanted: racing clean-ups)

@@ -230,7 +230,8 @@ class Store:
         return sorted({k.split("/", 1)[0] for k in self.list()})
 
     def sibling_names(self, prefix: str) -> list[str]:
-        """The names beside the root (in its parent) that start with ``prefix``."""
+        """The names beside the root (in its parent) that start with ``prefix`` (a symbolic
+        link is none of the protocol's: never named, so never removed through)."""
         raise NotImplementedError
 
     def prune(self, folders: Iterable[str]) -> None:
@@ -254,6 +255,11 @@ class Store:
     def remove(self) -> None:
         """Remove every object under the root, and the root itself where that means anything."""
         raise NotImplementedError
+
+    def remove_link(self) -> bool:
+        """Where the root is a symbolic link (a folder linked into a run), remove the link,
+        never what it names, and return True; else False (the default: no links here)."""
+        return False
 
     def sibling(self, name: str) -> "Store":
         """A store of the same kind at ``name`` beside this one (same parent);

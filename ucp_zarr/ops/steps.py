@@ -289,6 +289,8 @@ def delete_step(store: Store, *, lease_s: float = DEFAULT_LEASE_S, liveness: Liv
     """Delete the step folder ``store`` crash-safely (see the module docstring); False
     (nothing deleted) while a live reader, deleter or replacement holds it."""
     liveness = liveness or Liveness.here()
+    if store.remove_link():  # (a step folder linked into the run: the link goes, what it names stays)
+        return True
     if REPLACE_RECORD in store.child_names():  # an overwrite: a live one's business; a dead one's is finished first
         record = read_owner(store, REPLACE_RECORD)
         if record is None:
