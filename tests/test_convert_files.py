@@ -438,3 +438,14 @@ def test_a_shard_safetensors_refuses_is_named(tmp_path: Path) -> None:
         ucp_zarr.convert(tmp_path / "model.safetensors.index.json", tmp_path / "ck")
     with pytest.raises(ucp_zarr.IncompleteCheckpointError):  # (nothing committed)
         ucp_zarr.open(tmp_path / "ck")
+
+
+def test_a_shard_limit_for_a_single_file_export_is_refused(tmp_path: Path) -> None:
+    """A destination named *.safetensors is one file: max_shard_bytes was ignored (one 400 KB
+    file written, exit 0), where the README says an option a format does not take is refused."""
+    ucp_zarr.save({f"w{i}": torch.ones(1000) for i in range(100)}, tmp_path / "ck")
+    with pytest.raises(ConversionError, match=r"one file, which max_shard_bytes does not cut"):
+        ucp_zarr.export(tmp_path / "ck", tmp_path / "x.safetensors", to="safetensors", max_shard_bytes=100_000)
+    assert not (tmp_path / "x.safetensors").exists()
+    ucp_zarr.export(tmp_path / "ck", tmp_path / "shards", to="safetensors", max_shard_bytes=100_000)
+    assert len(list((tmp_path / "shards").glob("model-*-of-*.safetensors"))) >= 4

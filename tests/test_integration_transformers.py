@@ -305,3 +305,21 @@ def test_retention_within_the_limit_keeps_what_the_trainers_rotation_keeps(tmp_p
         theirs = sorted(int(p.name.split("-")[1]) for p in out.iterdir())
         gone = steps_to_delete(steps, keep_last=limit, within_limit=() if best is None else (best,))
         assert sorted(set(steps) - set(gone)) == theirs, (steps, limit, best)
+
+
+def test_a_fresh_train_into_a_run_names_the_callbacks_way_out(tmp_path: Path) -> None:
+    """A second fresh train() into a root holding the run's steps is refused (a step is never
+    saved over); the error named save()'s overwrite=True, which the callback does not take.
+    Now it names resume() and another root."""
+    import _hf_resume as H
+
+    from ucp_zarr.integrations.transformers import ZarrCheckpointCallback
+
+    args = dict(max_steps=2, save_steps=2)
+    first = ZarrCheckpointCallback(tmp_path / "ckpt")
+    H.trainer(tmp_path / "out", args, seed=0, callbacks=[first]).train()
+    again = ZarrCheckpointCallback(tmp_path / "ckpt")
+    with pytest.raises(ucp_zarr.CheckpointExistsError, match=r"step 2 is already saved under .*callback\.resume\(trainer\)"
+                                                             r".*another root") as e:
+        H.trainer(tmp_path / "out2", args, seed=0, callbacks=[again]).train()
+    assert "overwrite" not in str(e.value)

@@ -241,14 +241,15 @@ def write(
     dst: Path,
     *,
     overwrite: bool = False,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    max_shard_bytes: int | None = None,
     keys: list[str] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> Path:
     """Export the tensors and values of ``ck`` (or only ``keys``) under their keys: into the file
-    ``dst`` when its name ends in ``.safetensors``, else into the folder ``dst`` as
-    ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` shards and
-    ``model.safetensors.index.json`` when they exceed ``max_shard_bytes``. A tie is written
+    ``dst`` when its name ends in ``.safetensors`` (one file: ``max_shard_bytes`` is refused),
+    else into the folder ``dst`` as ``model.safetensors``, or ``model-0000i-of-0000n.safetensors``
+    shards and ``model.safetensors.index.json`` when they exceed ``max_shard_bytes`` (default
+    ``DEFAULT_MAX_SHARD_BYTES``). A tie is written
     once (its alias recorded in ``__metadata__["ucp_zarr.ties"]``, which an import reads back).
     Per-rank state (one copy per saving rank) is refused: name the other keys."""
     meta = ck.meta
@@ -262,11 +263,15 @@ def write(
     if ties:
         metadata[TIES_METADATA] = json.dumps(ties, sort_keys=True)
     if Path(dst).name.endswith(".safetensors"):
+        if max_shard_bytes is not None:
+            raise ConversionError(f"{dst}: a destination named *.safetensors is one file, which max_shard_bytes does not "
+                                  "cut: export into a folder for shards, or leave the limit out")
         with atomic_file(Path(dst), overwrite=overwrite) as tmp:
             write_file(tmp, items, metadata, progress, ck.store)
         return Path(dst)
     with atomic_folder(Path(dst), overwrite=overwrite, ours=_EXPORTED.fullmatch, what="an export to safetensors") as tmp:
-        write_shards(tmp, items, max_shard_bytes, metadata, progress, None, ck.store)
+        write_shards(tmp, items, DEFAULT_MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes, metadata,
+                     progress, None, ck.store)
     return Path(dst)
 
 

@@ -62,7 +62,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.training_args import ParallelMode
 
 from ..protocol.distributed import Comm
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointExistsError
 from ..protocol.fragments import PerRank
 from ..protocol.loader import load
 from ..protocol.read_state import read_state_dict
@@ -241,8 +241,15 @@ class ZarrCheckpointCallback(TrainerCallback):
         scaler = _scaler(trainer)
         if scaler is not None:
             checkpoint["scaler"] = scaler.state_dict()
-        self.manager.save(state.global_step, checkpoint, async_save=self.async_save,  # (the limit counts the best, as the
-                          protect_within_limit=() if kept is None else (kept,))  # Trainer's save_total_limit does)
+        try:
+            self.manager.save(state.global_step, checkpoint, async_save=self.async_save,  # (the limit counts the best,
+                              protect_within_limit=() if kept is None else (kept,))  # as save_total_limit does)
+        except CheckpointExistsError as e:  # (its own message names save()'s overwrite, which the callback has not)
+            raise CheckpointExistsError(
+                f"step {state.global_step} is already saved under {self.root}: a fresh train() into a root that holds a "
+                "run's steps; resume it with trainer.train(resume_from_checkpoint=callback.resume(trainer)), or give "
+                "ZarrCheckpointCallback another root"
+            ) from e
 
     def _best(self, state: TrainerState) -> tuple[int | None, int | None]:
         """As the Trainer's own save: the best step when it has a checkpoint (this save's, or a

@@ -181,7 +181,8 @@ class IncompatibleKeysWarning(UserWarning):
         self.unexpected_keys = keys.unexpected_keys
         parts = []
         if keys.missing_keys:
-            parts.append(f"left {_names(keys.missing_keys, self.SHOWN)} of the state dict as they were (not in the checkpoint)")
+            parts.append(f"left {_names(keys.missing_keys, self.SHOWN)} of the state dict as they were (not in the "
+                         "checkpoint, or per-rank state no rank of this number saved)")
         if keys.unexpected_keys:
             parts.append(f"did not load {_names(keys.unexpected_keys, self.SHOWN)} of the checkpoint (not in the state dict)")
         super().__init__(f"ucp_zarr.load(strict=False) from {url} " + "; and ".join(parts))
