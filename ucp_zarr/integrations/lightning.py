@@ -208,6 +208,22 @@ def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
     return True
 
 
+def _sharded_or_refused(path: str) -> bool:
+    """:func:`is_sharded_checkpoint`, refusing (with what happened) the shards a sharded save
+    committed before it was cut short: its :data:`META`, written last, is missing, and
+    Lightning's own loader would only say that the folder is no checkpoint."""
+    if is_sharded_checkpoint(path):
+        return True
+    if os.path.isdir(path) and not _lightning_files(path) and is_committed(open_store(path)):
+        from ..protocol.reader import open_reader
+
+        if "dcp" in open_reader(path).meta.layout:
+            raise CheckpointError(f"{path!r} holds the shards of a sharded strategy's save that did not finish: its "
+                                  f"{META}, written last, is missing; resume from another checkpoint (an earlier "
+                                  "save of this run), or remove this one")
+    return False
+
+
 def _lightning_files(path: str) -> list[str]:
     """The files of Lightning's own sharded checkpoint in the folder ``path``."""
     if not os.path.isdir(path):
@@ -338,7 +354,7 @@ class ZarrFSDPStrategy(_ZarrSharded, FSDPStrategy):
         from ..adapters.dcp import ZarrStorageReader
 
         path = os.fspath(self.broadcast(checkpoint_path))
-        if not is_sharded_checkpoint(path):
+        if not _sharded_or_refused(path):
             return super().load_checkpoint(checkpoint_path, weights_only)
         self._check_plugin()
         with _get_sharded_state_dict_context(self.model):
@@ -380,7 +396,7 @@ class ZarrModelParallelStrategy(_ZarrSharded, ModelParallelStrategy):
         from ..adapters.dcp import ZarrStorageReader
 
         path = os.fspath(self.broadcast(checkpoint_path))
-        if not is_sharded_checkpoint(path):
+        if not _sharded_or_refused(path):
             return super().load_checkpoint(checkpoint_path, weights_only)
         self._check_plugin()
         module_state = {"state_dict": get_model_state_dict(self.model)}
