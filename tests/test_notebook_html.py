@@ -498,6 +498,8 @@ def test_plot_norms_per_layer(tmp_path: Path) -> None:
     assert isinstance(ax, matplotlib.axes.Axes)
     lines = {line.get_label(): line for line in ax.get_lines()}
     assert set(lines) == {"model.blocks.*.weight", "model.blocks.*.bias"}
+    # the tensors without a layer number (the head) are not drawn beside the layers: the title says so (before: nothing)
+    assert ax.get_title() == "L2 norms of model.*; 2 without a layer number left out (model.embed.weight, model.head.weight)"
     sd = net.state_dict()
     for kind in ("weight", "bias"):
         assert list(lines[f"model.blocks.*.{kind}"].get_xdata()) == [0, 1, 2]

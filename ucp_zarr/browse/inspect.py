@@ -192,7 +192,7 @@ class CheckpointSummary:
     """Parameter counts and bytes of a checkpoint by module and by dtype
     (:func:`checkpoint_summary`, ``ck.summary()``). Elements are counted per kind:
     ``model`` (parameters and buffers), ``optimizer`` (optimizer state) and ``other``;
-    per-rank tensors once (one copy), tied tensors once."""
+    per-rank tensors once per saving rank (each copy is stored), tied tensors once."""
 
     url: str
     depth: int

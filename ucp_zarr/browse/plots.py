@@ -40,9 +40,10 @@ def _new_axes(ax: "Axes | None") -> "Axes":
     return plt.subplots(figsize=(7, 3.5))[1]
 
 
-def _plot_by_layer(ax: "Axes", values: dict[str, float], ylabel: str, log: bool) -> None:
+def _plot_by_layer(ax: "Axes", values: dict[str, float], ylabel: str, log: bool) -> str:
     """Keys with a layer number (:func:`layer_of`) as one line per kind of tensor over the layer
-    index; without any, one bar per key."""
+    index; without any, one bar per key. Returns a note for the title naming the keys without
+    a layer number left out beside numbered ones ("" when none are)."""
     series: dict[str, dict[int, float]] = {}
     for k, v in values.items():
         layer = layer_of(k)
@@ -70,6 +71,8 @@ def _plot_by_layer(ax: "Axes", values: dict[str, float], ylabel: str, log: bool)
         ax.set_xlabel(ylabel)
     if log:
         (ax.set_yscale if series else ax.set_xscale)("log")
+    alone = [k for k in values if layer_of(k) is None] if series else []
+    return f"; {len(alone)} without a layer number left out ({', '.join(alone[:3])}{' ...' * (len(alone) > 3)})" if alone else ""
 
 
 def plot_norms(ck: "Checkpoint", pattern: str | None = None, ax: "Axes | None" = None, *,
@@ -83,8 +86,8 @@ def plot_norms(ck: "Checkpoint", pattern: str | None = None, ax: "Axes | None" =
     if not keys:
         raise KeyError(f"no tensor of {ck.store.url} matches {pattern!r}")
     ax = _new_axes(ax)
-    _plot_by_layer(ax, {k: tensor_stats(ck, k, max_bytes=max_bytes).norm for k in keys}, "L2 norm", False)
-    ax.set_title(f"L2 norms{'' if pattern is None else f' of {pattern}'}")
+    note = _plot_by_layer(ax, {k: tensor_stats(ck, k, max_bytes=max_bytes).norm for k in keys}, "L2 norm", False)
+    ax.set_title(f"L2 norms{'' if pattern is None else f' of {pattern}'}{note}")
     return ax
 
 
@@ -108,8 +111,9 @@ def plot_updates(diff: "CheckpointDiff", keys: str | None = None, ax: "Axes | No
         raise KeyError(f"no tensor compared in both {diff.a} and {diff.b} matches {keys or 'the model'!r}")
     ax = _new_axes(ax)
     finite = {k: v for k, v in values.items() if math.isfinite(v)}
-    _plot_by_layer(ax, finite, "\u2016\u0394w\u2016 / \u2016w\u2016", log and any(v > 0 for v in finite.values()))
-    note = f" ({len(values) - len(finite)} infinite left out)" if len(finite) < len(values) else ""
+    alone = _plot_by_layer(ax, finite, "\u2016\u0394w\u2016 / \u2016w\u2016", log and any(v > 0 for v in finite.values()))
+    note = f" ({len(values) - len(finite)} infinite left out{alone})" if len(finite) < len(values) else (
+        f" ({alone[2:]})" if alone else "")
     ax.set_title(f"relative update {_tail(diff.a)} \u2192 {_tail(diff.b)}{note}", fontsize="medium")
     return ax
 
