@@ -258,13 +258,15 @@ def test_the_background_group_keeps_the_jobs_timeout() -> None:
 
 def _child_saves(path: str) -> None:
     ucp_zarr.save({"y": torch.ones(3)}, path)
+    ucp_zarr.async_save({"y": torch.ones(3)}, path + "-async").result()  # (the writer process's lock was the parent's)
 
 
 def test_a_process_forked_during_a_background_save_exits_and_saves_its_own(tmp_path):
     """A process forked while a background save runs (a DataLoader worker) inherited that save's
     future: its exit waited for it for ever (DataLoader killed its workers after 5 s each), and
-    a save of its own waited likewise. The parent's save is not the child's: it exits at once,
-    and its own save commits, as with dcp.async_save. (Paced: the write takes ~2 s.)"""
+    a save of its own waited likewise (an asynchronous one on the writer process's lock, which
+    the parent's save held). The parent's save is not the child's: it exits at once, and its
+    own saves commit, as with dcp.async_save. (Paced: the write takes ~2 s.)"""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
@@ -282,4 +284,5 @@ def test_a_process_forked_during_a_background_save_exits_and_saves_its_own(tmp_p
     fut.result()
     assert exercised, "the parent's save ended before the children were forked: the case was not exercised"
     assert not hung and idle.exitcode == saving.exitcode == 0, (idle.exitcode, saving.exitcode)
-    assert torch.equal(ucp_zarr.read_state_dict(tmp_path / "child")["y"], torch.ones(3))
+    for name in ("child", "child-async"):
+        assert torch.equal(ucp_zarr.read_state_dict(tmp_path / name)["y"], torch.ones(3))

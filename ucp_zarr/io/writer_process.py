@@ -126,6 +126,12 @@ class WriterProcess:
         """The process whose child ``_proc`` is (a forked copy starts its own)."""
         self._lock = threading.Lock()
 
+    def after_fork(self) -> None:
+        """In a process forked from this one's: the child, its socket and the lock (held by a
+        save of the parent's that no thread here finishes) are the parent's; start afresh."""
+        self._proc, self._conn, self._pid = None, None, os.getpid()
+        self._release, self._lock = threading.Event(), threading.Lock()
+
     def start(self) -> int:
         """Start the child unless it runs; its pid (for a save's :meth:`write`)."""
         with self._lock:

@@ -310,10 +310,9 @@ class CheckpointManager:
 
         def clean(s: int) -> None:
             folder = inspect_step(self._step(s), s, liveness)
-            if not folder.names:  # an empty folder (what a deletion killed before its last step leaves) goes;
-                folder.store.prune(())  # a file named like a step, which is not the manager's, stays
-                return
-            if not folder.committed and clean_folder(folder, lease_s=self.lease_s):
+            # (no entries: an empty folder, which a save may have just made, or a file named like a step, which
+            # is not the manager's: both left alone)
+            if folder.names and not folder.committed and clean_folder(folder, lease_s=self.lease_s):
                 log.info("ucp_zarr: removed the %s step folder %s", folder.state, folder.store.url)
 
         for s in steps_to_delete(committed, keep_last=self.keep_last, keep_every=self.keep_every, protected=kept[0],

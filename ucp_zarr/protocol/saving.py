@@ -347,6 +347,7 @@ def _forget_the_parents_saves() -> None:
     _unreported.clear()
     _background = ThreadPoolExecutor(1, thread_name_prefix="ucp_zarr-save")
     _pending, _pending_lock = None, threading.Lock()
+    _writer.after_fork()
 
 
 os.register_at_fork(after_in_child=_forget_the_parents_saves)
